@@ -1,0 +1,83 @@
+"""The router's error tree. Each error maps to exactly one HTTP answer, here and nowhere else."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+
+
+class RouterError(Exception):
+    """An error the client is told about, OpenAI-shaped: {"error": {message, type, code}}."""
+
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return []
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        )
+
+
+class BadRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class NotFound(RouterError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(RouterError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class ModelNotFound(RouterError):
+    """No worker of any role or status is registered for the model."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NoAvailableWorkers(RouterError):
+    """Workers for the model exist, but a leg the request needs has none that can take it."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "no_available_workers"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        seconds = max(1, math.ceil(self.retry_after_s))
+        return [(b"retry-after", str(seconds).encode())]
+
+
+class WorkerUnreachable(RouterError):
+    """Every attempt failed before any worker answered."""
+
+    status = 502
+    type = "bad_gateway"
+    code = "worker_unreachable"

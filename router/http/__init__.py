@@ -1,0 +1,5 @@
+"""HTTP/1.1 on trio + h11: the native server loop and the upstream connection pool."""
+
+from router.http.messages import ClientDisconnected, Handler, Request, ResponseWriter
+
+__all__ = ["ClientDisconnected", "Handler", "Request", "ResponseWriter"]
