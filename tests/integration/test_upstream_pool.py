@@ -1,0 +1,389 @@
+"""The upstream pool against real loopback servers: reuse, bounds, expiry and failures.
+
+Every count asserted here is a cost: connections opened, reused, closed, retried, and what
+the server saw.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from router.http.pool import (
+    PoolSettings,
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    open_upstream_pool,
+)
+from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
+
+GUARD_S = 10
+
+
+async def ok(exchange: Exchange) -> None:
+    """Answers 200 with the connection id, so tests can tell connections apart."""
+    await exchange.respond(200, [(b"x-connection", b"%d" % exchange.connection_id)], b"ok")
+
+
+@asynccontextmanager
+async def pool_and_upstream(
+    respond: Respond = ok, settings: PoolSettings | None = None
+) -> AsyncIterator[tuple[UpstreamPool, RawUpstream]]:
+    async with open_raw_upstream(respond) as upstream:
+        pool = UpstreamPool(settings or PoolSettings())
+        try:
+            yield pool, upstream
+        finally:
+            await pool.aclose()
+
+
+async def get(pool: UpstreamPool, upstream: RawUpstream) -> bytes:
+    """One GET read to the end; returns the connection id the server answered on."""
+    async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+        assert response.status == 200
+        await response.read()
+        return dict(response.headers)[b"x-connection"]
+
+
+async def test_keep_alive_reuses_one_connection() -> None:
+    seen: list[Exchange] = []
+
+    async def echo(exchange: Exchange) -> None:
+        seen.append(exchange)
+        await exchange.respond(200, [(b"x-connection", b"1")], exchange.body.upper())
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(echo) as (pool, upstream):
+            for body in (b"first", b"second"):
+                async with pool.request(
+                    upstream.url + "/", "POST", "/v1/x?y=1", [(b"x-test", b"1")], body
+                ) as response:
+                    assert response.status == 200
+                    assert (b"content-length", b"%d" % len(body)) in response.headers
+                    assert await response.read() == body.upper()
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.closed, stats.in_use) == (1, 1, 0, 0)
+            assert stats.idle_per_worker == {upstream.url + "/": 1}
+            assert (upstream.accepted, upstream.requests) == (1, 2)
+            request = seen[0].request
+            assert (request.method, request.target) == (b"POST", b"/v1/x?y=1")
+            assert seen[0].header(b"host") == b"127.0.0.1:%d" % upstream.port
+            assert seen[0].header(b"content-length") == b"5"
+            assert seen[0].header(b"x-test") == b"1"
+            assert [e.body for e in seen] == [b"first", b"second"]
+
+
+async def test_idle_connections_are_reused_last_in_first_out() -> None:
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream() as (pool, upstream):
+            async with AsyncExitStack() as stack:
+                outer = await stack.enter_async_context(
+                    pool.request(upstream.url, "GET", "/", [], b"")
+                )
+                inner = await stack.enter_async_context(
+                    pool.request(upstream.url, "GET", "/", [], b"")
+                )
+                for response in (outer, inner):
+                    await response.read()
+                assert pool.statistics().in_use == 2
+            # The stack returned `inner` first, then `outer`: `outer` is the freshest.
+            headers_outer, headers_inner = dict(outer.headers), dict(inner.headers)
+            assert await get(pool, upstream) == headers_outer[b"x-connection"]
+            async with pool.request(upstream.url, "GET", "/", [], b"") as held:
+                await held.read()
+                assert await get(pool, upstream) == headers_inner[b"x-connection"]
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.closed) == (2, 3, 0)
+
+
+async def test_burst_keeps_at_most_the_bound_and_closes_the_rest() -> None:
+    arrived = 0
+    all_in = trio.Event()
+
+    async def hold_until_all_arrive(exchange: Exchange) -> None:
+        nonlocal arrived
+        arrived += 1
+        if arrived == 100:
+            all_in.set()
+        await all_in.wait()
+        await ok(exchange)
+
+    with trio.fail_after(GUARD_S):
+        settings = PoolSettings(max_idle_per_worker=8)
+        async with pool_and_upstream(hold_until_all_arrive, settings) as (pool, upstream):
+            async with trio.open_nursery() as nursery:
+                for _ in range(100):
+                    nursery.start_soon(get, pool, upstream)
+            await upstream.wait_ended(92)
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.idle_total, stats.closed, stats.in_use) == (100, 8, 92, 0)
+            assert (upstream.accepted, upstream.ended) == (100, 92)
+
+
+async def test_sweep_closes_from_the_oldest_end_and_stops_at_the_first_fresh() -> None:
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(settings=PoolSettings(idle_expiry_s=4.0)) as (
+            pool,
+            upstream,
+        ):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as kept:
+                async with pool.request(upstream.url, "GET", "/", [], b"") as expiring:
+                    await expiring.read()
+                    before = trio.current_time()
+                between = trio.current_time()
+                await kept.read()
+            # `expiring` went idle in [before, between], `kept` after `between`.
+
+            assert pool.sweep(before + 4.0 - 0.001) == 0
+            assert pool.sweep(between + 4.0) == 1
+            assert pool.statistics().idle_total == 1
+            await upstream.wait_ended(1)
+            assert await get(pool, upstream) == dict(kept.headers)[b"x-connection"]
+            assert pool.sweep(trio.current_time() + 4.0) == 1
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.idle_total) == (2, 2, 0)
+            assert stats.idle_per_worker == {}
+
+
+async def test_sweeper_of_open_upstream_pool_closes_idle_connections() -> None:
+    settings = PoolSettings(idle_expiry_s=0.05, sweep_interval_s=0.01)
+    with trio.fail_after(GUARD_S):
+        async with open_raw_upstream(ok) as upstream, open_upstream_pool(settings) as pool:
+            before = trio.current_time()
+            await get(pool, upstream)
+            assert pool.statistics().idle_total == 1
+            await upstream.wait_ended(1)
+            assert trio.current_time() - before >= 0.05
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.idle_total) == (1, 1, 0)
+
+
+async def test_expired_connection_is_not_handed_out_before_the_sweep() -> None:
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(settings=PoolSettings(idle_expiry_s=0.0)) as (
+            pool,
+            upstream,
+        ):
+            assert await get(pool, upstream) == b"1"
+            assert await get(pool, upstream) == b"2"
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.closed, stats.idle_total) == (2, 0, 1, 1)
+
+
+async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one() -> None:
+    async def answer_then_close(exchange: Exchange) -> None:
+        await ok(exchange)
+        exchange.close()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(answer_then_close) as (pool, upstream):
+            assert await get(pool, upstream) == b"1"
+            assert await get(pool, upstream) == b"2"
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.stale_retries, stats.closed) == (2, 1, 1, 1)
+            assert (upstream.accepted, upstream.requests) == (2, 2)
+
+
+@pytest.mark.parametrize("hang_up", [Exchange.close, Exchange.reset])
+async def test_fresh_connection_failure_is_not_retried(
+    hang_up: Callable[[Exchange], None],
+) -> None:
+    async def hang_up_without_answer(exchange: Exchange) -> None:
+        hang_up(exchange)
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(hang_up_without_answer) as (pool, upstream):
+            with pytest.raises(UpstreamProtocolError) as caught:
+                await get(pool, upstream)
+            assert caught.value.response_started is False
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.stale_retries, stats.closed, stats.in_use) == (1, 0, 1, 0)
+            assert upstream.requests == 1
+
+
+async def test_pooled_connection_failing_after_a_response_byte_is_not_retried() -> None:
+    async def then_half_a_head(exchange: Exchange) -> None:
+        if exchange.index == 0:
+            await ok(exchange)
+        else:
+            await exchange.send_raw(b"HTTP/1.1 200 OK\r\ncontent-le")
+            exchange.close()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(then_half_a_head) as (pool, upstream):
+            await get(pool, upstream)
+            with pytest.raises(UpstreamProtocolError) as caught:
+                await get(pool, upstream)
+            assert caught.value.response_started is True
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.stale_retries, stats.closed) == (1, 1, 0, 1)
+            assert upstream.requests == 2
+
+
+async def test_refused_connection_raises_connect_error() -> None:
+    # A bound socket that never listens: the port is ours and connecting to it is refused.
+    with socket.socket() as bound, trio.fail_after(GUARD_S):
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        pool = UpstreamPool()
+        with pytest.raises(UpstreamConnectError) as caught:
+            async with pool.request(url, "GET", "/", [], b""):
+                pytest.fail("no response expected")
+        assert caught.value.response_started is False
+
+        stats = pool.statistics()
+        assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
+
+
+async def test_https_and_malformed_urls_raise_connect_error() -> None:
+    pool = UpstreamPool()
+    for url, message in [
+        ("https://127.0.0.1:1", "https upstreams are not supported"),
+        ("ftp://127.0.0.1:1", "not an http"),
+        ("http://127.0.0.1:notaport", "bad port"),
+    ]:
+        with pytest.raises(UpstreamConnectError, match=message):
+            async with pool.request(url, "GET", "/", [], b""):
+                pytest.fail("no response expected")
+    assert pool.statistics().opened == 0
+
+
+async def test_reset_after_the_head_raises_with_response_started() -> None:
+    client_has_head = trio.Event()
+
+    async def reset_mid_body(exchange: Exchange) -> None:
+        await exchange.start(200, [(b"content-length", b"100")])
+        await exchange.send(b"partial")
+        await client_has_head.wait()
+        exchange.reset()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(reset_mid_body) as (pool, upstream):
+            with pytest.raises(UpstreamProtocolError) as caught:
+                async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                    assert response.status == 200
+                    assert await response.receive_some() == b"partial"
+                    client_has_head.set()
+                    await response.receive_some()
+            assert caught.value.response_started is True
+            assert "ConnectionResetError" in str(caught.value)
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.idle_total, stats.in_use) == (1, 1, 0, 0)
+
+
+async def test_response_not_read_to_the_end_closes_the_connection() -> None:
+    async def ten_bytes(exchange: Exchange) -> None:
+        await exchange.respond(200, [(b"x-connection", b"%d" % exchange.connection_id)], b"x" * 10)
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(ten_bytes) as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                assert response.status == 200
+            await upstream.wait_ended(1)
+            assert pool.statistics().idle_total == 0
+            assert await get(pool, upstream) == b"2"
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.closed, stats.idle_total) == (2, 0, 1, 1)
+
+
+async def test_cancellation_mid_body_closes_the_connection_and_keeps_the_pool_usable() -> None:
+    async def first_chunk_then_hang(exchange: Exchange) -> None:
+        if exchange.connection_id == 1:
+            await exchange.start(200, [])
+            await exchange.send(b"first")
+            await trio.sleep_forever()
+        await ok(exchange)
+
+    received: list[bytes] = []
+
+    async def read_all(pool: UpstreamPool, upstream: RawUpstream) -> None:
+        async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+            while chunk := await response.receive_some():
+                received.append(chunk)
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(first_chunk_then_hang) as (pool, upstream):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_all, pool, upstream)
+                await trio.testing.wait_all_tasks_blocked()
+                assert received == [b"first"]
+                assert pool.statistics().in_use == 1
+                nursery.cancel_scope.cancel()
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.idle_total, stats.in_use) == (1, 1, 0, 0)
+            assert await get(pool, upstream) == b"2"
+            assert pool.statistics().opened == 2
+
+
+async def test_chunks_arrive_separately_as_the_server_sends_them() -> None:
+    first_seen = trio.Event()
+    second_seen = trio.Event()
+
+    async def stream_two_chunks(exchange: Exchange) -> None:
+        await exchange.start(200, [])
+        await exchange.send(b"one")
+        await first_seen.wait()
+        await exchange.send(b"two")
+        await second_seen.wait()
+        await exchange.end()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(stream_two_chunks) as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                assert (b"transfer-encoding", b"chunked") in response.headers
+                assert await response.receive_some() == b"one"
+                first_seen.set()
+                assert await response.receive_some() == b"two"
+                second_seen.set()
+                assert await response.receive_some() == b""
+                assert await response.receive_some() == b""
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.idle_total) == (1, 0, 1)
+
+
+async def test_server_connection_close_is_not_pooled() -> None:
+    async def close_after(exchange: Exchange) -> None:
+        await exchange.respond(200, [(b"connection", b"close")], b"bye")
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(close_after) as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                assert await response.read() == b"bye"
+            await upstream.wait_ended(1)
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.idle_total) == (1, 1, 0)
+
+
+async def test_aclose_closes_idle_now_and_in_use_on_return() -> None:
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream() as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as held:
+                await get(pool, upstream)
+                assert pool.statistics().idle_total == 1
+                await pool.aclose()
+                assert pool.statistics().closed == 1
+                await held.read()
+            await upstream.wait_ended(2)
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.idle_total, stats.in_use) == (2, 2, 0, 0)
