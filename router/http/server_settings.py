@@ -1,0 +1,116 @@
+"""Limits of the native HTTP/1.1 server (`router.http.server`) and the fixed answers it
+gives a client that crosses them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from email.utils import formatdate
+
+import h11
+
+from router.errors import BadRequest, RouterError
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Where the server listens and how much it accepts from a client.
+
+    - `max_header_bytes`: the request line plus headers (h11's `max_incomplete_event_size`);
+      over it the client gets 431 and the connection is closed.
+    - `max_body_bytes`: over it 413; a declared Content-Length over the limit is refused
+      before any body byte is read, a chunked body as soon as its running total passes it.
+    - `max_connections`: connections beyond it are accepted, answered 503 with
+      `Retry-After: 1` without reading their request, and closed. Refusing at once tells the
+      client the truth; leaving them in the kernel backlog would look like a hang.
+    - `header_timeout_s`: a request line and headers (first request: counted from accept;
+      later ones: from their first byte) must arrive within it, else 408 and close. It also
+      bounds the silence between two reads of a request body.
+    - `idle_timeout_s`: a keep-alive connection with no byte of a next request is closed
+      silently after it.
+    - `shutdown_grace_s`: after shutdown begins, in-flight requests get this long to finish.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_header_bytes: int = 64 * 1024
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 10_000
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 75.0
+    shutdown_grace_s: float = 30.0
+
+
+SERVER_HEADER = (b"server", b"trio-router")
+CLOSE_HEADER = (b"connection", b"close")
+JSON_HEADER = (b"content-type", b"application/json")
+
+
+class RequestTimeout(RouterError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class HeadersTooLarge(RouterError):
+    status = 431
+    type = "invalid_request_error"
+    code = "request_headers_too_large"
+
+
+class ServerBusy(RouterError):
+    status = 503
+    type = "service_unavailable"
+    code = "server_busy"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", b"1")]
+
+
+def protocol_error(exc: h11.RemoteProtocolError, settings: ServerSettings) -> RouterError:
+    """The answer to a request h11 could not parse: 431 for an oversize head, else h11's
+    hint (400, or 501 for a transfer-encoding it does not support).
+    """
+    if exc.error_status_hint == 431:
+        return HeadersTooLarge(f"request headers exceed {settings.max_header_bytes} bytes")
+    error = BadRequest(f"malformed HTTP request: {exc}")
+    error.status = exc.error_status_hint
+    return error
+
+
+def encode_error(conn: h11.Connection, error: RouterError, date: bytes) -> bytes:
+    """A complete JSON error response that also tells the client the connection closes."""
+    body = error.body()
+    head = [
+        JSON_HEADER,
+        *error.headers(),
+        (b"content-length", b"%d" % len(body)),
+        CLOSE_HEADER,
+        SERVER_HEADER,
+        (b"date", date),
+    ]
+    response = h11.Response(status_code=error.status, headers=head)
+    return b"".join(
+        (conn.send(response), conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
+    )
+
+
+class HttpDate:
+    """The HTTP `Date` value, formatted at most once a second.
+
+    Wall-clock time on purpose: the header names a calendar instant, not a deadline.
+    """
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def now(self) -> bytes:
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            self._value = formatdate(second, usegmt=True).encode("ascii")
+        return self._value
