@@ -66,5 +66,9 @@ class ResponseWriter(Protocol):
 
     async def finish(self) -> None: ...
 
+    async def abort(self, *, reset: bool = False) -> None:
+        """Drop the connection without finishing the answer (a TCP RST when `reset`)."""
+        ...
+
 
 Handler = Callable[[Request, ResponseWriter], Awaitable[None]]

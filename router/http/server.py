@@ -13,12 +13,15 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import socket
+import struct
 from http import HTTPStatus
 
 import h11
 import trio
 
 from router.errors import PayloadTooLarge, RouterError
+from router.http.listen import open_tcp_sockets
 from router.http.messages import ClientDisconnected, Handler, Headers, Request
 from router.http.server_settings import (
     CLOSE_HEADER,
@@ -64,7 +67,11 @@ async def serve_http(
     whatever is left is cancelled and this returns.
     Cancellation: every connection is closed at once, mid-response or not.
     """
-    listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+    if settings.reuse_port:
+        sockets = await open_tcp_sockets(settings.host, settings.port, reuse_port=True)
+        listeners = [trio.SocketListener(sock) for sock in sockets]
+    else:
+        listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
     server = _Server(handler, settings)
     try:
         async with trio.open_nursery() as nursery:
@@ -329,7 +336,7 @@ class _Connection:
             except Exception as exc:
                 failure = exc
             nursery.cancel_scope.cancel()
-        if request.client_gone or isinstance(failure, ClientDisconnected):
+        if request.client_gone or writer.aborted or isinstance(failure, ClientDisconnected):
             return False
         if failure is not None or not writer.finished:
             outcome = "raised" if failure is not None else "gave no complete response"
@@ -387,7 +394,7 @@ class _Connection:
 class _Writer:
     """The native `ResponseWriter`: h11 events straight onto the client socket."""
 
-    __slots__ = ("_bodyless", "_connection", "_request", "_started", "ending", "finished")
+    __slots__ = ("_bodyless", "_connection", "_request", "_started", "aborted", "ending", "finished")
 
     def __init__(self, connection: _Connection, request: Request) -> None:
         self._connection = connection
@@ -397,10 +404,23 @@ class _Writer:
         # `ending`: the last bytes are being sent; `finished`: they were sent.
         self.ending = False
         self.finished = False
+        self.aborted = False
 
     @property
     def started(self) -> bool:
         return self._started
+
+    async def abort(self, *, reset: bool = False) -> None:
+        """Drop the connection without finishing the answer; `reset` makes the close a TCP RST.
+
+        The connection is closed when the handler returns; nothing more is sent on it.
+        """
+        if reset:
+            self._connection.stream.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+        self.aborted = True
+        await trio.lowlevel.checkpoint()
 
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         """Send a whole response with a Content-Length (none for 204/304)."""

@@ -1,0 +1,130 @@
+"""`router fake-worker`: run one fake engine from the command line until SIGTERM or SIGINT.
+
+Exit status: 0 after a signal, 2 for bad arguments, 3 when the port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import trio
+
+from router.fake_worker.behaviour import FailMode
+from router.fake_worker.engine import serve_fake_worker
+from router.fake_worker.settings import ENGINES, PD_PROTOCOLS, ROLES, FakeWorkerSettings
+
+EXIT_BIND_FAILED = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="router fake-worker",
+        description="A GPU-free inference engine for tests, demos, conformance and benchmarks.",
+    )
+    where = parser.add_argument_group("where and what")
+    where.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    where.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    where.add_argument("--model", default="fake-model", help="served model id")
+    where.add_argument("--engine", choices=ENGINES, default="sglang", help="API and metric names")
+    where.add_argument("--role", choices=ROLES, default="mixed", help="PD role")
+    where.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks")
+    where.add_argument("--pd-protocol", choices=PD_PROTOCOLS, default="mooncake")
+    where.add_argument(
+        "--bootstrap-port", type=int, default=8998, help="advertised only; nothing listens there"
+    )
+    where.add_argument(
+        "--max-concurrency", type=int, default=0, help="running requests at most; 0 = unlimited"
+    )
+    where.add_argument(
+        "--startup-delay-s", type=float, default=0.0, help="/health answers 503 this long"
+    )
+    where.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish",
+    )
+    pace = parser.add_argument_group("generation")
+    pace.add_argument("--tokens", type=int, default=16, help="tokens when a request sets none")
+    pace.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
+    pace.add_argument("--token-latency-ms", type=float, default=0.0, help="time between tokens")
+    fail = parser.add_argument_group("scripted failures")
+    fail.add_argument(
+        "--fail-first", type=int, default=0, help="first N generation requests fail; -1 = all"
+    )
+    fail.add_argument("--fail-status", type=int, default=503, help="status for --fail-mode status")
+    fail.add_argument("--fail-mode", choices=[m.value for m in FailMode], default="status")
+    fail.add_argument(
+        "--fail-after-chunks", type=int, default=0, help="data events before a midstream break"
+    )
+    return parser
+
+
+def parse_settings(argv: list[str]) -> FakeWorkerSettings:
+    """Flags to settings; exits with status 2 and a usage message on anything invalid."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return FakeWorkerSettings(
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            engine=args.engine,
+            role=args.role,
+            dp_size=args.dp_size,
+            pd_protocol=args.pd_protocol,
+            bootstrap_port=args.bootstrap_port,
+            max_concurrency=args.max_concurrency,
+            startup_delay_s=args.startup_delay_s,
+            shutdown_grace_s=args.shutdown_grace_s,
+            tokens=args.tokens,
+            ttft_ms=args.ttft_ms,
+            token_latency_ms=args.token_latency_ms,
+            fail_first=args.fail_first,
+            fail_status=args.fail_status,
+            fail_mode=FailMode(args.fail_mode),
+            fail_after_chunks=args.fail_after_chunks,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+async def run(settings: FakeWorkerSettings) -> int:
+    """Serve until a signal and return the exit status: the first signal lets in-flight
+    requests finish (up to the grace), a second one stops at once."""
+    shutdown = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            try:
+                url = await nursery.start(_serve, settings, shutdown, nursery.cancel_scope)
+            except OSError as exc:
+                print(
+                    f"router fake-worker: cannot listen on {settings.host}:{settings.port}: {exc}",
+                    file=sys.stderr,
+                )
+                return EXIT_BIND_FAILED
+            print(f"fake-worker listening on {url}", flush=True)
+            async for _ in signals:
+                if shutdown.is_set():
+                    nursery.cancel_scope.cancel()
+                    break
+                shutdown.set()
+    return 0
+
+
+async def _serve(
+    settings: FakeWorkerSettings,
+    shutdown: trio.Event,
+    done: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve, then end the command once the server returned after a graceful shutdown."""
+    await serve_fake_worker(settings, shutdown=shutdown, task_status=task_status)
+    done.cancel()
+
+
+def main(argv: list[str]) -> int:
+    return trio.run(run, parse_settings(argv))

@@ -1,0 +1,398 @@
+"""A fake inference engine: the HTTP handler of one fake worker and the task that serves it.
+
+`FakeWorker(settings).handler` speaks the engine API (OpenAI chat/completions, SGLang
+`/generate` and info endpoints, `/metrics`) plus the `/debug/*` endpoints tests drive it
+with. Generation produces `tok0 tok1 ...` at the scripted pace; scripted failures
+replace the answer of the first `fail_first` generation requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import orjson
+import trio
+
+from router.fake_worker import info
+from router.fake_worker.behaviour import Behaviour, FailMode, InvalidBehaviour
+from router.fake_worker.failures import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    break_stream,
+    break_unary,
+    error_body,
+    serve_failure,
+)
+from router.fake_worker.formats import (
+    Api,
+    BadGenerationRequest,
+    Generation,
+    StreamFrames,
+    parse_generation,
+    unary_body,
+)
+from router.fake_worker.metrics import render_metrics
+from router.fake_worker.settings import FakeWorkerSettings
+from router.fake_worker.stats import RankLoad, RoutingStats
+from router.http.messages import ClientDisconnected, Headers, Request, ResponseWriter
+from router.http.server import ServerSettings, serve_http
+
+TEXT_HEADERS: Headers = ((b"content-type", b"text/plain; charset=utf-8"),)
+METRICS_HEADERS: Headers = ((b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),)
+RANK_HEADER = b"x-data-parallel-rank"
+_GENERATION_PATHS = {
+    "/v1/chat/completions": Api.CHAT,
+    "/v1/completions": Api.COMPLETIONS,
+    "/generate": Api.GENERATE,
+}
+
+Route = Callable[[Request, ResponseWriter], Awaitable[None]]
+
+
+async def _respond_json(writer: ResponseWriter, status: int, payload: object) -> None:
+    await writer.respond(status, JSON_HEADERS, orjson.dumps(payload))
+
+
+async def _bad_request(writer: ResponseWriter, message: str) -> None:
+    await writer.respond(400, JSON_HEADERS, error_body(message, "invalid_request_error", 400))
+
+
+class FakeWorker:
+    """One fake engine: its settings, live behaviour, counters and HTTP handler.
+
+    Build it inside a trio run: the startup delay counts from construction (or from
+    `started_at`, on trio's clock).
+    """
+
+    def __init__(self, settings: FakeWorkerSettings, *, started_at: float | None = None) -> None:
+        self.settings = settings
+        self.behaviour: Behaviour = settings.behaviour()
+        self.routing = RoutingStats(settings.dp_size)
+        self.started_at = trio.current_time() if started_at is None else started_at
+        self.port = settings.port
+        self._limiter = (
+            trio.Semaphore(settings.max_concurrency) if settings.max_concurrency > 0 else None
+        )
+        self._next_id = 0
+        self._models_body = orjson.dumps(info.models(settings))
+        self._model_info_body = orjson.dumps(info.model_info(settings))
+        self._routes: dict[str, tuple[frozenset[str], Route]] = {}
+        get, post = frozenset({"GET", "HEAD"}), frozenset({"POST", "PUT"})
+        for path in _GENERATION_PATHS:
+            self._routes[path] = (post, self._generate)
+        for path, route in (
+            ("/health", self._health),
+            ("/health_generate", self._health),
+            ("/v1/models", self._models),
+            ("/get_model_info", self._model_info),
+            ("/model_info", self._model_info),
+            ("/get_server_info", self._server_info),
+            ("/server_info", self._server_info),
+            ("/version", self._version),
+            ("/v1/loads", self._loads),
+            ("/loads", self._loads),
+            ("/get_load", self._legacy_load),
+            ("/metrics", self._metrics),
+            ("/debug/routing", self._debug_routing),
+        ):
+            self._routes[path] = (get, route)
+        self._routes["/debug/behaviour"] = (get | post, self._debug_behaviour)
+        self._routes["/debug/reset"] = (post, self._debug_reset)
+        self._routes["/flush_cache"] = (get | post, self._flush_cache)
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def ready(self, now: float) -> bool:
+        """Whether `/health` answers 200 at `now`: loaded, and not scripted unhealthy."""
+        return now - self.started_at >= self.settings.startup_delay_s and self.behaviour.healthy
+
+    async def handler(self, request: Request, writer: ResponseWriter) -> None:
+        """Answer one request. Cancellation (the client left): generation stops at once and
+        the request is counted in `disconnects`; nothing else is left behind."""
+        path = request.path
+        if not path.startswith("/debug/"):
+            self.routing.count_path(path)
+        route = self._routes.get(path)
+        if route is None:
+            await writer.respond(
+                404, JSON_HEADERS, error_body(f"no route for {path}", "invalid_request_error", 404)
+            )
+            return
+        methods, serve = route
+        if request.method not in methods:
+            await writer.respond(
+                405,
+                (*JSON_HEADERS, (b"allow", ", ".join(sorted(methods)).encode())),
+                error_body(
+                    f"{request.method} is not allowed on {path}", "invalid_request_error", 405
+                ),
+            )
+            return
+        await serve(request, writer)
+
+    # -- generation ---------------------------------------------------------------------
+
+    async def _generate(self, request: Request, writer: ResponseWriter) -> None:
+        stats = self.routing
+        raw_rank = request.header(RANK_HEADER)
+        rank_text = None if raw_rank is None else raw_rank.decode("latin-1")
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            body = None
+        stats.count_dispatch(request.path, rank_text, body)
+        stats.inflight += 1
+        try:
+            await self._serve_generation(request, writer, body, rank_text)
+        except ClientDisconnected:
+            stats.disconnects += 1
+        except trio.Cancelled:
+            if request.client_gone:
+                stats.disconnects += 1
+            raise
+        finally:
+            stats.inflight -= 1
+
+    async def _serve_generation(
+        self, request: Request, writer: ResponseWriter, body: object, rank_text: str | None
+    ) -> None:
+        behaviour = self.behaviour
+        if behaviour.take_failure():
+            self.routing.failures += 1
+            streaming = isinstance(body, dict) and body.get("stream") is True
+            await self._fail(request, writer, streaming)
+            return
+        if body is None:
+            await _bad_request(writer, "the request body is not valid JSON")
+            return
+        rank = self._rank(rank_text)
+        if rank is None:
+            await _bad_request(
+                writer,
+                f"X-Data-Parallel-Rank must be an integer in [0, {self.settings.dp_size}), "
+                f"got {rank_text!r}",
+            )
+            return
+        api = _GENERATION_PATHS[request.path]
+        try:
+            gen = parse_generation(api, body, behaviour.tokens, self.settings.model)
+        except BadGenerationRequest as exc:
+            await _bad_request(writer, str(exc))
+            return
+        load = self.routing.loads[rank]
+        limiter = self._limiter
+        if limiter is not None:
+            load.queued += 1
+            try:
+                await limiter.acquire()
+            finally:
+                load.queued -= 1
+        load.running += 1
+        load.prompt_tokens += gen.prompt_tokens
+        try:
+            if gen.stream:
+                await self._stream(writer, gen, load)
+            else:
+                await self._unary(writer, gen, load)
+        finally:
+            load.running -= 1
+            if limiter is not None:
+                limiter.release()
+
+    def _rank(self, rank_text: str | None) -> int | None:
+        """The DP rank a request runs on: its header, else 0; None when the header is bad."""
+        if rank_text is None:
+            return 0
+        try:
+            rank = int(rank_text)
+        except ValueError:
+            return None
+        return rank if 0 <= rank < self.settings.dp_size else None
+
+    def _request_id(self, api: Api) -> str:
+        self._next_id += 1
+        prefix = {Api.CHAT: "chatcmpl-fake-", Api.COMPLETIONS: "cmpl-fake-", Api.GENERATE: "fake-"}
+        return f"{prefix[api]}{self._next_id}"
+
+    async def _unary(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
+        behaviour = self.behaviour
+        delay_ms = behaviour.ttft_ms + behaviour.token_latency_ms * max(0, gen.tokens - 1)
+        if delay_ms > 0:
+            await trio.sleep(delay_ms / 1000)
+        body = unary_body(gen, self._request_id(gen.api), int(time.time()))
+        load.generation_tokens += gen.completion_tokens
+        await writer.respond(200, JSON_HEADERS, body)
+
+    async def _stream(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
+        """Stream the events, sleeping between tokens; events between two sleeps go out in
+        one write. Cancellation: stops at once; nothing is left behind."""
+        frames = StreamFrames(gen, self._request_id(gen.api), int(time.time()))
+        await writer.start(200, SSE_HEADERS)
+        pending: list[bytes] = []
+        for item in _paced_events(frames, self.behaviour, load):
+            if isinstance(item, float):
+                if pending:
+                    await writer.write(b"".join(pending))
+                    pending.clear()
+                await trio.sleep(item)
+            else:
+                pending.append(item)
+        if pending:
+            await writer.write(b"".join(pending))
+        await writer.finish()
+
+    # -- scripted failures --------------------------------------------------------------
+
+    async def _fail(self, request: Request, writer: ResponseWriter, streaming: bool) -> None:
+        """Serve the scripted failure in place of an answer."""
+        behaviour = self.behaviour
+        if behaviour.fail_mode is not FailMode.MIDSTREAM:
+            await serve_failure(behaviour, request, writer, streaming)
+            return
+        gen = Generation(
+            api=_GENERATION_PATHS[request.path],
+            model=self.settings.model,
+            stream=streaming,
+            tokens=behaviour.tokens,
+            explicit_limit=False,
+            n=1,
+            prompt_tokens=0,
+            include_usage=False,
+        )
+        request_id, created = self._request_id(gen.api), int(time.time())
+        if streaming:
+            frames = StreamFrames(gen, request_id, created)
+            events = _paced_events(frames, behaviour, RankLoad())
+            await break_stream(request, writer, events, behaviour.fail_after_chunks)
+        else:
+            await break_unary(request, writer, unary_body(gen, request_id, created))
+
+    # -- engine info --------------------------------------------------------------------
+
+    async def _health(self, request: Request, writer: ResponseWriter) -> None:
+        status = 200 if self.ready(trio.current_time()) else 503
+        await writer.respond(status, TEXT_HEADERS, b"")
+
+    async def _models(self, request: Request, writer: ResponseWriter) -> None:
+        await writer.respond(200, JSON_HEADERS, self._models_body)
+
+    async def _model_info(self, request: Request, writer: ResponseWriter) -> None:
+        await writer.respond(200, JSON_HEADERS, self._model_info_body)
+
+    async def _server_info(self, request: Request, writer: ResponseWriter) -> None:
+        await _respond_json(
+            writer, 200, info.server_info(self.settings, self.port, self.routing.loads)
+        )
+
+    async def _version(self, request: Request, writer: ResponseWriter) -> None:
+        await _respond_json(writer, 200, {"version": info.FAKE_VERSION})
+
+    async def _loads(self, request: Request, writer: ResponseWriter) -> None:
+        await _respond_json(writer, 200, info.loads(self.settings, self.routing.loads))
+
+    async def _legacy_load(self, request: Request, writer: ResponseWriter) -> None:
+        await _respond_json(writer, 200, info.legacy_load(self.routing.loads))
+
+    async def _flush_cache(self, request: Request, writer: ResponseWriter) -> None:
+        await writer.respond(200, TEXT_HEADERS, b"Cache flushed.\n")
+
+    async def _metrics(self, request: Request, writer: ResponseWriter) -> None:
+        settings = self.settings
+        text = render_metrics(
+            settings.engine,
+            settings.role,
+            settings.model,
+            self.routing.loads,
+            info.capacity(settings),
+        )
+        await writer.respond(200, METRICS_HEADERS, text)
+
+    # -- debug --------------------------------------------------------------------------
+
+    async def _debug_routing(self, request: Request, writer: ResponseWriter) -> None:
+        await _respond_json(writer, 200, self.routing.to_json())
+
+    async def _debug_reset(self, request: Request, writer: ResponseWriter) -> None:
+        self.routing.reset()
+        await _respond_json(writer, 200, self.routing.to_json())
+
+    async def _debug_behaviour(self, request: Request, writer: ResponseWriter) -> None:
+        if request.method in ("POST", "PUT"):
+            try:
+                changes = orjson.loads(request.body)
+            except orjson.JSONDecodeError:
+                await _bad_request(writer, "the behaviour update is not valid JSON")
+                return
+            try:
+                self.behaviour.update(changes)
+            except InvalidBehaviour as exc:
+                await _bad_request(writer, str(exc))
+                return
+        await _respond_json(writer, 200, self.behaviour.to_json())
+
+
+def _paced_events(
+    frames: StreamFrames, behaviour: Behaviour, load: RankLoad
+) -> Iterator[bytes | float]:
+    """The stream's events in order, with a float (seconds to sleep) wherever the pace needs a
+    pause: the time to first token, then the latency between tokens. Counts the tokens into
+    `load` as they are taken."""
+    gen = frames.gen
+    ttft_s = behaviour.ttft_ms / 1000
+    between_s = behaviour.token_latency_ms / 1000
+    if ttft_s > 0:
+        yield ttft_s
+    yield from frames.head()
+    for i in range(gen.tokens):
+        if i and between_s > 0:
+            yield between_s
+        for choice in range(gen.n):
+            yield frames.token(i, choice)
+        load.generation_tokens += gen.n
+    yield from frames.tail()
+
+
+class _ReportUrl:
+    """Turns the server's "bound to port P" into the worker's URL for our own caller."""
+
+    def __init__(self, worker: FakeWorker, task_status: trio.TaskStatus[str]) -> None:
+        self._worker = worker
+        self._task_status = task_status
+
+    def started(self, value: int | None = None) -> None:
+        assert value is not None, "serve_http reports its port"
+        self._worker.port = value
+        self._task_status.started(self._worker.url)
+
+
+async def serve_fake_worker(
+    settings: FakeWorkerSettings,
+    *,
+    worker: FakeWorker | None = None,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a fake worker until cancelled, or until `shutdown` is set and in-flight requests
+    end (within `settings.shutdown_grace_s`).
+
+    Reports the bound URL (`http://host:port`) through `task_status`; `worker.port` holds
+    the bound port from then on. A port that cannot be bound raises OSError, unwrapped,
+    before that. Cancellation: every connection closes at once.
+    """
+    if worker is None:
+        worker = FakeWorker(settings)
+    server_settings = ServerSettings(
+        host=settings.host, port=settings.port, shutdown_grace_s=settings.shutdown_grace_s
+    )
+    await serve_http(
+        worker.handler,
+        server_settings,
+        shutdown=shutdown,
+        task_status=_ReportUrl(worker, task_status),
+    )

@@ -1,0 +1,124 @@
+"""The read-only engine endpoints a gateway calls when it admits a worker, shaped like SGLang's.
+
+The SGLang Model Gateway, on `--worker-urls`, waits for `/health` 200, reads `/v1/models`
+(its `owned_by` names the engine: "sglang" or "vllm"), then `/server_info` (falling back to
+`/get_server_info` on 404) for `dp_size`, the model and `max_running_requests`, and
+`/model_info` (or `/get_model_info`). For load it tries `/v1/loads` first, then `/metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from router.fake_worker.settings import FakeWorkerSettings
+from router.fake_worker.stats import RankLoad
+
+FAKE_VERSION = "0.0.0+fake"
+CONTEXT_LENGTH = 32768
+# What a full KV cache means when --max-concurrency does not say: requests per rank.
+DEFAULT_CAPACITY = 256
+
+
+def capacity(settings: FakeWorkerSettings) -> int:
+    return settings.max_concurrency or DEFAULT_CAPACITY
+
+
+def models(settings: FakeWorkerSettings) -> dict[str, Any]:
+    """`GET /v1/models`: the one served model."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": settings.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": settings.engine,
+                "root": settings.model,
+                "max_model_len": CONTEXT_LENGTH,
+            }
+        ],
+    }
+
+
+def model_info(settings: FakeWorkerSettings) -> dict[str, Any]:
+    """`GET /get_model_info` and `/model_info`."""
+    return {
+        "model_path": settings.model,
+        "tokenizer_path": settings.model,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": "fake",
+        "architectures": ["FakeForCausalLM"],
+    }
+
+
+def server_info(
+    settings: FakeWorkerSettings, port: int, loads: Sequence[RankLoad]
+) -> dict[str, Any]:
+    """`GET /get_server_info` and `/server_info`: SGLang's server args, scheduler facts,
+    per-rank internal states and version (a subset of SGLang's few hundred fields)."""
+    return {
+        "model_path": settings.model,
+        "served_model_name": settings.model,
+        "tokenizer_path": settings.model,
+        "host": settings.host,
+        "port": port,
+        "tp_size": 1,
+        "dp_size": settings.dp_size,
+        "pp_size": 1,
+        "load_balance_method": "round_robin",
+        "disaggregation_mode": "null" if settings.role == "mixed" else settings.role,
+        "disaggregation_transfer_backend": settings.pd_protocol,
+        "disaggregation_bootstrap_port": settings.bootstrap_port,
+        "max_running_requests": settings.max_concurrency or None,
+        "context_length": CONTEXT_LENGTH,
+        "max_total_num_tokens": capacity(settings) * CONTEXT_LENGTH,
+        "is_embedding": False,
+        "internal_states": [
+            {"dp_rank": rank, "num_running_reqs": load.running, "num_waiting_reqs": load.queued}
+            for rank, load in enumerate(loads)
+        ],
+        "version": FAKE_VERSION,
+    }
+
+
+def loads(settings: FakeWorkerSettings, loads: Sequence[RankLoad]) -> dict[str, Any]:
+    """`GET /v1/loads` and `/loads`: one snapshot per DP rank, in the gateway's load schema."""
+    cap = capacity(settings)
+    snapshots = []
+    for rank, load in enumerate(loads):
+        usage = min(1.0, load.running / cap)
+        snapshots.append(
+            {
+                "dp_rank": rank,
+                "num_running_reqs": load.running,
+                "num_waiting_reqs": load.queued,
+                "num_waiting_uncached_tokens": 0,
+                "num_total_reqs": load.running + load.queued,
+                "num_used_tokens": int(usage * cap * CONTEXT_LENGTH),
+                "max_total_num_tokens": cap * CONTEXT_LENGTH,
+                "token_usage": usage,
+                "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0,
+                "utilization": usage,
+                "max_running_requests": settings.max_concurrency,
+            }
+        )
+    return {"timestamp": "", "dp_rank_count": len(snapshots), "loads": snapshots}
+
+
+def legacy_load(loads: Sequence[RankLoad]) -> list[dict[str, Any]]:
+    """`GET /get_load`, the older SGLang shape: a list with one entry per DP rank."""
+    return [
+        {
+            "dp_rank": rank,
+            "num_reqs": load.running + load.queued,
+            "num_waiting_reqs": load.queued,
+            "num_tokens": 0,
+        }
+        for rank, load in enumerate(loads)
+    ]

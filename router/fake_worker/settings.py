@@ -1,0 +1,76 @@
+"""The settings of one fake worker: its identity, its shape, and its starting behaviour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.fake_worker.behaviour import Behaviour, FailMode
+
+ENGINES = ("sglang", "vllm")
+ROLES = ("mixed", "prefill", "decode")
+# SGLang's KV transfer backends, plus "fake" (SGLang's own no-transfer backend for tests).
+PD_PROTOCOLS = ("mooncake", "nixl", "ascend", "fake")
+
+
+@dataclass(frozen=True, slots=True)
+class FakeWorkerSettings:
+    """Everything `router fake-worker` takes on its command line.
+
+    Identity and shape (`model`, `engine`, `role`, `dp_size`, `pd_protocol`,
+    `bootstrap_port`, `max_concurrency`, `startup_delay_s`, `shutdown_grace_s`) are fixed
+    for the worker's life;
+    the behaviour fields are only the starting point of the live `Behaviour`.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = "fake-model"
+    engine: str = "sglang"
+    role: str = "mixed"
+    dp_size: int = 1
+    pd_protocol: str = "mooncake"
+    bootstrap_port: int = 8998
+    max_concurrency: int = 0
+    startup_delay_s: float = 0.0
+    shutdown_grace_s: float = 5.0
+    tokens: int = 16
+    ttft_ms: float = 0.0
+    token_latency_ms: float = 0.0
+    fail_first: int = 0
+    fail_status: int = 503
+    fail_mode: FailMode = FailMode.STATUS
+    fail_after_chunks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.pd_protocol not in PD_PROTOCOLS:
+            raise ValueError(
+                f"pd_protocol must be one of {', '.join(PD_PROTOCOLS)}, got {self.pd_protocol!r}"
+            )
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.max_concurrency < 0:
+            raise ValueError(f"max_concurrency must be >= 0, got {self.max_concurrency}")
+        if self.startup_delay_s < 0:
+            raise ValueError(f"startup_delay_s must be >= 0, got {self.startup_delay_s}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not self.model:
+            raise ValueError("model must not be empty")
+        # Fails early, with the same messages as POST /debug/behaviour.
+        self.behaviour()
+
+    def behaviour(self) -> Behaviour:
+        """A fresh live behaviour starting from these settings."""
+        return Behaviour(
+            tokens=self.tokens,
+            ttft_ms=self.ttft_ms,
+            token_latency_ms=self.token_latency_ms,
+            fail_first=self.fail_first,
+            fail_status=self.fail_status,
+            fail_mode=FailMode(self.fail_mode),
+            fail_after_chunks=self.fail_after_chunks,
+        )

@@ -1,0 +1,112 @@
+"""`router fake-worker` as a user runs it: a subprocess, its printed URL, its exit status."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def _start(*args: str) -> trio.Process:
+    return await trio.lowlevel.open_process(
+        [sys.executable, "-m", "router.cli", "fake-worker", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+
+
+async def _read_line(stream: trio.abc.ReceiveStream) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = await stream.receive_some(1)
+        if not chunk:
+            break
+        line += chunk
+    return line
+
+
+async def _read_all(stream: trio.abc.ReceiveStream) -> bytes:
+    data = b""
+    while chunk := await stream.receive_some(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGINT])
+async def test_it_prints_its_url_serves_and_exits_cleanly_on_a_signal(
+    stop_with: signal.Signals,
+) -> None:
+    process = await _start("--port", "0", "--model", "cli-model", "--tokens", "3")
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        with trio.fail_after(20):
+            line = (await _read_line(process.stdout)).decode()
+            prefix = "fake-worker listening on http://127.0.0.1:"
+            assert line.startswith(prefix) and line.endswith("\n")
+            url = line.split()[-1]
+            assert int(url.rsplit(":", 1)[1]) > 0
+            async with httpx.AsyncClient(base_url=url) as client:
+                assert (await client.get("/health")).status_code == 200
+                models = (await client.get("/v1/models")).json()
+                body = {"model": "cli-model", "messages": [{"role": "user", "content": "hi"}]}
+                answer = (await client.post("/v1/chat/completions", json=body)).json()
+            assert [m["id"] for m in models["data"]] == ["cli-model"]
+            assert answer["usage"]["completion_tokens"] == 3
+            process.send_signal(stop_with)
+            assert await process.wait() == 0
+            assert await _read_all(process.stderr) == b""
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_a_port_that_cannot_be_bound_exits_3_with_a_clear_message() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = await _start("--port", str(port))
+        try:
+            assert process.stdout is not None and process.stderr is not None
+            with trio.fail_after(20):
+                stderr = (await _read_all(process.stderr)).decode()
+                assert await process.wait() == 3
+                assert await _read_all(process.stdout) == b""
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert f"cannot listen on 127.0.0.1:{port}" in stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (["--pd-protocol", "mooncak"], "invalid choice: 'mooncak'"),
+        (["--fail-mode", "explode"], "invalid choice: 'explode'"),
+        (["--dp-size", "0"], "dp_size must be >= 1"),
+    ],
+)
+async def test_bad_arguments_fail_at_parsing_with_status_2(args: list[str], complaint: str) -> None:
+    with trio.fail_after(20):
+        result = await trio.run_process(
+            [sys.executable, "-m", "router.cli", "fake-worker", *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            cwd=REPO,
+        )
+    assert result.returncode == 2
+    assert complaint in result.stderr.decode()
+    assert result.stdout == b""
