@@ -133,6 +133,9 @@ class Policy(Protocol):
 _StateKey = tuple[str, Role]
 
 
+_COUNTER_MASK = (1 << 62) - 1
+
+
 class RoundRobin:
     """Each (model, role) walks its candidates in turn."""
 
@@ -144,8 +147,9 @@ class RoundRobin:
     def pick(self, key: PolicyKey, candidates: Sequence[Worker]) -> Worker:
         state_key = (key.model, key.role)
         turn = self._next.get(state_key, 0)
-        # Kept below the candidate count so the counter never grows without bound.
-        self._next[state_key] = (turn + 1) % len(candidates)
+        # A plain counter, not one reduced modulo this call's list: a failover pick among
+        # the one remaining worker must not reset the rotation the next request starts from.
+        self._next[state_key] = (turn + 1) & _COUNTER_MASK
         return candidates[turn % len(candidates)]
 
 

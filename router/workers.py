@@ -166,11 +166,6 @@ class Worker:
     def draining(self) -> bool:
         return self.record.status is Status.DRAINING
 
-    def least_loaded_rank(self) -> int:
-        """The DP rank with the fewest in-flight requests (lowest index on a tie)."""
-        loads = self.rank_inflight
-        return loads.index(min(loads))
-
     def begin(self, rank: int | None = None) -> None:
         """Count one request in flight (and on `rank` when the router chose it)."""
         self.inflight += 1
@@ -179,7 +174,7 @@ class Worker:
 
     def end(self, rank: int | None = None) -> None:
         self.inflight -= 1
-        if rank is not None:
+        if rank is not None and rank < len(self.rank_inflight):
             self.rank_inflight[rank] -= 1
 
 
@@ -224,7 +219,9 @@ class Fleet:
             self._workers[record.id] = worker
         else:
             if record.dp_size != worker.record.dp_size:
-                worker.rank_inflight = [0] * record.dp_size
+                # Requests in flight keep their rank's count until they end (see `end`).
+                kept = worker.rank_inflight[: record.dp_size]
+                worker.rank_inflight = kept + [0] * (record.dp_size - len(kept))
             worker.record = record
         self._reindex()
         return worker

@@ -13,6 +13,7 @@ body left unread) closes it.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,12 +34,17 @@ __all__ = [
     "PoolSettings",
     "PoolStatistics",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamPool",
     "UpstreamProtocolError",
     "UpstreamResponse",
     "open_upstream_pool",
 ]
+
+
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """No connection was made within the caller's connect deadline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,8 @@ class UpstreamPool:
         target: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
+        *,
+        connect_timeout_s: float | None = None,
     ) -> AsyncIterator[UpstreamResponse]:
         """Sends one request to `base_url` and yields the response once its head arrived.
 
@@ -152,6 +160,9 @@ class UpstreamPool:
         response byte (the worker closed it while idle) is retried once on a fresh one.
         On exit the connection returns to the pool only if the body was read to its end
         (`receive_some` gave b"", or `read()`) and the worker keeps it alive.
+        `connect_timeout_s` bounds opening a new connection only (a pooled one needs no
+        connect): past it, `UpstreamConnectTimeout`. Any deadline on the whole exchange
+        stays the caller's.
         Raises `UpstreamConnectError` / `UpstreamProtocolError`.
         Cancellation: the connection in use is closed, the pool stays consistent.
         """
@@ -169,7 +180,7 @@ class UpstreamPool:
                 *headers,
             ],
         )
-        connection, head = await self._start(endpoint, event, body)
+        connection, head = await self._start(endpoint, event, body, connect_timeout_s)
         self._in_use += 1
         try:
             yield UpstreamResponse(connection, head)
@@ -186,7 +197,7 @@ class UpstreamPool:
             self._close(connection)
 
     async def _start(
-        self, endpoint: _Endpoint, event: h11.Request, body: bytes
+        self, endpoint: _Endpoint, event: h11.Request, body: bytes, connect_timeout_s: float | None
     ) -> tuple[UpstreamConnection, h11.Response]:
         """Runs the exchange up to the response head on a pooled or a fresh connection.
 
@@ -213,18 +224,30 @@ class UpstreamPool:
                 self._close(connection)
                 while idle:
                     self._close(idle.pop())
-        connection = await self._connect(endpoint)
+        connection = await self._connect(endpoint, connect_timeout_s)
         try:
             return connection, await connection.exchange(event, body)
         except BaseException:
             self._close(connection)
             raise
 
-    async def _connect(self, endpoint: _Endpoint) -> UpstreamConnection:
-        try:
-            stream = await trio.open_tcp_stream(endpoint.host, endpoint.port)
-        except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {endpoint.base_url}: {exc}") from exc
+    async def _connect(self, endpoint: _Endpoint, timeout_s: float | None) -> UpstreamConnection:
+        """A new connection to `endpoint`, within `timeout_s` when given.
+
+        Cancellation: any half-made connection is closed by trio; nothing is counted.
+        """
+        # A connect that hangs (a SYN dropped by a full backlog or a firewall) would
+        # otherwise eat the whole first-byte deadline, which is sized for a slow prefill,
+        # not for a worker that is not there.
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as deadline:
+            try:
+                stream = await trio.open_tcp_stream(endpoint.host, endpoint.port)
+            except OSError as exc:
+                raise UpstreamConnectError(f"cannot connect to {endpoint.base_url}: {exc}") from exc
+        if deadline.cancelled_caught:
+            raise UpstreamConnectTimeout(
+                f"cannot connect to {endpoint.base_url}: no connection within {timeout_s:g}s"
+            )
         self._opened += 1
         return UpstreamConnection(stream)
 

@@ -17,6 +17,7 @@ import trio.testing
 from router.http.pool import (
     PoolSettings,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamPool,
     UpstreamProtocolError,
     open_upstream_pool,
@@ -248,6 +249,75 @@ async def test_refused_connection_raises_connect_error() -> None:
 
         stats = pool.statistics()
         assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
+
+
+@asynccontextmanager
+async def unanswered_port() -> AsyncIterator[int]:
+    """A port whose connects hang: its one-slot accept queue is full, so the kernel drops
+    further SYNs instead of refusing them (a worker behind a firewall looks the same)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        async with AsyncExitStack() as stack:
+            held = 0
+            # The kernel admits one connection beyond a zero backlog; fill until one hangs.
+            while True:
+                with trio.move_on_after(0.2) as probe:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    stack.push_async_callback(stream.aclose)
+                    held += 1
+                if probe.cancelled_caught:
+                    break
+                assert held < 16, "the accept queue never filled"
+            yield port
+
+
+async def test_connect_timeout_bounds_a_hanging_connect() -> None:
+    with trio.fail_after(GUARD_S):
+        async with unanswered_port() as port:
+            pool = UpstreamPool()
+            started = trio.current_time()
+            with pytest.raises(UpstreamConnectTimeout, match=r"no connection within 0\.3s") as caught:
+                async with pool.request(f"http://127.0.0.1:{port}", "GET", "/", [], b"", connect_timeout_s=0.3):
+                    pytest.fail("no response expected")
+            waited = trio.current_time() - started
+            assert isinstance(caught.value, UpstreamConnectError)
+            assert caught.value.response_started is False
+            assert 0.3 <= waited < 2
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
+
+
+async def test_connect_timeout_leaves_a_slow_answer_alone() -> None:
+    async def slow(exchange: Exchange) -> None:
+        await trio.sleep(0.3)
+        await ok(exchange)
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(slow) as (pool, upstream):
+            for _ in range(2):
+                async with pool.request(upstream.url, "GET", "/", [], b"", connect_timeout_s=0.05) as response:
+                    assert response.status == 200
+                    assert await response.read() == b"ok"
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused) == (1, 1)
+
+
+async def test_connect_timeout_is_exact_on_a_mock_clock(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def never_connects(host: str, port: int) -> trio.SocketStream:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(trio, "open_tcp_stream", never_connects)
+    pool = UpstreamPool()
+    with pytest.raises(UpstreamConnectTimeout):
+        async with pool.request("http://127.0.0.1:9", "GET", "/", [], b"", connect_timeout_s=2.5):
+            pytest.fail("no response expected")
+    assert trio.current_time() == 2.5
+    assert pool.statistics().opened == 0
 
 
 async def test_https_and_malformed_urls_raise_connect_error() -> None:

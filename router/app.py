@@ -1,0 +1,128 @@
+"""Routes: which handler answers which method and path. Nothing else lives here."""
+
+from __future__ import annotations
+
+import orjson
+import trio
+
+from router.config import Settings
+from router.discovery import DiscoveryHealth
+from router.dispatch import JSON_HEADERS
+from router.errors import MethodNotAllowed, NotFound, RouterError
+from router.failover import GenerationService
+from router.generation import GENERATION_ROUTES
+from router.http.messages import Request, ResponseWriter
+from router.http.pool import UpstreamPool
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.workers import Fleet, Worker
+
+_POST = b"POST"
+_GET = b"GET, HEAD"
+
+
+class _WrongMethod(MethodNotAllowed):
+    """A 405 that names the methods the route takes (RFC 9110 requires `Allow`)."""
+
+    def __init__(self, message: str, allow: bytes) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"allow", self.allow)]
+
+
+class RouterApp:
+    def __init__(
+        self, settings: Settings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics,
+        discovery: DiscoveryHealth,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.metrics = metrics
+        self.discovery = discovery
+        self.generation = GenerationService(settings, fleet, pool, metrics)
+        self._get_routes = {
+            "/v1/models": self._models,
+            "/health": self._health,
+            "/readiness": self._readiness,
+            "/metrics": self._metrics,
+            "/v1/workers": self._workers,
+        }
+
+    async def handle(self, request: Request, writer: ResponseWriter) -> None:
+        path = request.path
+        try:
+            if path in GENERATION_ROUTES:
+                if request.method != "POST":
+                    raise _WrongMethod(f"{path} accepts POST, not {request.method}", _POST)
+                await self.generation.handle(request, writer)
+                return
+            route = self._get_routes.get(path)
+            if route is None:
+                raise NotFound(f"no route {path}")
+            if request.method not in ("GET", "HEAD"):
+                raise _WrongMethod(f"{path} accepts GET, not {request.method}", _GET)
+            status, content_type, body = route()
+            await writer.respond(status, [(b"content-type", content_type)], body)
+        except RouterError as error:
+            await writer.respond(error.status, JSON_HEADERS + error.headers(), error.body())
+
+    def _models(self) -> tuple[int, bytes, bytes]:
+        data = [{"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()]
+        return 200, b"application/json", orjson.dumps({"object": "list", "data": data})
+
+    def _takes_work(self, worker: Worker, now: float) -> bool:
+        breaker = worker.breaker
+        return worker.healthy and not worker.draining and (breaker is None or breaker.available(now))
+
+    def _health(self) -> tuple[int, bytes, bytes]:
+        now = trio.current_time()
+        workers = self.fleet.workers()
+        summary = {
+            "status": "ok",
+            "workers": len(workers),
+            "available": sum(1 for worker in workers if self._takes_work(worker, now)),
+            "draining": sum(1 for worker in workers if worker.draining),
+            "unhealthy": sum(1 for worker in workers if not worker.healthy),
+            "models": self.fleet.models(),
+            "discovery": {
+                "source": self.discovery.source,
+                "up": self.discovery.up,
+                "detail": self.discovery.detail,
+            },
+        }
+        return 200, b"application/json", orjson.dumps(summary)
+
+    def _readiness(self) -> tuple[int, bytes, bytes]:
+        now = trio.current_time()
+        ready = any(self._takes_work(worker, now) for worker in self.fleet.workers())
+        body = orjson.dumps({"ready": ready})
+        return (200 if ready else 503), b"application/json", body
+
+    def _metrics(self) -> tuple[int, bytes, bytes]:
+        return 200, CONTENT_TYPE, self.metrics.render()
+
+    def _workers(self) -> tuple[int, bytes, bytes]:
+        now = trio.current_time()
+        listing = []
+        for worker in self.fleet.workers():
+            entry = worker.record.to_json()
+            entry.update(
+                status=worker.record.status.value,
+                healthy=worker.healthy,
+                inflight=worker.inflight,
+                rank_inflight=worker.rank_inflight if worker.record.rank_multiplexed else None,
+            )
+            if worker.breaker is not None:
+                stats = worker.breaker.statistics(now)
+                entry["breaker"] = {
+                    "state": stats.state.name.lower(),
+                    "consecutive_faults": stats.consecutive_faults,
+                    "cooldown_s": stats.cooldown_s,
+                    "next_probe_in_s": None if stats.next_probe_at is None else max(0.0, stats.next_probe_at - now),
+                    "trips": stats.trips,
+                }
+            else:
+                entry["breaker"] = None
+            listing.append(entry)
+        return 200, b"application/json", orjson.dumps({"workers": listing})

@@ -1,0 +1,366 @@
+"""Router settings from flags, `ROUTER_*` environment variables and a YAML file.
+
+Precedence: flag > environment > file > default. Every option is declared once in
+`OPTIONS`; the flag, the environment variable and the file key are derived from its name,
+so `docs/operations.md` and `router serve --help` cannot drift from each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from router.workers import InvalidWorkerRecord, Role, WorkerRecord
+
+ENV_PREFIX = "ROUTER_"
+WORKERS_ENV = ENV_PREFIX + "WORKERS"
+WORKERS_FILE_ENV = ENV_PREFIX + "WORKERS_FILE"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
+WORKERS_FILE_HELP = "YAML list of worker records (or a mapping with a `workers` list)"
+CONFIG_HELP = "YAML file of settings: any option by its name (host, policy, ...), plus workers / workers_file"
+POLICY_NAMES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the setting, its source and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str
+    kind: type[str] | type[int] | type[float]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "127.0.0.1", "address to listen on"),
+    Option("port", int, 8080, "port to listen on (0 picks a free one)", minimum=0, maximum=65535),
+    Option("policy", str, "round_robin", "policy for mixed workers", POLICY_NAMES),
+    Option("prefill_policy", str, "round_robin", "policy for the prefill pool", POLICY_NAMES),
+    Option("decode_policy", str, "round_robin", "policy for the decode pool", POLICY_NAMES),
+    Option("discovery", str, "static", "where the fleet comes from", ("static", "etcd")),
+    Option("etcd_endpoint", str, "http://127.0.0.1:2379", "etcd client URL (v3 JSON gateway)"),
+    Option("etcd_prefix", str, "/router/workers/", "etcd key prefix of worker records"),
+    Option("health_interval_s", float, 5.0, "seconds between active health checks", minimum=0.05),
+    Option("health_timeout_s", float, 2.0, "timeout of one health check", minimum=0.05),
+    Option("health_failure_threshold", int, 2, "failed checks before a worker is unhealthy", minimum=1),
+    Option("health_success_threshold", int, 1, "passed checks before it is healthy again", minimum=1),
+    Option("max_attempts", int, 3, "distinct workers tried per request", minimum=1),
+    Option("connect_timeout_s", float, 5.0, "upstream connect timeout", minimum=0.001),
+    Option("first_byte_timeout_s", float, 120.0, "time to upstream response headers (retryable)", minimum=0.001),
+    Option("stream_idle_timeout_s", float, 120.0, "longest silence mid-stream before it is ended with an error event", minimum=0.001),
+    Option("breaker_failure_threshold", int, 3, "consecutive faults that open a worker's breaker (0 disables)", minimum=0),
+    Option("breaker_cooldown_s", float, 5.0, "first cooldown of an open breaker", minimum=0.001),
+    Option("breaker_max_cooldown_s", float, 60.0, "cap of the doubling cooldown", minimum=0.001),
+    Option("breaker_all_open", str, "dispatch", "when every candidate of a leg is open", ("dispatch", "reject")),
+    Option("retry_after_s", float, 1.0, "Retry-After of a 503 when no breaker gives a better figure", minimum=1),
+    Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body (413 beyond)", minimum=1),
+    Option("max_connections", int, 10_000, "concurrent client connections", minimum=1),
+    Option("header_timeout_s", float, 10.0, "time for a client to send request headers", minimum=0.001),
+    Option("idle_timeout_s", float, 75.0, "keep-alive idle time before a client connection is closed", minimum=0.001),
+    Option("shutdown_grace_s", float, 30.0, "time in-flight requests get to finish on SIGTERM", minimum=0),
+    Option("pool_max_idle_per_worker", int, 64, "idle upstream connections kept per worker", minimum=0),
+    Option("pool_idle_expiry_s", float, 4.0, "idle upstream connections are closed after this", minimum=0.01),
+    Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
+    Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
+    Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
+)
+_BY_NAME = {option.name: option for option in OPTIONS}
+_KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    host: str
+    port: int
+    policy: str
+    prefill_policy: str
+    decode_policy: str
+    discovery: str
+    etcd_endpoint: str
+    etcd_prefix: str
+    health_interval_s: float
+    health_timeout_s: float
+    health_failure_threshold: int
+    health_success_threshold: int
+    max_attempts: int
+    connect_timeout_s: float
+    first_byte_timeout_s: float
+    stream_idle_timeout_s: float
+    breaker_failure_threshold: int
+    breaker_cooldown_s: float
+    breaker_max_cooldown_s: float
+    breaker_all_open: str
+    retry_after_s: float
+    max_body_bytes: int
+    max_connections: int
+    header_timeout_s: float
+    idle_timeout_s: float
+    shutdown_grace_s: float
+    pool_max_idle_per_worker: int
+    pool_idle_expiry_s: float
+    log_level: str
+    workers: tuple[WorkerRecord, ...] = ()
+    server: str = "native"
+    processes: int = 1
+    reuse_port: bool = False
+
+    @classmethod
+    def defaults(cls, **overrides: Any) -> Settings:
+        """Default settings with `overrides` applied and validated (for tests and embedding)."""
+        values = {option.name: option.default for option in OPTIONS}
+        values.update(overrides)
+        return _validated(values)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every option as a flag; defaults stay None so precedence can be resolved."""
+    for option in OPTIONS:
+        choices = f"one of {', '.join(option.choices)}; " if option.choices else ""
+        parser.add_argument(
+            option.flag,
+            dest=option.name,
+            default=None,
+            help=f"{option.help} ({choices}env {option.env}; default {option.default})",
+        )
+    parser.add_argument(
+        "--worker",
+        dest="worker",
+        action="append",
+        default=None,
+        metavar="URL[,role=R,model=M,bootstrap_port=P,dp_size=N]",
+        help=f"{WORKER_HELP} (repeatable; env {WORKERS_ENV}, space-separated)",
+    )
+    parser.add_argument(
+        "--workers-file", dest="workers_file", default=None,
+        help=f"{WORKERS_FILE_HELP} (env {WORKERS_FILE_ENV})",
+    )
+    parser.add_argument(
+        "--config", dest="config", default=None, help=f"{CONFIG_HELP} (env {CONFIG_ENV})"
+    )
+
+
+def load_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """Resolve flag > env > file > default and validate; raises ConfigError with the reason.
+
+    Every value is checked where it came from, so the message names the flag, the
+    environment variable or the file key the operator has to fix.
+    Workers: `--worker` flags (else `ROUTER_WORKERS`) together with the records of
+    `--workers-file` (else `ROUTER_WORKERS_FILE`); the config file's `workers` /
+    `workers_file` only when neither flags nor environment name any worker.
+    """
+    environ = os.environ if environ is None else environ
+    file_values: dict[str, Any] = {}
+    config_path = args.config or environ.get(CONFIG_ENV)
+    if config_path:
+        file_values = _read_yaml_mapping(Path(config_path), "config file")
+        unknown = sorted(set(file_values) - set(_BY_NAME) - {"workers", "workers_file"})
+        if unknown:
+            raise ConfigError(
+                f"config file {config_path}: unknown setting(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted([*_BY_NAME, 'workers', 'workers_file']))})"
+            )
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        flag_value = getattr(args, option.name, None)
+        if flag_value is not None:
+            values[option.name] = _convert(option, flag_value, option.flag)
+        elif option.env in environ:
+            values[option.name] = _convert(option, environ[option.env], option.env)
+        elif option.name in file_values:
+            values[option.name] = _convert(option, file_values[option.name], f"config file {config_path}: {option.name}")
+        else:
+            values[option.name] = option.default
+    values["workers"] = tuple(_worker_records(args, environ, file_values, config_path))
+    return _validated(values)
+
+
+def _worker_records(
+    args: argparse.Namespace, environ: Mapping[str, str], file_values: Mapping[str, Any], config_path: str | None
+) -> list[WorkerRecord]:
+    records = [parse_worker_spec(spec) for spec in (args.worker or [])]
+    if not records and environ.get(WORKERS_ENV):
+        records = [parse_worker_spec(spec) for spec in environ[WORKERS_ENV].split()]
+    workers_file = args.workers_file or environ.get(WORKERS_FILE_ENV)
+    if workers_file:
+        records += read_workers_file(Path(workers_file))
+    if records or workers_file or config_path is None:
+        return records
+    if "workers_file" in file_values:
+        # Relative to the config file, which is where its author looked from.
+        path = Path(config_path).parent / str(file_values["workers_file"])
+        records += read_workers_file(path)
+    if "workers" in file_values:
+        records += _records_from_list(file_values["workers"], f"config file {config_path}")
+    return records
+
+
+def _validated(values: dict[str, Any]) -> Settings:
+    for option in OPTIONS:
+        values[option.name] = _check(option, values[option.name], option.name)
+    if values["breaker_cooldown_s"] > values["breaker_max_cooldown_s"]:
+        raise ConfigError(
+            "breaker_cooldown_s must not exceed breaker_max_cooldown_s "
+            f"({values['breaker_cooldown_s']} > {values['breaker_max_cooldown_s']})"
+        )
+    ids = [record.id for record in values.get("workers", ())]
+    duplicates = sorted({worker_id for worker_id in ids if ids.count(worker_id) > 1})
+    if duplicates:
+        raise ConfigError(f"worker(s) listed twice: {', '.join(duplicates)}")
+    known = {f.name for f in fields(Settings)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
+    return Settings(**values)
+
+
+def _check(option: Option, value: Any, source: str) -> Any:
+    """`value` if `option` accepts it; ConfigError naming `source` otherwise."""
+    if option.kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source} must be a string, got {value!r}")
+        if option.choices is not None:
+            lowered = value.lower()
+            if lowered not in option.choices:
+                raise ConfigError(f"{source} must be one of {', '.join(option.choices)}, got {value!r}")
+            return lowered
+        return value
+    kind = "an integer" if option.kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, int | float) or (option.kind is int and isinstance(value, float)):
+        raise ConfigError(f"{source} must be {kind}, got {value!r}")
+    if math.isnan(value):
+        raise ConfigError(f"{source} must be {kind}, not NaN")
+    if option.minimum is not None and value < option.minimum:
+        raise ConfigError(f"{source} must be >= {option.minimum:g}, got {value!r}")
+    if option.maximum is not None and value > option.maximum:
+        raise ConfigError(f"{source} must be <= {option.maximum:g}, got {value!r}")
+    return float(value) if option.kind is float else value
+
+
+def _convert(option: Option, raw: Any, source: str) -> Any:
+    """A flag, environment or file value in the option's type, checked (ConfigError names `source`)."""
+    if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
+        # YAML gives these types directly; none of them is a valid setting value.
+        raise ConfigError(f"{source} must be {_KIND_WORDS[option.kind]}, got {raw!r}")
+    value: Any = raw
+    if option.kind is not str and isinstance(raw, str):
+        try:
+            value = option.kind(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{source} must be {_KIND_WORDS[option.kind]}, got {raw!r}") from None
+    elif option.kind is str:
+        value = str(raw)
+    return _check(option, value, source)
+
+
+def parse_worker_spec(spec: str) -> WorkerRecord:
+    """`URL[,role=R,model=M,bootstrap_port=P,dp_size=N,dp_rank=K,engine=E]` -> WorkerRecord."""
+    url, *pairs = [part.strip() for part in spec.split(",")]
+    data: dict[str, Any] = {"url": url, "id": url.rstrip("/")}
+    bootstrap_port: str | None = None
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not value:
+            raise ConfigError(f"--worker {spec!r}: expected key=value, got {pair!r}")
+        if key in ("role", "engine", "id"):
+            data[key] = value
+        elif key == "model":
+            data["model"] = value.split("+")
+        elif key in ("dp_size", "dp_rank"):
+            data[key] = _spec_int(spec, key, value)
+        elif key == "bootstrap_port":
+            bootstrap_port = str(_spec_int(spec, key, value))
+        else:
+            raise ConfigError(
+                f"--worker {spec!r}: unknown option {key!r} "
+                "(role, model, bootstrap_port, dp_size, dp_rank, engine, id)"
+            )
+    if bootstrap_port is not None:
+        host = urlsplit(url).hostname or "127.0.0.1"
+        data["disagg_meta"] = {"protocol": "mooncake", "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"}}
+    return _record(data, f"--worker {spec!r}")
+
+
+def _spec_int(spec: str, key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"--worker {spec!r}: {key} must be an integer, got {value!r}") from None
+
+
+def read_workers_file(path: Path) -> list[WorkerRecord]:
+    """A YAML list of worker records (the JSON shape of DESIGN.md "Workers")."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"workers file {path}: {exc}") from None
+    if isinstance(data, dict) and "workers" in data:
+        data = data["workers"]
+    return _records_from_list(data, str(path))
+
+
+def _records_from_list(data: Any, source: str) -> list[WorkerRecord]:
+    if not isinstance(data, list):
+        raise ConfigError(f"{source}: workers must be a list of records")
+    records = []
+    for index, entry in enumerate(data):
+        if isinstance(entry, str):
+            records.append(parse_worker_spec(entry))
+            continue
+        if isinstance(entry, dict) and "bootstrap_port" in entry and "disagg_meta" not in entry:
+            host = urlsplit(str(entry.get("url", ""))).hostname or "127.0.0.1"
+            entry = {**entry, "disagg_meta": {"protocol": "mooncake", "params": {"bootstrap_addr": f"{host}:{entry['bootstrap_port']}"}}}
+        records.append(_record(entry, f"{source}: worker #{index + 1}"))
+    return records
+
+
+def _record(data: Any, source: str) -> WorkerRecord:
+    try:
+        record = WorkerRecord.from_json(data)
+    except InvalidWorkerRecord as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if record.role is Role.PREFILL and record.bootstrap_addr is None:
+        raise ConfigError(f"{source}: a prefill worker needs bootstrap_port (or disagg_meta.params.bootstrap_addr)")
+    return record
+
+
+def _read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{what} {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path}: expected a mapping of settings")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def describe_options() -> Sequence[tuple[str, str, Any, str]]:
+    """(flag, env var, default, help) of every `router serve` flag, for docs and tests."""
+    rows: list[tuple[str, str, Any, str]] = [(o.flag, o.env, o.default, o.help) for o in OPTIONS]
+    rows += [
+        ("--worker", WORKERS_ENV, None, WORKER_HELP),
+        ("--workers-file", WORKERS_FILE_ENV, None, WORKERS_FILE_HELP),
+        ("--config", CONFIG_ENV, None, CONFIG_HELP),
+    ]
+    return rows

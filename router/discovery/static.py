@@ -1,0 +1,82 @@
+"""Static discovery: the workers named by flags or a fleet file.
+
+A record that names no model is asked for it (`GET /v1/models`); a worker that cannot
+answer yet joins the fleet as soon as it can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import httpx
+import trio
+
+from router.discovery import DiscoveryHealth
+from router.workers import Fleet, WorkerRecord
+
+log = logging.getLogger("router.discovery.static")
+
+
+async def fetch_models(http: httpx.AsyncClient, url: str, timeout_s: float = 5.0) -> tuple[str, ...]:
+    """The model ids a worker serves, from its OpenAI-style `/v1/models`."""
+    response = await http.get(url + "/v1/models", timeout=timeout_s)
+    response.raise_for_status()
+    data = response.json().get("data", [])
+    models = tuple(entry["id"] for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str))
+    if not models:
+        raise ValueError(f"{url}/v1/models lists no model")
+    return models
+
+
+async def serve_static_discovery(
+    fleet: Fleet,
+    records: Sequence[WorkerRecord],
+    http: httpx.AsyncClient,
+    *,
+    retry_interval_s: float = 2.0,
+    task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Put `records` in the fleet; ready once every worker had one chance to name its model.
+
+    Workers whose model is still unknown are retried every `retry_interval_s` until they
+    answer, then the task returns.
+    """
+    pending: list[WorkerRecord] = []
+    for record in records:
+        if record.models:
+            fleet.upsert(record)
+        else:
+            pending.append(record)
+    health = DiscoveryHealth(source="static")
+
+    async def resolve(record: WorkerRecord) -> bool:
+        try:
+            models = await fetch_models(http, record.url)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("worker %s: cannot read its model yet (%s); retrying", record.url, exc)
+            return False
+        fleet.upsert(dataclasses.replace(record, models=models))
+        log.info("worker %s serves %s", record.url, ", ".join(models))
+        return True
+
+    resolved: set[str] = set()
+
+    async def attempt(record: WorkerRecord) -> None:
+        if await resolve(record):
+            resolved.add(record.id)
+
+    first = True
+    while pending:
+        async with trio.open_nursery() as nursery:
+            for record in pending:
+                nursery.start_soon(attempt, record)
+        pending = [record for record in pending if record.id not in resolved]
+        if first:
+            task_status.started(health)
+            first = False
+        if pending:
+            await trio.sleep(retry_interval_s)
+    if first:
+        task_status.started(health)

@@ -1,0 +1,218 @@
+"""Upstream calls for one attempt: headers out, the answer judged, SSE relayed as bytes.
+
+This is the edge where pool, h11 and socket errors become `AttemptFailed` (retryable,
+with or without a worker's answer) so the attempt loop sees one vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import orjson
+import trio
+
+from router.http.messages import Headers, ResponseWriter
+from router.http.pool import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
+
+# Request headers a worker needs from the client; everything else stays at the router.
+FORWARDED_REQUEST_HEADERS = frozenset(
+    {b"content-type", b"authorization", b"x-request-id", b"traceparent", b"tracestate"}
+)
+# Response headers of a worker the client gets back.
+RELAYED_RESPONSE_HEADERS = frozenset({b"content-type", b"retry-after", b"x-request-id"})
+RANK_HEADER = b"x-data-parallel-rank"
+WORKER_HEADER = b"x-router-worker"
+JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float
+    first_byte_s: float
+    stream_idle_s: float
+
+
+@dataclass(slots=True)
+class Answer:
+    """A worker's complete answer, read but not yet given to the client."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class AttemptFailed(Exception):
+    """One attempt failed before any byte reached the client: another worker may be tried.
+
+    `fault` says whether it counts against the worker's breaker (transport errors,
+    timeouts, 5xx, unparseable unary bodies) or not (429: backpressure).
+    `answer` is the worker's own answer when it gave one, returned as-is if attempts run out.
+    `retryable=False` marks an answer every worker would repeat (a prefill's 4xx): the
+    client gets it at once.
+    """
+
+    def __init__(
+        self, reason: str, detail: str, *, fault: bool, answer: Answer | None = None, retryable: bool = True
+    ) -> None:
+        super().__init__(detail)
+        self.retryable = retryable
+        self.reason = reason
+        self.detail = detail
+        self.fault = fault
+        self.answer = answer
+        self.worker_id: str | None = None
+
+
+def upstream_headers(request_headers: Sequence[tuple[bytes, bytes]], rank: int | None) -> list[tuple[bytes, bytes]]:
+    headers = [(k, v) for k, v in request_headers if k in FORWARDED_REQUEST_HEADERS]
+    if rank is not None:
+        headers.append((RANK_HEADER, str(rank).encode()))
+    return headers
+
+
+def client_headers(worker_headers: Headers, worker_id: str) -> list[tuple[bytes, bytes]]:
+    headers = [(k, v) for k, v in worker_headers if k in RELAYED_RESPONSE_HEADERS]
+    headers.append((WORKER_HEADER, worker_id.encode()))
+    return headers
+
+
+@asynccontextmanager
+async def open_upstream_response(
+    pool: UpstreamPool, url: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
+) -> AsyncIterator[UpstreamResponse]:
+    """Send the request and wait for response headers, within the first-byte deadline.
+
+    A new connection must also be made within the connect deadline, inside the first-byte
+    one: a worker that is not there is given up on long before a slow one would be.
+    Cancellation: the upstream connection is closed, never returned to the pool.
+    """
+    async with AsyncExitStack() as stack:
+        with trio.move_on_after(timeouts.first_byte_s) as deadline:
+            try:
+                response = await stack.enter_async_context(
+                    pool.request(url, "POST", path, headers, body, connect_timeout_s=timeouts.connect_s)
+                )
+            except UpstreamConnectTimeout as exc:
+                raise AttemptFailed("connect_timeout", str(exc), fault=True) from None
+            except UpstreamConnectError as exc:
+                # The pool's message already names the URL.
+                raise AttemptFailed("connect_error", str(exc), fault=True) from None
+            except UpstreamError as exc:
+                raise AttemptFailed("transport_error", f"{url} broke the connection: {exc}", fault=True) from None
+        if deadline.cancelled_caught:
+            raise AttemptFailed(
+                "first_byte_timeout",
+                f"{url} sent no response headers within {timeouts.first_byte_s:g}s",
+                fault=True,
+            )
+        yield response
+
+
+async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> Answer:
+    """Read a whole upstream body, no chunk further apart than `idle_s`."""
+    parts: list[bytes] = []
+    try:
+        while True:
+            with trio.move_on_after(idle_s) as idle:
+                chunk = await response.receive_some()
+            if idle.cancelled_caught:
+                raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
+            if not chunk:
+                break
+            parts.append(chunk)
+    except UpstreamError as exc:
+        raise AttemptFailed("transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True) from None
+    return Answer(response.status, response.headers, b"".join(parts))
+
+
+def judge_answer(answer: Answer, url: str, *, expect_json: bool) -> Answer:
+    """Retryable answers raise AttemptFailed; anything else is the client's answer.
+
+    5xx and (for unary) a 200 that is not JSON are faults; 429 is retried but is
+    backpressure, not a fault; other 4xx are the request's own fault and returned verbatim.
+    """
+    status = answer.status
+    if status >= 500:
+        raise AttemptFailed(f"status_{status}", f"{url} answered {status}", fault=True, answer=answer)
+    if status == 429:
+        raise AttemptFailed("status_429", f"{url} answered 429", fault=False, answer=answer)
+    if expect_json and status == 200:
+        try:
+            orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            raise AttemptFailed("invalid_body", f"{url} answered 200 with a body that is not JSON", fault=True, answer=answer) from None
+    return answer
+
+
+async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float) -> bytes:
+    """The first body bytes of a 200 stream; nothing has reached the client yet."""
+    try:
+        with trio.move_on_after(idle_s) as idle:
+            chunk = await response.receive_some()
+    except UpstreamError as exc:
+        raise AttemptFailed("transport_error", f"{url} broke the stream before its first event: {exc}", fault=True) from None
+    if idle.cancelled_caught:
+        raise AttemptFailed("first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True)
+    if not chunk:
+        raise AttemptFailed("empty_stream", f"{url} ended a 200 stream without any event", fault=True)
+    return chunk
+
+
+def stream_error_event(message: str, code: str) -> bytes:
+    payload = orjson.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
+    return b"event: error\ndata: " + payload + b"\n\n"
+
+
+async def relay_stream(
+    response: UpstreamResponse, first: bytes, writer: ResponseWriter, url: str, idle_s: float
+) -> int:
+    """Relay SSE bytes as they arrive; returns the number of body bytes relayed.
+
+    Whole events only go out when the worker breaks mid-event: bytes after the last event
+    boundary are held back until their event completes, so a broken stream ends with a
+    well-formed `error` event and never with half an event. `ClientDisconnected` from the
+    writer propagates (the caller's scope closes the upstream connection).
+    """
+    relayed = 0
+    pending = b""
+    chunk = first
+    error: bytes | None = None
+    while True:
+        if pending:
+            chunk = pending + chunk
+        if chunk.endswith(b"\n\n"):
+            pending = b""
+            await writer.write(chunk)
+            relayed += len(chunk)
+        else:
+            cut = chunk.rfind(b"\n\n") + 2
+            pending = chunk[cut:] if cut > 1 else chunk
+            if cut > 1:
+                await writer.write(chunk[:cut])
+                relayed += cut
+        try:
+            with trio.move_on_after(idle_s) as idle:
+                chunk = await response.receive_some()
+        except UpstreamError:
+            error = stream_error_event(f"worker {url} broke the stream", "stream_interrupted")
+            break
+        if idle.cancelled_caught:
+            error = stream_error_event(f"worker {url} stalled for {idle_s:g}s mid-stream", "stream_idle_timeout")
+            break
+        if not chunk:
+            if pending:
+                await writer.write(pending)
+                relayed += len(pending)
+            break
+    if error is not None:
+        await writer.write(error)
+    await writer.finish()
+    return relayed

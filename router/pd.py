@@ -1,0 +1,264 @@
+"""Prefill/decode pairing: the handoff fields, DP ranks and rooms, and the two-leg attempt.
+
+The handoff must be right by construction: a malformed one does not fail fast in a real
+engine, it hangs far from the router. So both legs get the same body, built once here.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import orjson
+import trio
+
+from router.breaker import Outcome
+from router.classify import Plan
+from router.dispatch import (
+    AttemptFailed,
+    judge_answer,
+    open_upstream_response,
+    read_answer,
+    upstream_headers,
+)
+from router.generation import GenerationRequest
+from router.http.messages import Request, ResponseWriter
+from router.workers import Role, Worker
+
+if TYPE_CHECKING:
+    from router.failover import AttemptLog, GenerationService, Lease
+
+log = logging.getLogger("router.pd")
+
+ROOM_LIMIT = 1 << 63
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default disaggregation bootstrap port
+
+
+def bootstrap_address(prefill: Worker) -> tuple[str, int]:
+    """Where a decode pulls this prefill's KV cache from.
+
+    The advertised `disagg_meta.params.bootstrap_addr` (`host:port`, `[v6]:port`) wins;
+    a part it leaves out, or cannot say (an unparseable port), comes from the prefill
+    URL's host and SGLang's default bootstrap port.
+    """
+    host = urlsplit(prefill.url).hostname or "127.0.0.1"
+    port = DEFAULT_BOOTSTRAP_PORT
+    addr = prefill.record.bootstrap_addr
+    if addr:
+        try:
+            advertised = urlsplit("//" + addr.strip())
+            advertised_port = advertised.port
+        except ValueError:
+            return host, port
+        host = advertised.hostname or host
+        port = advertised_port or port
+    return host, port
+
+
+def make_room(rng: random.Random, dp_size: int, rank: int | None) -> int:
+    """A random 63-bit room; with a router-chosen prefill rank, `room % dp_size == rank`
+    (SGLang routes the handoff to the rank the room names, and a room that names another
+    rank hangs the transfer instead of failing it)."""
+    if rank is not None and not 0 <= rank < dp_size:
+        raise ValueError(f"rank {rank} is outside dp_size {dp_size}")
+    room = rng.getrandbits(63)
+    if rank is None or dp_size <= 1:
+        return room
+    room = room - room % dp_size + rank
+    if room >= ROOM_LIMIT:
+        room -= dp_size
+    return room
+
+
+def batch_size(generation: GenerationRequest) -> int | None:
+    """How many rooms the request needs: one per prompt of a batch, one per choice of n > 1;
+    None for a single sequence (scalar handoff fields).
+
+    Never a scalar room for several sequences: SGLang spreads a scalar room over them as
+    `room + i`, and every room but the first then names another DP rank. A batch's list
+    has one room per prompt; SGLang repeats it for each of a prompt's choices.
+    """
+    body = generation.body
+    prompts: Any = None
+    n: Any = body.get("n")
+    if generation.route == "completions":
+        prompts = body.get("prompt")
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            prompts = None  # one prompt given as token ids
+    elif generation.route == "generate":
+        prompts = body.get("text")
+        if prompts is None:
+            ids = body.get("input_ids")
+            prompts = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
+        sampling = body.get("sampling_params")
+        n = sampling.get("n") if isinstance(sampling, dict) else None
+    if isinstance(prompts, list):
+        return len(prompts)
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return n
+    return None
+
+
+def handoff_fields(
+    generation: GenerationRequest, prefill: Worker, prefill_rank: int | None, rng: random.Random
+) -> dict[str, Any]:
+    """The SGLang handoff both legs' bodies carry: scalars for one sequence, equal-length
+    lists (one room per prompt or choice) for a batch, and `disagg_prefill_dp_rank` when
+    the router chose the prefill's rank."""
+    host, port = bootstrap_address(prefill)
+    size = batch_size(generation)
+    dp_size = prefill.record.dp_size
+
+    fields: dict[str, Any]
+    if size is None:
+        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": make_room(rng, dp_size, prefill_rank)}
+    else:
+        fields = {
+            "bootstrap_host": [host] * size,
+            "bootstrap_port": [port] * size,
+            "bootstrap_room": [make_room(rng, dp_size, prefill_rank) for _ in range(size)],
+        }
+    if prefill_rank is not None:
+        fields["disagg_prefill_dp_rank"] = prefill_rank
+    return fields
+
+
+class RankChooser:
+    """Which DP rank of a rank-multiplexed worker takes the next request.
+
+    The least-loaded rank by the router's own in-flight counts; among equally loaded ranks
+    the scan starts one place further on each time, so an idle worker's ranks take turns
+    instead of rank 0 taking every request that arrives alone.
+    """
+
+    __slots__ = ("_start",)
+
+    def __init__(self) -> None:
+        # Keyed by worker id: one small int per worker ever seen, never scanned.
+        self._start: dict[str, int] = {}
+
+    def choose(self, worker: Worker) -> int | None:
+        """A rank for `worker`, or None when the worker picks its own (one rank, or a
+        worker registered as a single rank)."""
+        if not worker.record.rank_multiplexed:
+            return None
+        loads = worker.rank_inflight
+        size = len(loads)
+        start = self._start.get(worker.id, 0) % size
+        self._start[worker.id] = (start + 1) % size
+        best = start
+        for offset in range(1, size):
+            rank = (start + offset) % size
+            if loads[rank] < loads[best]:
+                best = rank
+        return best
+
+
+class PDDispatcher:
+    """Runs one PD attempt: a prefill and a decode chosen independently, dispatched together."""
+
+    def __init__(self, service: GenerationService, rng: random.Random | None = None) -> None:
+        self.service = service
+        self.rng = rng or random.Random()
+        self.ranks = RankChooser()
+
+    async def attempt(
+        self, plan: Plan, generation: GenerationRequest, request: Request, writer: ResponseWriter,
+        key_bytes: bytes | None, attempts: AttemptLog, started: float,
+    ) -> int | None:
+        """One pair, or None when a leg has no untried candidate left.
+
+        A pre-first-byte failure of either leg cancels the other and raises AttemptFailed:
+        only the failing worker records the fault and joins its leg's tried set, so the
+        next attempt pairs a new worker for that leg with any partner, including this one.
+        Cancellation (client gone): both upstream connections close, both permits are
+        released without a verdict, both in-flight counts drop.
+        """
+        service = self.service
+        prefill = service.pick(plan, Role.PREFILL, generation.model, key_bytes, attempts)
+        decode = service.pick(plan, Role.DECODE, generation.model, key_bytes, attempts)
+        if prefill is None or decode is None:
+            return None
+        now = trio.current_time()
+        prefill_lease = service.take(prefill, plan.legs[Role.PREFILL].forced, now)
+        decode_lease = service.take(decode, plan.legs[Role.DECODE].forced, now)
+        body = dict(generation.body)
+        body.update(handoff_fields(generation, prefill, prefill_lease.rank, self.rng))
+        raw = orjson.dumps(body)
+        status: int | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._prefill_leg, prefill_lease, raw, generation, request, writer, attempts)
+                try:
+                    status = await service.exchange(decode_lease, raw, generation, request, writer, started)
+                except AttemptFailed:
+                    self._leg_failed(decode, attempts)
+                    raise
+        except BaseExceptionGroup as group:
+            raise _one_exception(group) from None
+        finally:
+            service.release(prefill_lease)
+            service.release(decode_lease)
+        return status
+
+    async def _prefill_leg(
+        self, lease: Lease, raw: bytes, generation: GenerationRequest, request: Request,
+        writer: ResponseWriter, attempts: AttemptLog,
+    ) -> None:
+        """Send the prefill request, read its answer and discard it.
+
+        Its failure cancels the decode leg only while nothing reached the client; after
+        that the decode's own stream says how the generation ended. Cancellation: the
+        upstream connection closes and the lease records no verdict.
+        """
+        service = self.service
+        worker = lease.worker
+        headers = upstream_headers(request.headers, lease.rank)
+        timeouts = service.timeouts
+        try:
+            async with open_upstream_response(service.pool, worker.url, generation.path, headers, raw, timeouts) as response:
+                answer = await read_answer(response, worker.url, timeouts.stream_idle_s)
+            judge_answer(answer, worker.url, expect_json=not generation.stream)
+            if answer.status >= 400:
+                raise AttemptFailed(
+                    f"prefill_status_{answer.status}", f"prefill {worker.url} answered {answer.status}",
+                    fault=False, answer=answer, retryable=False,
+                )
+        except AttemptFailed as failure:
+            lease.judge(Outcome.FAULT if failure.fault else Outcome.NEUTRAL)
+            failure.worker_id = worker.id
+            self._leg_failed(worker, attempts)
+            if writer.started:
+                log.warning("prefill %s failed after the decode answered: %s", worker.id, failure.detail)
+                return
+            raise
+        lease.judge(Outcome.SUCCESS)
+
+    def _leg_failed(self, worker: Worker, attempts: AttemptLog) -> None:
+        attempts.tried[worker.role].add(worker.id)
+        metrics = self.service.metrics
+        metrics.child(metrics.leg_failures, worker.role.value).inc()  # type: ignore[attr-defined]
+
+
+def _one_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one error a PD attempt reports: cancellation first (trio must see it), then a
+    leg's AttemptFailed, then anything else (e.g. the client leaving)."""
+    leaves = list(_leaves(group))
+    for leaf in leaves:
+        if isinstance(leaf, trio.Cancelled):
+            return group
+    for leaf in leaves:
+        if isinstance(leaf, AttemptFailed):
+            return leaf
+    return leaves[0]
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
