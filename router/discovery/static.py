@@ -20,11 +20,18 @@ log = logging.getLogger("router.discovery.static")
 
 
 async def fetch_models(http: httpx.AsyncClient, url: str, timeout_s: float = 5.0) -> tuple[str, ...]:
-    """The model ids a worker serves, from its OpenAI-style `/v1/models`."""
+    """The model ids a worker serves, from its OpenAI-style `/v1/models`.
+
+    Raises httpx.HTTPError, or ValueError for an answer that names no model: whatever a
+    worker answers, it costs the router that worker only, never the discovery task.
+    """
     response = await http.get(url + "/v1/models", timeout=timeout_s)
     response.raise_for_status()
-    data = response.json().get("data", [])
-    models = tuple(entry["id"] for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str))
+    answer = response.json()
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        raise ValueError(f"{url}/v1/models is not an OpenAI model list")
+    models = tuple(entry["id"] for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"])
     if not models:
         raise ValueError(f"{url}/v1/models lists no model")
     return models
@@ -54,7 +61,7 @@ async def serve_static_discovery(
     async def resolve(record: WorkerRecord) -> bool:
         try:
             models = await fetch_models(http, record.url)
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (httpx.HTTPError, ValueError) as exc:
             log.warning("worker %s: cannot read its model yet (%s); retrying", record.url, exc)
             return False
         fleet.upsert(dataclasses.replace(record, models=models))

@@ -30,6 +30,7 @@ class ServerSettings:
     - `idle_timeout_s`: a keep-alive connection with no byte of a next request is closed
       silently after it.
     - `shutdown_grace_s`: after shutdown begins, in-flight requests get this long to finish.
+    - `reuse_port`: listen with SO_REUSEPORT, so several processes share the port.
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +41,7 @@ class ServerSettings:
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 75.0
     shutdown_grace_s: float = 30.0
+    reuse_port: bool = False
 
 
 SERVER_HEADER = (b"server", b"trio-router")

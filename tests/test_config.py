@@ -1,0 +1,276 @@
+"""Settings: flag > environment > file > default, checked with messages that name the source."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.config import (
+    OPTIONS,
+    ConfigError,
+    Settings,
+    add_arguments,
+    describe_options,
+    load_settings,
+    parse_worker_spec,
+    read_workers_file,
+)
+from router.workers import Role, Status
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="router serve")
+    add_arguments(parser)
+    return parser
+
+
+def _load(argv: Sequence[str] = (), env: dict[str, str] | None = None) -> Settings:
+    return load_settings(_parser().parse_args(list(argv)), env or {})
+
+
+def _config(tmp_path: Path, text: str, name: str = "router.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# -- precedence --------------------------------------------------------------------------
+
+
+def test_default_when_nothing_says_otherwise() -> None:
+    settings = _load()
+    assert settings == Settings.defaults()
+    assert (settings.host, settings.port, settings.policy) == ("127.0.0.1", 8080, "round_robin")
+    assert settings.workers == ()
+
+
+def test_flag_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
+    config = _config(tmp_path, "policy: random\nport: 9001\nmax-attempts: 5\nshutdown_grace_s: 12\n")
+    env = {"ROUTER_POLICY": "least_load", "ROUTER_PORT": "9002", "ROUTER_CONFIG": config}
+    settings = _load(["--policy", "power_of_two"], env)
+    assert settings.policy == "power_of_two"  # flag over env and file
+    assert settings.port == 9002  # env over file
+    assert settings.max_attempts == 5  # file over default (dashes or underscores alike)
+    assert settings.shutdown_grace_s == 12.0 and isinstance(settings.shutdown_grace_s, float)
+    assert settings.health_interval_s == 5.0  # default
+
+
+def test_config_flag_beats_config_env(tmp_path: Path) -> None:
+    chosen = _config(tmp_path, "policy: random\n", "chosen.yaml")
+    ignored = _config(tmp_path, "policy: least_load\n", "ignored.yaml")
+    assert _load(["--config", chosen], {"ROUTER_CONFIG": ignored}).policy == "random"
+
+
+def test_choices_match_without_regard_to_case() -> None:
+    assert _load(["--log-level", "DEBUG"]).log_level == "debug"
+
+
+# -- validation: the message names the source -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--port", "abc"], {}, "--port must be an integer, got 'abc'"),
+        (["--port", "70000"], {}, "--port must be <= 65535, got 70000"),
+        (["--port", "-1"], {}, "--port must be >= 0, got -1"),
+        (["--max-body-bytes", "1.5"], {}, "--max-body-bytes must be an integer, got '1.5'"),
+        (["--health-interval-s", "nan"], {}, "--health-interval-s must be a number, not NaN"),
+        (["--health-interval-s", "0"], {}, "--health-interval-s must be >= 0.05, got 0.0"),
+        (["--policy", "fastest"], {}, "--policy must be one of round_robin, random, least_load, power_of_two, consistent_hash, got 'fastest'"),
+        ([], {"ROUTER_MAX_ATTEMPTS": "0"}, "ROUTER_MAX_ATTEMPTS must be >= 1, got 0"),
+        ([], {"ROUTER_BREAKER_ALL_OPEN": "panic"}, "ROUTER_BREAKER_ALL_OPEN must be one of dispatch, reject, got 'panic'"),
+        (
+            ["--breaker-cooldown-s", "90"], {},
+            "breaker_cooldown_s must not exceed breaker_max_cooldown_s (90.0 > 60.0)",
+        ),
+    ],
+)
+def test_bad_values_are_refused_with_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _load(argv, env)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("port: true\n", "port must be an integer, got True"),
+        ("policy: [random]\n", "policy must be a string, got ['random']"),
+        ("health_timeout_s: fast\n", "health_timeout_s must be a number, got 'fast'"),
+        ("polcy: random\n", "unknown setting(s) polcy"),
+        ("- just\n- a list\n", "expected a mapping of settings"),
+        ("port: [\n", "config file"),
+    ],
+)
+def test_bad_config_files_are_refused_naming_the_file(tmp_path: Path, text: str, message: str) -> None:
+    config = _config(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        _load(["--config", config])
+    assert message in str(caught.value)
+    assert config in str(caught.value)
+
+
+def test_a_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config file .*missing\.yaml"):
+        _load(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_defaults_with_overrides_are_validated_too() -> None:
+    assert Settings.defaults(port=0, health_interval_s=1).health_interval_s == 1.0
+    with pytest.raises(ConfigError, match="policy must be one of"):
+        Settings.defaults(policy="nope")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        Settings.defaults(polcy="random")
+
+
+# -- --worker specs ------------------------------------------------------------------------
+
+
+def test_a_bare_url_is_a_mixed_worker_whose_model_is_asked_later() -> None:
+    record = parse_worker_spec("http://10.0.0.1:30000/")
+    assert (record.id, record.url, record.models, record.role) == (
+        "http://10.0.0.1:30000", "http://10.0.0.1:30000", (), Role.MIXED,
+    )
+    assert record.dp_size == 1 and not record.rank_multiplexed
+
+
+def test_spec_options() -> None:
+    prefill = parse_worker_spec("http://p:30000, role=prefill, model=llama+qwen, bootstrap_port=8998, dp_size=4")
+    assert prefill.role is Role.PREFILL
+    assert prefill.models == ("llama", "qwen")
+    assert prefill.bootstrap_addr == "p:8998"
+    assert prefill.dp_size == 4 and prefill.rank_multiplexed
+    ranked = parse_worker_spec("http://d:1,role=decode,dp_size=2,dp_rank=1,engine=vllm,id=d-1")
+    assert (ranked.id, ranked.engine, ranked.dp_rank, ranked.rank_multiplexed) == ("d-1", "vllm", 1, False)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("localhost:8000", "'url' must be an http(s) URL"),
+        ("http://a:1,gpu=8", "unknown option 'gpu'"),
+        ("http://a:1,role", "expected key=value, got 'role'"),
+        ("http://a:1,dp_size=two", "dp_size must be an integer, got 'two'"),
+        ("http://a:1,role=teacher", "'role' must be one of mixed, prefill, decode"),
+        ("http://a:1,role=prefill", "a prefill worker needs bootstrap_port"),
+        ("http://a:1,dp_size=2,dp_rank=2", "'dp_rank' 2 must be below 'dp_size' 2"),
+    ],
+)
+def test_bad_specs_name_the_spec_and_the_problem(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_worker_spec(spec)
+    assert message in str(caught.value)
+    assert repr(spec) in str(caught.value)
+
+
+def test_worker_flags_beat_the_workers_env() -> None:
+    env = {"ROUTER_WORKERS": "http://e1:1 http://e2:2"}
+    assert [w.url for w in _load([], env).workers] == ["http://e1:1", "http://e2:2"]
+    flagged = _load(["--worker", "http://f:1", "--worker", "http://g:1,model=m"], env)
+    assert [w.url for w in flagged.workers] == ["http://f:1", "http://g:1"]
+
+
+def test_a_worker_listed_twice_is_refused() -> None:
+    with pytest.raises(ConfigError, match="worker\\(s\\) listed twice: http://a:1"):
+        _load(["--worker", "http://a:1", "--worker", "http://a:1/"])
+
+
+# -- workers files ---------------------------------------------------------------------------
+
+FLEET = """\
+- url: http://m1:30000
+  model: llama
+- http://m2:30000,model=llama
+- url: http://p:30000
+  role: prefill
+  model: [llama]
+  bootstrap_port: 8998
+- {url: "http://d:30000", role: decode, model: llama, status: draining, dp_size: 2}
+"""
+
+
+def test_a_workers_file_holds_records_and_specs(tmp_path: Path) -> None:
+    records = read_workers_file(Path(_config(tmp_path, FLEET, "fleet.yaml")))
+    assert [(r.url, r.role.value, r.models) for r in records] == [
+        ("http://m1:30000", "mixed", ("llama",)),
+        ("http://m2:30000", "mixed", ("llama",)),
+        ("http://p:30000", "prefill", ("llama",)),
+        ("http://d:30000", "decode", ("llama",)),
+    ]
+    assert records[2].bootstrap_addr == "p:8998"
+    assert records[3].status is Status.DRAINING and records[3].rank_multiplexed
+
+
+def test_a_workers_file_may_be_a_mapping_with_a_workers_list(tmp_path: Path) -> None:
+    path = _config(tmp_path, "workers:\n  - http://a:1\n", "fleet.yaml")
+    assert [r.url for r in read_workers_file(Path(path))] == ["http://a:1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("url: http://a:1\n", "workers must be a list of records"),
+        ("- url: http://a:1\n- url: ftp://b\n", "worker #2: 'url' must be an http(s) URL"),
+        ("- {url: 'http://a:1', dp_size: 0}\n", "worker #1: 'dp_size' must be an integer >= 1"),
+        ("- [\n", "fleet.yaml"),
+    ],
+)
+def test_bad_workers_files_name_the_file_and_the_record(tmp_path: Path, text: str, message: str) -> None:
+    path = _config(tmp_path, text, "fleet.yaml")
+    with pytest.raises(ConfigError) as caught:
+        _load(["--workers-file", path])
+    assert message in str(caught.value)
+    assert path in str(caught.value)
+
+
+def test_worker_flags_and_a_workers_file_add_up(tmp_path: Path) -> None:
+    fleet = _config(tmp_path, "- http://file:1\n", "fleet.yaml")
+    other = _config(tmp_path, "- http://env-file:1\n", "other.yaml")
+    settings = _load(["--worker", "http://flag:1", "--workers-file", fleet], {"ROUTER_WORKERS_FILE": other})
+    assert [w.url for w in settings.workers] == ["http://flag:1", "http://file:1"]
+    assert [w.url for w in _load([], {"ROUTER_WORKERS_FILE": other}).workers] == ["http://env-file:1"]
+
+
+def test_config_file_workers_count_only_when_nothing_else_names_a_worker(tmp_path: Path) -> None:
+    (tmp_path / "fleet.yaml").write_text("- http://listed:1\n")
+    config = _config(tmp_path, "workers_file: fleet.yaml\nworkers:\n  - http://inline:1\n")
+    from_file = _load(["--config", config]).workers
+    # workers_file is read relative to the config file, wherever the router starts.
+    assert [w.url for w in from_file] == ["http://listed:1", "http://inline:1"]
+    assert [w.url for w in _load(["--config", config, "--worker", "http://flag:1"]).workers] == ["http://flag:1"]
+    assert [w.url for w in _load(["--config", config], {"ROUTER_WORKERS": "http://env:1"}).workers] == ["http://env:1"]
+
+
+# -- one table of options ----------------------------------------------------------------------
+
+
+# Settings fields that are not options, and the flags that set them.
+NOT_OPTIONS = {"workers": "--worker, --workers-file", "reuse_port": "--reuse-port"}
+
+
+def test_settings_fields_are_the_options_plus_the_fleet() -> None:
+    annotations = {f.name: f.type for f in fields(Settings)}
+    assert set(annotations) - {o.name for o in OPTIONS} == set(NOT_OPTIONS)
+    defaults = Settings.defaults()
+    for option in OPTIONS:
+        assert annotations[option.name] == option.kind.__name__, option.name
+        value: Any = getattr(defaults, option.name)
+        assert value == option.default
+        assert type(value) is option.kind, option.name
+
+
+def test_every_flag_is_described_and_every_description_is_a_flag() -> None:
+    help_text = _parser().format_help()
+    flags = set(re.findall(r"(--[a-z][a-z0-9-]+)", help_text)) - {"--help"}
+    described = {flag for flag, _, _, _ in describe_options()}
+    assert flags == described
+    for flag, env, _, _ in describe_options():
+        assert env.startswith("ROUTER_")
+        assert env in help_text, flag
