@@ -227,28 +227,27 @@ class GenerationService:
         """
         worker = lease.worker
         headers = upstream_headers(request.headers, lease.rank)
+        idle_s = self.timeouts.stream_idle_s
         try:
             async with open_upstream_response(self.pool, worker.url, generation.path, headers, body, self.timeouts) as response:
-                idle_s = self.timeouts.stream_idle_s
-                if not generation.stream or response.status != 200:
-                    answer = judge_answer(
-                        await read_answer(response, worker.url, idle_s), worker.url,
-                        expect_json=not generation.stream,
-                    )
-                    lease.judge(Outcome.SUCCESS if answer.status < 400 else Outcome.NEUTRAL)
+                if generation.stream and response.status == 200:
+                    first = await first_stream_chunk(response, worker.url, idle_s)
+                    lease.judge(Outcome.SUCCESS)
+                    await writer.start(200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())])
                     self.metrics.observe_ttfb(generation.route, trio.current_time() - started)
-                    await writer.respond(answer.status, client_headers(answer.headers, worker.id), answer.body)
-                    return answer.status
-                first = await first_stream_chunk(response, worker.url, idle_s)
-                lease.judge(Outcome.SUCCESS)
-                await writer.start(200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())])
-                self.metrics.observe_ttfb(generation.route, trio.current_time() - started)
-                await relay_stream(response, first, writer, worker.url, idle_s)
-                return 200
+                    await relay_stream(response, first, writer, worker.url, idle_s)
+                    return 200
+                answer = await read_answer(response, worker.url, idle_s)
+            # The upstream connection is back in the pool before a slow client is written to.
+            judge_answer(answer, worker.url, expect_json=not generation.stream)
         except AttemptFailed as failure:
             lease.judge(Outcome.FAULT if failure.fault else Outcome.NEUTRAL)
             failure.worker_id = worker.id
             raise
+        lease.judge(Outcome.SUCCESS if answer.status < 400 else Outcome.NEUTRAL)
+        self.metrics.observe_ttfb(generation.route, trio.current_time() - started)
+        await writer.respond(answer.status, client_headers(answer.headers, worker.id), answer.body)
+        return answer.status
 
     def _note_failure(self, failure: AttemptFailed, attempts: AttemptLog) -> None:
         worker_id = failure.worker_id or "?"
