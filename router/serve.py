@@ -219,6 +219,8 @@ def main(argv: Sequence[str]) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    # httpx logs every health check and etcd call at INFO: decisions, not traffic, belong here.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if args.reuse_port:
         settings = dataclasses.replace(settings, reuse_port=True)
     if settings.server == "hypercorn" and importlib.util.find_spec("hypercorn") is None:

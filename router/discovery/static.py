@@ -14,6 +14,7 @@ import httpx
 import trio
 
 from router.discovery import DiscoveryHealth
+from router.discovery.backoff import Backoff
 from router.workers import Fleet, WorkerRecord
 
 log = logging.getLogger("router.discovery.static")
@@ -42,13 +43,15 @@ async def serve_static_discovery(
     records: Sequence[WorkerRecord],
     http: httpx.AsyncClient,
     *,
-    retry_interval_s: float = 2.0,
+    retry_interval_s: float = 1.0,
+    max_retry_interval_s: float = 30.0,
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Put `records` in the fleet; ready once every worker had one chance to name its model.
 
-    Workers whose model is still unknown are retried every `retry_interval_s` until they
-    answer, then the task returns.
+    Workers whose model is still unknown are retried, `retry_interval_s` doubling up to
+    `max_retry_interval_s` (an engine loading weights can take minutes), until they answer;
+    then the task returns.
     """
     pending: list[WorkerRecord] = []
     for record in records:
@@ -74,6 +77,7 @@ async def serve_static_discovery(
         if await resolve(record):
             resolved.add(record.id)
 
+    backoff = Backoff(retry_interval_s, max_retry_interval_s)
     first = True
     while pending:
         async with trio.open_nursery() as nursery:
@@ -84,6 +88,6 @@ async def serve_static_discovery(
             task_status.started(health)
             first = False
         if pending:
-            await trio.sleep(retry_interval_s)
+            await trio.sleep(backoff.failure())
     if first:
         task_status.started(health)

@@ -13,6 +13,12 @@ import trio
 
 from router.fake_worker.behaviour import FailMode
 from router.fake_worker.engine import serve_fake_worker
+from router.fake_worker.registration import (
+    FakeRegistration,
+    add_registration_arguments,
+    register_and_drain,
+    registration_options,
+)
 from router.fake_worker.settings import ENGINES, PD_PROTOCOLS, ROLES, FakeWorkerSettings
 
 EXIT_BIND_FAILED = 3
@@ -59,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     fail.add_argument(
         "--fail-after-chunks", type=int, default=0, help="data events before a midstream break"
     )
+    add_registration_arguments(parser)
     return parser
 
 
@@ -91,9 +98,10 @@ def parse_settings(argv: list[str]) -> FakeWorkerSettings:
         parser.error(str(exc))
 
 
-async def run(settings: FakeWorkerSettings) -> int:
+async def run(settings: FakeWorkerSettings, registration: FakeRegistration | None = None) -> int:
     """Serve until a signal and return the exit status: the first signal lets in-flight
-    requests finish (up to the grace), a second one stops at once."""
+    requests finish (up to the grace), a second one stops at once. A registered worker
+    first drains and deregisters (see `register_and_drain`), still serving meanwhile."""
     shutdown = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -106,6 +114,9 @@ async def run(settings: FakeWorkerSettings) -> int:
                 )
                 return EXIT_BIND_FAILED
             print(f"fake-worker listening on {url}", flush=True)
+            if registration is not None:
+                await register_and_drain(registration, settings, url, signals)
+                shutdown.set()
             async for _ in signals:
                 if shutdown.is_set():
                     nursery.cancel_scope.cancel()
@@ -127,4 +138,5 @@ async def _serve(
 
 
 def main(argv: list[str]) -> int:
-    return trio.run(run, parse_settings(argv))
+    settings = parse_settings(argv)
+    return trio.run(run, settings, registration_options(build_parser(), argv))

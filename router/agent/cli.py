@@ -1,0 +1,195 @@
+"""`router agent`: register an engine in etcd, keep it registered, drain it on SIGTERM.
+
+Runs beside the engine (same machine or Pod). It waits for the engine's `/health`, then
+registers; on SIGTERM or SIGINT it announces DRAINING, waits until the engine's own
+`/metrics` show no work, deregisters and exits 0. A second signal cuts the wait short
+(the worker still deregisters). It never stops the engine: that is the caller's job.
+
+Exit status: 0 after a signal, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from urllib.parse import urlsplit
+
+import httpx
+import trio
+
+from router.agent.advertise import (
+    advertised_url,
+    etcd_endpoint_url,
+    loopback_warning,
+    worker_record,
+)
+from router.agent.drain import DrainSettings, read_engine_load
+from router.agent.engine_metrics import ENGINES
+from router.agent.registration import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, run_registered
+from router.workers import Role, WorkerRecord
+
+log = logging.getLogger("router.agent")
+ENGINE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    engine_url: str
+    engine: str
+    etcd_endpoint: str
+    etcd_prefix: str
+    advertise_host: str
+    record: WorkerRecord
+    lease_ttl_s: int
+    drain: DrainSettings
+    health_poll_s: float
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="router agent",
+        description="Register an engine in etcd for the router, and drain it on SIGTERM.",
+    )
+    engine = parser.add_argument_group("the engine")
+    engine.add_argument("--engine-url", required=True, help="where this agent reaches the engine, e.g. http://127.0.0.1:30000")
+    engine.add_argument("--model", required=True, help="the model id the engine serves")
+    engine.add_argument("--engine", choices=sorted(ENGINES), default="sglang", help="engine kind: its /metrics names (default sglang)")
+    engine.add_argument("--role", choices=[r.value for r in Role], default="mixed", help="PD role (default mixed)")
+    engine.add_argument("--bootstrap-port", type=int, default=None, help="prefill only: the KV bootstrap port decodes pull from")
+    engine.add_argument("--pd-protocol", default="mooncake", help="prefill only: KV transfer backend (default mooncake)")
+    engine.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks behind this URL (default 1)")
+    engine.add_argument("--dp-rank", type=int, default=None, help="the one rank this URL serves, if it serves one")
+    engine.add_argument("--health-poll-s", type=float, default=1.0, help="how often to ask the engine's /health before registering (default 1)")
+    etcd = parser.add_argument_group("registration")
+    etcd.add_argument("--etcd-endpoint", default="http://127.0.0.1:2379", help="etcd client URL (default http://127.0.0.1:2379)")
+    etcd.add_argument("--etcd-prefix", default=DEFAULT_PREFIX, help=f"key prefix of worker records (default {DEFAULT_PREFIX})")
+    etcd.add_argument("--advertise-host", default=None, help="host routers reach the engine at (default: the --engine-url host)")
+    etcd.add_argument("--worker-id", default=None, help="worker id and key suffix (default: advertised host:port)")
+    etcd.add_argument("--lease-ttl-s", type=int, default=DEFAULT_LEASE_TTL_S, help=f"lease TTL; heartbeats every third of it (default {DEFAULT_LEASE_TTL_S})")
+    drain = parser.add_argument_group("drain on SIGTERM")
+    drain.add_argument("--drain-settle-s", type=float, default=6.0, help="zero load must hold this long (default 6)")
+    drain.add_argument("--drain-timeout-s", type=float, default=300.0, help="give up waiting after this long (default 300)")
+    drain.add_argument("--drain-poll-s", type=float, default=0.5, help="seconds between /metrics readings (default 0.5)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return parser  # fmt: skip
+
+
+def options_from_args(args: argparse.Namespace) -> AgentOptions:
+    """Validated options; a ValueError names the flag that is wrong."""
+    engine_url = args.engine_url.rstrip("/")
+    engine_host = urlsplit(engine_url).hostname
+    if urlsplit(engine_url).scheme not in ("http", "https") or not engine_host:
+        raise ValueError(f"--engine-url must be http(s)://HOST:PORT, got {args.engine_url!r}")
+    advertise_host = args.advertise_host or engine_host
+    url = advertised_url(engine_url, advertise_host)
+    if args.role == "prefill" and args.bootstrap_port is None:
+        raise ValueError("--role prefill needs --bootstrap-port (decodes pull KV from it)")
+    if args.lease_ttl_s < 1:
+        raise ValueError(f"--lease-ttl-s must be >= 1, got {args.lease_ttl_s}")
+    if not args.health_poll_s > 0:
+        raise ValueError(f"--health-poll-s must be > 0, got {args.health_poll_s}")
+    record = worker_record(
+        worker_id=args.worker_id or url.split("://", 1)[1],
+        url=url,
+        model=args.model,
+        role=args.role,
+        engine=args.engine,
+        dp_size=args.dp_size,
+        dp_rank=args.dp_rank,
+        bootstrap_port=args.bootstrap_port,
+        pd_protocol=args.pd_protocol,
+    )
+    return AgentOptions(
+        engine_url=engine_url,
+        engine=args.engine,
+        etcd_endpoint=etcd_endpoint_url(args.etcd_endpoint),
+        etcd_prefix=args.etcd_prefix,
+        advertise_host=advertise_host,
+        record=record,
+        lease_ttl_s=args.lease_ttl_s,
+        drain=DrainSettings(
+            poll_interval_s=args.drain_poll_s,
+            settle_s=args.drain_settle_s,
+            timeout_s=args.drain_timeout_s,
+        ),
+        health_poll_s=args.health_poll_s,
+    )
+
+
+async def wait_engine_healthy(http: httpx.AsyncClient, health_url: str, poll_s: float) -> None:
+    """Return once `health_url` answers 200, asking every `poll_s` (an engine loading its
+    weights answers 503 or refuses connections for minutes). Logs the first wait only."""
+    waiting_since: float | None = None
+    while True:
+        try:
+            response = await http.get(health_url, timeout=ENGINE_TIMEOUT_S)
+            if response.status_code == 200:
+                if waiting_since is not None:
+                    log.info("engine is healthy after %.1fs", trio.current_time() - waiting_since)
+                return
+            reason = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            reason = type(exc).__name__
+        if waiting_since is None:
+            waiting_since = trio.current_time()
+            log.info("waiting for the engine at %s to be healthy (%s)", health_url, reason)
+        await trio.sleep(poll_s)
+
+
+async def prepare_engine(http: httpx.AsyncClient, options: AgentOptions) -> None:
+    """Wait for the engine's health, then read its load once, so an engine whose work
+    cannot be read is reported at start rather than discovered at the first SIGTERM."""
+    await wait_engine_healthy(http, options.engine_url + "/health", options.health_poll_s)
+    load = await read_engine_load(http, options.engine_url + "/metrics", options.engine)
+    if load.total is None:
+        log.warning(
+            "the engine's /metrics do not show its %s load: a drain will not be able to wait "
+            "for its in-flight requests (SGLang exports them only with --enable-metrics)",
+            options.engine,
+        )
+
+
+async def run_agent(options: AgentOptions) -> int:
+    """Run until a signal ends the drain; the exit status."""
+    engine_url = options.engine_url
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with httpx.AsyncClient(timeout=ENGINE_TIMEOUT_S) as http:
+            await run_registered(
+                options.etcd_endpoint,
+                options.etcd_prefix,
+                options.record,
+                lease_ttl_s=options.lease_ttl_s,
+                read_load=partial(read_engine_load, http, engine_url + "/metrics", options.engine),
+                drain_settings=options.drain,
+                signals=signals,
+                before_registering=partial(prepare_engine, http, options),
+            )
+    log.info("agent stopped")
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    warning = loopback_warning(options.advertise_host, options.etcd_endpoint)
+    if warning:
+        log.warning("%s", warning)
+    log.info(
+        "agent for %s (%s, %s) registering at %s%s",
+        options.record.url, options.record.role.value, options.engine,
+        options.etcd_endpoint, options.etcd_prefix,
+    )  # fmt: skip
+    return trio.run(run_agent, options)

@@ -1,0 +1,61 @@
+"""Fake workers registered in etcd in-process, through the agent's own registration code.
+
+`register` starts `serve_registration` in a cancel scope of the caller's nursery and
+returns the `Registration` with that scope: cancelling the scope stops the heartbeat
+without revoking anything, which is what a crashed worker looks like to etcd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from router.agent.advertise import worker_record
+from router.agent.registration import Registration, serve_registration
+from router.workers import WorkerRecord
+
+PREFIX = "/test/workers/"
+MODEL = "fake-model"
+
+
+@dataclass(slots=True)
+class Registered:
+    registration: Registration
+    crash_scope: trio.CancelScope
+
+    def crash(self) -> None:
+        """Stop heartbeats without revoking: the key lives until its lease expires."""
+        self.crash_scope.cancel()
+
+
+def record_for(worker_id: str, url: str) -> WorkerRecord:
+    return worker_record(worker_id=worker_id, url=url, model=MODEL, role="mixed", engine="sglang")
+
+
+async def register(
+    nursery: trio.Nursery,
+    etcd_url: str,
+    record: WorkerRecord,
+    *,
+    lease_ttl_s: int,
+    prefix: str = PREFIX,
+) -> Registered:
+    """Register `record` and return once it is in etcd (retrying while etcd is down)."""
+    scope = trio.CancelScope()
+
+    async def run(*, task_status: trio.TaskStatus[Registration]) -> None:
+        with scope:
+            await serve_registration(
+                etcd_url, prefix, record, lease_ttl_s=lease_ttl_s, task_status=task_status
+            )
+
+    registration: Registration = await nursery.start(run)
+    return Registered(registration, scope)
+
+
+async def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
+    """Poll `condition`: a router's view of its fleet offers no event to wait on."""
+    while not condition():  # noqa: ASYNC110
+        await trio.sleep(poll_s)
