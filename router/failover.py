@@ -55,6 +55,19 @@ class Lease:
     permit: Permit | None
     rank: int | None
     judged: bool = False
+    committed: bool = False
+    """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
+
+    async def commit(self) -> None:
+        """Pass the point of no return, unless the attempt was cancelled meanwhile.
+
+        A PD partner's failure cancels this attempt's scope; a task already scheduled to
+        resume would otherwise only see that cancellation at its next checkpoint, which can
+        be inside the client write, after the response started. Checking here first makes
+        "cancelled" and "committed" exclusive.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self.committed = True
 
     def judge(self, outcome: Outcome) -> None:
         """Record the attempt's one verdict on the worker's breaker (later calls do nothing)."""
@@ -233,6 +246,7 @@ class GenerationService:
                 if generation.stream and response.status == 200:
                     first = await first_stream_chunk(response, worker.url, idle_s)
                     lease.judge(Outcome.SUCCESS)
+                    await lease.commit()
                     await writer.start(200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())])
                     self.metrics.observe_ttfb(generation.route, trio.current_time() - started)
                     await relay_stream(response, first, writer, worker.url, idle_s)
@@ -245,6 +259,7 @@ class GenerationService:
             failure.worker_id = worker.id
             raise
         lease.judge(Outcome.SUCCESS if answer.status < 400 else Outcome.NEUTRAL)
+        await lease.commit()
         self.metrics.observe_ttfb(generation.route, trio.current_time() - started)
         await writer.respond(answer.status, client_headers(answer.headers, worker.id), answer.body)
         return answer.status

@@ -191,7 +191,7 @@ class PDDispatcher:
         status: int | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._prefill_leg, prefill_lease, raw, generation, request, writer, attempts)
+                nursery.start_soon(self._prefill_leg, prefill_lease, decode_lease, raw, generation, request, attempts)
                 try:
                     status = await service.exchange(decode_lease, raw, generation, request, writer, started)
                 except AttemptFailed:
@@ -205,8 +205,8 @@ class PDDispatcher:
         return status
 
     async def _prefill_leg(
-        self, lease: Lease, raw: bytes, generation: GenerationRequest, request: Request,
-        writer: ResponseWriter, attempts: AttemptLog,
+        self, lease: Lease, decode_lease: Lease, raw: bytes, generation: GenerationRequest,
+        request: Request, attempts: AttemptLog,
     ) -> None:
         """Send the prefill request, read its answer and discard it.
 
@@ -231,7 +231,7 @@ class PDDispatcher:
             lease.judge(Outcome.FAULT if failure.fault else Outcome.NEUTRAL)
             failure.worker_id = worker.id
             self._leg_failed(worker, attempts)
-            if writer.started:
+            if decode_lease.committed:
                 log.warning("prefill %s failed after the decode answered: %s", worker.id, failure.detail)
                 return
             raise
