@@ -1,0 +1,198 @@
+"""`conformance`: run the YAML spec against data planes, validate it, list it.
+
+    conformance run [--plane python|smg|all|module:Class] [--case GLOB] [--tag T]
+                    [--report-md FILE] [--junit FILE] [--jobs N] [--run-unsupported]
+    conformance validate [PATH ...]
+    conformance list [--case GLOB] [--tag T]
+
+Exit status: 0 when every case passed or is a listed divergence or unsupported; 1 on any
+fail, stale divergence or case that could not run; 2 on bad arguments or an invalid spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from conformance.divergences import Divergence, load_divergences, unknown_cases
+from conformance.loader import default_spec_root, load_cases, select_cases
+from conformance.model import Case
+from conformance.nodes import SpecError
+from conformance.planes import PLANES, Plane, resolve_plane
+from conformance.report import RunInfo, junit, markdown
+from conformance.runner import FAILING, Outcome, RunOptions, run_suite
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conformance", description="Play the conformance spec against data planes.")
+    parser.add_argument("--spec", type=Path, default=None, help="spec root folder (default: ./spec)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run cases against planes and report parity")
+    run.add_argument("--plane", action="append", default=None,
+                     help=f"{', '.join(PLANES)}, all, or module:Class (repeatable; default all)")
+    _selection(run)
+    run.add_argument("--report-md", type=Path, default=None, help="write the parity matrix as Markdown")
+    run.add_argument("--junit", type=Path, default=None, help="write JUnit XML")
+    run.add_argument("--jobs", type=int, default=4, help="(case, plane) pairs run at once (default 4)")
+    run.add_argument("--run-unsupported", action="store_true",
+                     help="run cases a plane lacks a capability for anyway, to observe it")
+    run.add_argument("-v", "--verbose", action="store_true", help="print every failure line as cases finish")
+
+    validate = commands.add_parser("validate", help="check case files and divergence files")
+    validate.add_argument("paths", nargs="*", type=Path, help="case files or folders (default: the spec root)")
+
+    listing = commands.add_parser("list", help="list cases with their tags and what each plane makes of them")
+    _selection(listing)
+    return parser
+
+
+def _selection(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--case", action="append", default=[], metavar="GLOB", help="case ids matching GLOB (repeatable)")
+    parser.add_argument("--tag", action="append", default=[], help="only cases with this tag (repeatable)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    root: Path = args.spec or default_spec_root()
+    if args.command == "validate":
+        # Divergence files list cases of the repository's spec; another root has others.
+        return validate(args.paths or [root], root, check_divergence_ids=args.spec is None)
+    loaded = load_cases([root], root)
+    if loaded.errors:
+        for error in loaded.errors:
+            print(f"invalid case: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    cases = select_cases(loaded.cases, args.case, args.tag)
+    if not cases:
+        print("no case matches the selection", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "list":
+        return list_cases(cases)
+    try:
+        planes = _planes(args.plane or ["all"])
+    except (ValueError, ImportError) as exc:
+        print(f"conformance: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return run(cases, planes, args, argv)
+
+
+def _planes(names: Sequence[str]) -> list[Plane]:
+    expanded: list[str] = []
+    for name in names:
+        for part in name.split(","):
+            expanded += list(PLANES) if part == "all" else [part]
+    return [resolve_plane(name) for name in dict.fromkeys(expanded)]
+
+
+def validate(paths: Sequence[Path], root: Path, check_divergence_ids: bool = True) -> int:
+    """Report every invalid case file and divergence file; 0 when all are valid.
+
+    With `check_divergence_ids`, a divergence entry that names no case under `root` is an
+    error too."""
+    loaded = load_cases(paths, root)
+    errors: list[SpecError] = list(loaded.errors)
+    if not loaded.cases and not errors:
+        print(f"no case files under {', '.join(map(str, paths))}", file=sys.stderr)
+        return EXIT_USAGE
+    all_ids = {case.id for case in load_cases([root], root).cases} if check_divergence_ids and root.is_dir() else set()
+    for plane_cls in PLANES.values():
+        path = plane_cls.divergences
+        if path is None:
+            continue
+        try:
+            divergences = load_divergences(path)
+        except SpecError as bad_file:
+            errors.append(bad_file)
+            continue
+        if all_ids:
+            errors += unknown_cases(path, divergences, all_ids)
+    for problem in errors:
+        print(problem, file=sys.stderr)
+    print(f"{len(loaded.cases)} valid case(s), {len(errors)} error(s)")
+    return EXIT_USAGE if errors else EXIT_OK
+
+
+def list_cases(cases: Sequence[Case]) -> int:
+    planes = [cls() for cls in PLANES.values()]
+    divergences = {p.name: _divergences(p) for p in planes}
+    for case in cases:
+        verdicts = []
+        for plane in planes:
+            missing = case.capabilities_needed() - plane.capabilities
+            if missing:
+                verdicts.append(f"{plane.name}: unsupported")
+            elif case.id in divergences[plane.name]:
+                verdicts.append(f"{plane.name}: divergent")
+            else:
+                verdicts.append(f"{plane.name}: runs")
+        tags = ",".join(case.tags) or "-"
+        print(f"{case.id:<48} [{tags}] {'; '.join(verdicts)}")
+        print(f"    {case.name}")
+    print(f"{len(cases)} case(s)")
+    return EXIT_OK
+
+
+def _divergences(plane: Plane) -> dict[str, Divergence]:
+    return load_divergences(plane.divergences)
+
+
+def run(cases: Sequence[Case], planes: Sequence[Plane], args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    try:
+        divergences = {plane.name: _divergences(plane) for plane in planes}
+    except SpecError as bad_file:
+        print(f"invalid divergence file: {bad_file}", file=sys.stderr)
+        return EXIT_USAGE
+    total = len(cases) * len(planes)
+    done = 0
+
+    def progress(outcome: Outcome) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done:>3}/{total}] {outcome.verdict:<11} {outcome.plane:<7} {outcome.case_id} ({outcome.seconds:.1f}s)"
+              + (f"  {outcome.detail.splitlines()[0]}" if outcome.detail and outcome.verdict != "pass" else ""),
+              flush=True)
+        if outcome.verdict in FAILING or args.verbose:
+            for line in [*outcome.detail.splitlines()[1:], *outcome.failures]:
+                print(f"        {line}", flush=True)
+        if args.verbose and outcome.plane_log:
+            print(f"        last output of {outcome.plane}:", flush=True)
+            for line in outcome.plane_log.splitlines():
+                print(f"          | {line}", flush=True)
+
+    options = RunOptions(jobs=args.jobs, run_unsupported=args.run_unsupported, on_outcome=progress)
+    versions = {plane.name: plane.version() for plane in planes}
+    print(f"running {len(cases)} case(s) on {', '.join(f'{n} ({v})' for n, v in versions.items())}, {args.jobs} at a time",
+          flush=True)
+    started = time.monotonic()
+    outcomes = trio.run(run_suite, cases, planes, divergences, options)
+    seconds = time.monotonic() - started
+    command = "conformance " + shlex.join(list(sys.argv[1:] if argv is None else argv))
+    info = RunInfo(
+        planes=versions,
+        capabilities={plane.name: plane.capabilities for plane in planes},
+        command=command,
+        seconds=seconds,
+        jobs=args.jobs,
+    )
+    if args.report_md is not None:
+        args.report_md.parent.mkdir(parents=True, exist_ok=True)
+        args.report_md.write_text(markdown(cases, outcomes, info), encoding="utf-8")
+    if args.junit is not None:
+        args.junit.parent.mkdir(parents=True, exist_ok=True)
+        args.junit.write_text(junit(outcomes, info), encoding="utf-8")
+    counts = {v: sum(1 for o in outcomes if o.verdict == v) for v in ("pass", "divergent", "unsupported", "fail", "stale", "error")}
+    print(f"done in {seconds:.1f}s: " + ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count))
+    return EXIT_FAILED if any(o.verdict in FAILING for o in outcomes) else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

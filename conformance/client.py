@@ -1,0 +1,165 @@
+"""Requests to a plane, as a client would make them, and what came back.
+
+Nothing here judges an answer; it records status, headers, body and how a stream ended,
+so that `conformance.expect` can compare them with a case's expectations.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import trio
+
+from conformance.model import ROUTES, RequestSpec
+
+
+@dataclass(slots=True)
+class Answer:
+    """One request's outcome. `status` is None when no HTTP status arrived at all."""
+
+    status: int | None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    transport_error: str | None = None
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+    def error_field(self, name: str) -> str | None:
+        """`error.<name>` of an OpenAI-shaped error body (or a bare string `error`)."""
+        data = self.json()
+        if not isinstance(data, dict):
+            return None
+        error = data.get("error")
+        if isinstance(error, dict):
+            value = error.get(name)
+            return None if value is None else str(value)
+        if isinstance(error, str) and name == "message":
+            return error
+        value = data.get(name)
+        return None if value is None else str(value)
+
+    def excerpt(self, limit: int = 160) -> str:
+        if not self.body:
+            return "(empty body)" if self.transport_error is None else f"(empty body; {self.transport_error})"
+        text = self.body.decode("utf-8", "replace").replace("\n", "\\n")
+        return text if len(text) <= limit else text[:limit] + "..."
+
+
+def default_body(route: str, model: str, stream: bool) -> dict[str, Any]:
+    if route == "chat":
+        return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream}
+    if route == "completions":
+        return {"model": model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    return {"model": model, "text": "hello", "sampling_params": {"max_new_tokens": 4}, "stream": stream}
+
+
+def request_body(request: RequestSpec, default_model: str) -> dict[str, Any]:
+    """The default body for the route, with the step's overrides (null removes a key)."""
+    body = default_body(request.route, request.model or default_model, request.stream)
+    for key, value in request.body.items():
+        if value is None:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    return body
+
+
+async def send_one(
+    client: httpx.AsyncClient, base_url: str, request: RequestSpec, default_model: str
+) -> Answer:
+    """Make one request and read its answer to the end (a stream until it closes).
+
+    A broken connection is recorded in `transport_error`, keeping whatever arrived.
+    Cancellation: the connection is closed.
+    """
+    url = base_url + ROUTES[request.route]
+    body = request_body(request, default_model)
+    answer = Answer(status=None)
+    try:
+        with trio.fail_after(request.timeout_s):
+            async with client.stream("POST", url, json=body, headers=dict(request.headers)) as response:
+                answer.status = response.status_code
+                answer.headers = {k.lower(): v for k, v in response.headers.items()}
+                chunks = []
+                try:
+                    async for chunk in response.aiter_raw():
+                        chunks.append(chunk)
+                finally:
+                    answer.body = b"".join(chunks)
+    except trio.TooSlowError:
+        answer.transport_error = f"no complete answer within {request.timeout_s:g}s"
+    except httpx.HTTPError as exc:
+        answer.transport_error = f"{type(exc).__name__}: {exc}"
+    return answer
+
+
+async def send_many(
+    client: httpx.AsyncClient, base_url: str, request: RequestSpec, default_model: str
+) -> list[Answer]:
+    """`request.count` requests, at most `request.concurrency` in flight; answers in order."""
+    answers: list[Answer | None] = [None] * request.count
+    limiter = trio.CapacityLimiter(request.concurrency)
+
+    async def one(index: int) -> None:
+        async with limiter:
+            answers[index] = await send_one(client, base_url, request, default_model)
+
+    if request.concurrency == 1:
+        for index in range(request.count):
+            await one(index)
+    else:
+        async with trio.open_nursery() as nursery:
+            for index in range(request.count):
+                nursery.start_soon(one, index)
+    return [answer for answer in answers if answer is not None]
+
+
+def sse_events(body: bytes) -> list[Mapping[str, str]]:
+    """The events of an SSE body: each a mapping of `event` and `data` (lines joined)."""
+    events: list[Mapping[str, str]] = []
+    for block in body.replace(b"\r\n", b"\n").split(b"\n\n"):
+        if not block.strip():
+            continue
+        event: dict[str, str] = {}
+        for raw in block.decode("utf-8", "replace").split("\n"):
+            name, _, value = raw.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name in ("event", "data"):
+                event[name] = event[name] + "\n" + value if name in event else value
+        if event:
+            events.append(event)
+    return events
+
+
+def stream_end(answer: Answer) -> str:
+    """How a stream ended: `done` ([DONE] last), `error` (an error event last, as an
+    `event: error` or a data payload with an `error` key) or `truncated` (neither)."""
+    events = sse_events(answer.body)
+    if not events:
+        return "truncated"
+    last = events[-1]
+    data = last.get("data", "")
+    if data.strip() == "[DONE]":
+        # A plane may report the error and still close the stream with [DONE].
+        if len(events) > 1 and _is_error(events[-2]):
+            return "error"
+        return "done"
+    return "error" if _is_error(last) else "truncated"
+
+
+def _is_error(event: Mapping[str, str]) -> bool:
+    if event.get("event") == "error":
+        return True
+    try:
+        payload = json.loads(event.get("data", ""))
+    except ValueError:
+        return False
+    return isinstance(payload, dict) and "error" in payload

@@ -1,0 +1,223 @@
+"""Compare what a step produced with what the case expects; pure, no I/O.
+
+Each check returns human-readable failure lines (empty when everything holds). A line
+names the expectation, the expected value and what was seen, so a report can be read
+without the logs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from conformance.client import Answer, stream_end
+from conformance.model import (
+    ALL_WORKERS,
+    NO_STATUS,
+    Case,
+    Expect,
+    HandoffCheck,
+    HeaderCheck,
+    StatusKey,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the fleet's `/debug/routing` said about one step."""
+
+    delta: Mapping[str, int]  # dispatches per worker during the step
+    total: Mapping[str, int]  # dispatches per worker since the case began
+    handoffs: Mapping[str, Sequence[Mapping[str, Any]]]  # handoff fields received during the step
+
+
+def status_of(answer: Answer) -> StatusKey:
+    return NO_STATUS if answer.status is None else answer.status
+
+
+def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
+    failures: list[str] = []
+    seen: Counter[StatusKey] = Counter(status_of(a) for a in answers)
+    if expect.status is not None:
+        wrong = [
+            f"{key}: expected {want}, got {seen.get(key, 0)}"
+            for key, want in expect.status.items()
+            if seen.get(key, 0) not in want
+        ]
+        wrong += [f"{key}: expected none, got {count}" for key, count in seen.items() if key not in expect.status]
+        if wrong:
+            failures.append(f"status: {'; '.join(wrong)} (all: {_counts(seen)}){_sample(answers, expect)}")
+    if expect.error_code is not None:
+        codes = [a.error_field("code") for a in answers]
+        bad = [code for code in codes if code != expect.error_code]
+        if bad:
+            failures.append(
+                f"error_code: expected {expect.error_code!r} on every answer, "
+                f"{len(bad)} of {len(answers)} had {_counts(Counter(map(repr, bad)))}{_first_body(answers)}"
+            )
+    for needle in expect.message_contains:
+        missing = [a for a in answers if needle.lower() not in (a.error_field("message") or "").lower()]
+        if missing:
+            failures.append(
+                f"message_contains: {needle!r} missing from {len(missing)} of {len(answers)} error messages; "
+                f"first: {missing[0].error_field('message')!r}"
+            )
+    for name, check in expect.headers.items():
+        bad_values = [a.headers.get(name) for a in answers if not _header_ok(check, a.headers.get(name))]
+        if bad_values:
+            failures.append(
+                f"headers[{name}]: expected {check} on every answer, {len(bad_values)} of {len(answers)} "
+                f"had {_counts(Counter(map(repr, bad_values)))}"
+            )
+    if expect.body_json:
+        garbled = [a for a in answers if a.json() is None]
+        if garbled:
+            failures.append(
+                f"body_json: {len(garbled)} of {len(answers)} bodies are not JSON; first: {garbled[0].excerpt()}"
+            )
+    if expect.stream_end is not None:
+        ends: Counter[str] = Counter(stream_end(a) for a in answers)
+        if set(ends) != {expect.stream_end}:
+            failures.append(
+                f"stream_end: expected {expect.stream_end} on every stream, got {_counts(ends)}{_last_event(answers)}"
+            )
+    return failures
+
+
+def check_workers(expect: Expect, case: Case, view: WorkerView) -> list[str]:
+    failures: list[str] = []
+    for label, wanted, counts in (
+        ("dispatches", expect.dispatches, view.delta),
+        ("dispatches_total", expect.dispatches_total, view.total),
+    ):
+        for name, want in wanted.items():
+            got = sum(counts.values()) if name == ALL_WORKERS else counts.get(name, 0)
+            if got not in want:
+                failures.append(f"{label}[{name}]: expected {want}, got {got} (per worker: {_counts(counts)})")
+    if expect.handoffs is not None:
+        failures += check_handoffs(expect.handoffs, case, view.handoffs)
+    return failures
+
+
+def check_handoffs(
+    check: HandoffCheck, case: Case, handoffs: Mapping[str, Sequence[Mapping[str, Any]]]
+) -> list[str]:
+    by_role: dict[str, Counter[int]] = {"prefill": Counter(), "decode": Counter()}
+    for name, items in handoffs.items():
+        role = case.worker(name).role
+        if role in by_role:
+            for item in items:
+                by_role[role].update(_rooms(item.get("bootstrap_room")))
+    failures: list[str] = []
+    if check.rooms_match:
+        prefill, decode = by_role["prefill"], by_role["decode"]
+        if not prefill or not decode:
+            failures.append(
+                f"handoffs.rooms_match: no handoff seen (prefill legs {sum(prefill.values())}, "
+                f"decode legs {sum(decode.values())})"
+            )
+        elif prefill != decode:
+            only_prefill = sorted((prefill - decode).elements())[:3]
+            only_decode = sorted((decode - prefill).elements())[:3]
+            failures.append(
+                f"handoffs.rooms_match: the legs saw different rooms (prefill only: {only_prefill}, "
+                f"decode only: {only_decode})"
+            )
+    if check.room_matches_rank:
+        failures += _rank_failures(case, handoffs)
+    return failures
+
+
+def _rank_failures(case: Case, handoffs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """Every handoff to or from a rank-multiplexed prefill names a rank, and room % dp_size
+    equals it: the prefill sees the rank in its header, the decode in
+    `disagg_prefill_dp_rank`."""
+    prefill_by_port = {w.bootstrap_port: w for w in case.fleet if w.role == "prefill"}
+    checked = 0
+    problems: list[str] = []
+    for name, items in handoffs.items():
+        worker = case.worker(name)
+        for item in items:
+            if worker.role == "prefill":
+                dp_size, rank = worker.dp_size, item.get("dp_rank_header")
+                where = f"prefill {name} (header X-Data-Parallel-Rank)"
+            elif worker.role == "decode":
+                prefill = prefill_by_port.get(_int(item.get("bootstrap_port")))
+                dp_size = prefill.dp_size if prefill is not None else _dp_of_only_prefill(case)
+                rank = item.get("disagg_prefill_dp_rank")
+                where = f"decode {name} (field disagg_prefill_dp_rank)"
+            else:
+                continue
+            if dp_size <= 1:
+                continue
+            for room in _rooms(item.get("bootstrap_room")):
+                checked += 1
+                if _int(rank) is None:
+                    problems.append(f"{where}: no rank for room {room}")
+                elif room % dp_size != _int(rank):
+                    problems.append(f"{where}: room {room} % {dp_size} = {room % dp_size}, rank {rank}")
+    if problems:
+        return [f"handoffs.room_matches_rank: {len(problems)} of {checked} rooms wrong; {'; '.join(problems[:3])}"]
+    if checked == 0:
+        return ["handoffs.room_matches_rank: no handoff to or from a rank-multiplexed prefill was seen"]
+    return []
+
+
+def _dp_of_only_prefill(case: Case) -> int:
+    sizes = {w.dp_size for w in case.fleet if w.role == "prefill"}
+    return sizes.pop() if len(sizes) == 1 else 1
+
+
+def _rooms(value: Any) -> list[int]:
+    values = value if isinstance(value, list) else [value]
+    return [room for room in map(_int, values) if room is not None]
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def _header_ok(check: HeaderCheck, value: str | None) -> bool:
+    if not check.present:
+        return value is None
+    if value is None:
+        return False
+    if check.equals is not None:
+        return value == check.equals
+    if check.int_min is not None:
+        return value.strip().isdigit() and int(value) >= check.int_min
+    return True
+
+
+def _counts(counter: Mapping[Any, int]) -> str:
+    return "{" + ", ".join(f"{key}: {count}" for key, count in sorted(counter.items(), key=lambda kv: str(kv[0]))) + "}"
+
+
+def _sample(answers: Sequence[Answer], expect: Expect) -> str:
+    """The first answer whose status was not expected, to show what it said."""
+    wanted = expect.status or {}
+    for answer in answers:
+        if status_of(answer) not in wanted:
+            detail = answer.transport_error or answer.excerpt()
+            return f"; e.g. {status_of(answer)}: {detail}"
+    return ""
+
+
+def _first_body(answers: Sequence[Answer]) -> str:
+    return f"; first body: {answers[0].excerpt()}" if answers else ""
+
+
+def _last_event(answers: Sequence[Answer]) -> str:
+    for answer in answers:
+        tail = answer.body[-160:].decode("utf-8", "replace").replace("\n", "\\n")
+        extra = f" ({answer.transport_error})" if answer.transport_error else ""
+        return f"; first stream ends with: ...{tail}{extra}"
+    return ""

@@ -1,0 +1,120 @@
+"""The Python data plane of this repository: `router serve`, launched as a subprocess."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+
+from conformance.fleet import RunningWorker
+from conformance.model import Case
+from conformance.planes.base import Launch, Plane
+
+# `router serve`'s own default, needed to keep an explicit long cooldown valid.
+DEFAULT_MAX_COOLDOWN_S = 60.0
+
+
+class PythonPlane(Plane):
+    name = "python"
+    divergences: ClassVar[Path | None] = Path(__file__).with_name("python_divergences.yaml")
+    distribution = "trio-router"
+    capabilities = frozenset(
+        {
+            "breaker.single_probe",
+            "breaker.backoff",
+            "breaker.all_open_dispatch",
+            "breaker.all_open_reject",
+            "pd",
+            "pd.mixed_fleet",
+            "dp_rank",
+            # `--workers-file` records carry `status: DRAINING`, as an etcd record would.
+            "worker.status",
+        }
+    )
+    listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
+    stop_grace_s = 2.0
+    command_prefix: ClassVar[tuple[str, ...]] = (sys.executable, "-m", "router.cli", "serve")
+
+    def command(self, launch: Launch) -> list[str]:
+        argv = [
+            *self.command_prefix,
+            "--host", launch.host,
+            "--port", str(launch.port),
+            "--shutdown-grace-s", "0",
+            "--log-level", "info",
+        ]
+        argv += self.fleet_flags(launch)
+        argv += self.settings_flags(launch.case)
+        return argv
+
+    def fleet_flags(self, launch: Launch) -> list[str]:
+        if any(worker.spec.status != "active" for worker in launch.workers):
+            path = launch.workdir / "workers.yaml"
+            path.write_text(yaml.safe_dump({"workers": [_record(w) for w in launch.workers]}))
+            return ["--workers-file", str(path)]
+        flags: list[str] = []
+        for worker in launch.workers:
+            flags += ["--worker", _worker_spec(worker)]
+        return flags
+
+    def settings_flags(self, case: Case) -> list[str]:
+        """The case's neutral settings as `router serve` flags; unset ones keep our defaults."""
+        s = case.settings
+        flags: list[str] = []
+        if s.policy is not None:
+            flags += ["--policy", s.policy]
+        prefill = s.prefill_policy or s.policy
+        decode = s.decode_policy or s.policy
+        if prefill is not None:
+            flags += ["--prefill-policy", prefill]
+        if decode is not None:
+            flags += ["--decode-policy", decode]
+        if s.attempts is not None:
+            flags += ["--max-attempts", str(s.attempts)]
+        b = s.breaker
+        if b.threshold is not None:
+            flags += ["--breaker-failure-threshold", str(b.threshold)]
+        if b.cooldown_s is not None:
+            flags += ["--breaker-cooldown-s", f"{b.cooldown_s:g}"]
+        max_cooldown = b.max_cooldown_s
+        if max_cooldown is None and b.cooldown_s is not None and b.cooldown_s > DEFAULT_MAX_COOLDOWN_S:
+            max_cooldown = b.cooldown_s
+        if max_cooldown is not None:
+            flags += ["--breaker-max-cooldown-s", f"{max_cooldown:g}"]
+        if b.all_open is not None:
+            flags += ["--breaker-all-open", b.all_open]
+        h = s.health
+        if h.interval_s is not None:
+            flags += ["--health-interval-s", f"{h.interval_s:g}", "--health-timeout-s", f"{min(h.interval_s, 2.0):g}"]
+        if h.failure_threshold is not None:
+            flags += ["--health-failure-threshold", str(h.failure_threshold)]
+        if h.success_threshold is not None:
+            flags += ["--health-success-threshold", str(h.success_threshold)]
+        return flags
+
+
+def _worker_spec(worker: RunningWorker) -> str:
+    spec = worker.spec
+    parts = [worker.url, f"model={spec.model}", f"role={spec.role}"]
+    if spec.dp_size > 1:
+        parts.append(f"dp_size={spec.dp_size}")
+    if worker.bootstrap_port is not None:
+        parts.append(f"bootstrap_port={worker.bootstrap_port}")
+    return ",".join(parts)
+
+
+def _record(worker: RunningWorker) -> dict[str, object]:
+    spec = worker.spec
+    record: dict[str, object] = {
+        "url": worker.url,
+        "model": [spec.model],
+        "role": spec.role,
+        "dp_size": spec.dp_size,
+        "status": spec.status.upper(),
+    }
+    if worker.bootstrap_port is not None:
+        record["bootstrap_port"] = worker.bootstrap_port
+    return record

@@ -1,0 +1,146 @@
+"""The SGLang Model Gateway (`smg` on PyPI, Rust), launched as `python -m smg launch`.
+
+Mapping notes, each observed on the binary rather than taken from its help text:
+- it cannot bind port 0, so the runner picks a free port; its Prometheus exporter also
+  listens (default 29000), so every instance gets a free port for that too;
+- it admits a worker only once `/health` and `/v1/models` answer 200, so readiness is
+  "every fleet URL is listed by `GET /workers` and healthy";
+- `--retry-max-retries` counts total attempts, so `attempts` maps to it directly;
+- cooldowns and health intervals are whole seconds;
+- success threshold is set to 1 so that one good probe closes the breaker, as in the spec.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+import trio
+
+from conformance.model import Case
+from conformance.planes.base import Launch, Plane, Unsupported
+from conformance.processes import free_port
+
+POLICIES = {
+    "round_robin": "round_robin",
+    "random": "random",
+    "least_load": "least_load",
+    "power_of_two": "power_of_two",
+    "consistent_hash": "consistent_hashing",
+}
+
+
+class SmgPlane(Plane):
+    name = "smg"
+    divergences: ClassVar[Path | None] = Path(__file__).with_name("smg_divergences.yaml")
+    distribution = "smg"
+    capabilities = frozenset({"breaker.all_open_reject", "pd", "dp_rank"})
+    # Observed with `conformance run --plane smg --run-unsupported -v`.
+    missing_notes: ClassVar[Mapping[str, str]] = {
+        "breaker.single_probe": "half-open admits every request: 8 concurrent requests just after "
+        "the cooldown sent 4 to the half-open worker",
+        "breaker.backoff": "the cooldown never grows: 1.4 s after a failed probe with a 1 s "
+        "cooldown the worker was probed again",
+        "breaker.all_open_dispatch": "with every worker open it answers 503 no_available_workers "
+        "(\"All workers are unavailable (circuit breaker open or unhealthy)\"), 0 dispatches; "
+        "no flag dispatches instead",
+        "worker.status": "static workers have no DRAINING state to learn",
+        "pd.mixed_fleet": "--pd-disaggregation takes prefill and decode workers only",
+    }
+    stop_grace_s = 0.3
+    ready_timeout_s = 40.0
+    command_prefix: ClassVar[tuple[str, ...]] = (sys.executable, "-m", "smg", "launch")
+    log_level: ClassVar[str] = "warn"
+
+    def check(self, case: Case) -> None:
+        b = case.settings.breaker
+        if b.cooldown_s is not None:
+            _whole_seconds(b.cooldown_s, "settings.breaker.cooldown_s")
+        if case.settings.health.interval_s is not None:
+            _whole_seconds(case.settings.health.interval_s, "settings.health.interval_s")
+
+    def command(self, launch: Launch) -> list[str]:
+        self.check(launch.case)
+        argv = [
+            *self.command_prefix,
+            "--host", launch.host,
+            "--port", str(launch.port),
+            "--prometheus-host", launch.host,
+            "--prometheus-port", str(free_port(launch.host)),
+            "--log-level", self.log_level,
+            "--worker-startup-check-interval", "1",
+            "--worker-startup-timeout-secs", "30",
+        ]
+        argv += self.fleet_flags(launch)
+        argv += self.settings_flags(launch.case)
+        return argv
+
+    def fleet_flags(self, launch: Launch) -> list[str]:
+        flags: list[str] = []
+        if any(worker.spec.dp_size > 1 for worker in launch.workers):
+            flags.append("--dp-aware")
+        if not launch.case.is_pd:
+            return [*flags, "--worker-urls", *(worker.url for worker in launch.workers)]
+        flags.append("--pd-disaggregation")
+        for worker in launch.workers:
+            if worker.spec.role == "prefill":
+                flags += ["--prefill", worker.url, str(worker.bootstrap_port)]
+            elif worker.spec.role == "decode":
+                flags += ["--decode", worker.url]
+            else:
+                raise Unsupported("smg serves either a PD fleet or mixed workers, not both at once")
+        return flags
+
+    def settings_flags(self, case: Case) -> list[str]:
+        s = case.settings
+        # smg's own default policy is cache_aware; round_robin is the neutral default.
+        flags = ["--policy", POLICIES[s.policy or "round_robin"]]
+        if s.prefill_policy is not None:
+            flags += ["--prefill-policy", POLICIES[s.prefill_policy]]
+        if s.decode_policy is not None:
+            flags += ["--decode-policy", POLICIES[s.decode_policy]]
+        if s.attempts is not None:
+            flags += ["--retry-max-retries", str(s.attempts)]
+        b = s.breaker
+        if b.threshold == 0:
+            flags.append("--disable-circuit-breaker")
+        else:
+            flags += ["--cb-success-threshold", "1"]
+            if b.threshold is not None:
+                flags += ["--cb-failure-threshold", str(b.threshold)]
+            if b.cooldown_s is not None:
+                flags += ["--cb-timeout-duration-secs", str(int(b.cooldown_s))]
+        h = s.health
+        if h.interval_s is not None:
+            flags += ["--health-check-interval-secs", str(int(h.interval_s)), "--health-check-timeout-secs", "1"]
+        if h.failure_threshold is not None:
+            flags += ["--health-failure-threshold", str(h.failure_threshold)]
+        if h.success_threshold is not None:
+            flags += ["--health-success-threshold", str(h.success_threshold)]
+        return flags
+
+    async def wait_ready(self, client: httpx.AsyncClient, url: str, launch: Launch) -> None:
+        """Every fleet URL is listed by `GET /workers` (as itself or as `URL@rank` under
+        `--dp-aware`) and every listed worker is healthy."""
+        wanted = {worker.url for worker in launch.workers}
+        while True:
+            try:
+                response = await client.get(url + "/workers", timeout=2.0)
+                if response.status_code == 200:
+                    entries = response.json().get("workers", [])
+                    listed = {str(entry.get("url", "")).split("@")[0].rstrip("/") for entry in entries}
+                    healthy = all(entry.get("is_healthy") for entry in entries)
+                    if wanted <= listed and healthy:
+                        return
+            except (httpx.HTTPError, ValueError):
+                pass
+            await trio.sleep(0.1)
+
+
+def _whole_seconds(value: float, field: str) -> None:
+    if value < 1 or not math.isclose(value, round(value)):
+        raise Unsupported(f"{field} is {value:g}s; smg takes whole seconds (at least 1)")

@@ -1,0 +1,159 @@
+"""Child processes the runner owns: fake workers and planes, with their output kept.
+
+`open_process` starts a command in a nursery of its own, drains its merged stdout and
+stderr into an `OutputLog` (so a chatty process never blocks on a full pipe, and a
+failure report can show its last lines), and stops it when the block exits: SIGTERM,
+then SIGKILL once the grace is over.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+
+LOG_LINES = 300
+
+
+class ProcessFailed(RuntimeError):
+    """A child process that exited, or never said what was waited for."""
+
+
+@dataclass(slots=True)
+class OutputLog:
+    """The last lines a process printed, and a way to wait for one that matches."""
+
+    name: str
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
+    total: int = 0
+    closed: bool = False
+    _changed: trio.Event = field(default_factory=trio.Event)
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        self.total += 1
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def tail(self, count: int = 25) -> str:
+        return "\n".join(list(self.lines)[-count:])
+
+    async def wait_for(self, pattern: re.Pattern[str]) -> re.Match[str]:
+        """The first line (already printed or still to come) that matches `pattern`.
+
+        Raises ProcessFailed if the output ends first. Cancellation: nothing to undo.
+        """
+        seen = 0
+        while True:
+            # Only lines added since the last look; the deque may have dropped older ones.
+            fresh = min(self.total - seen, len(self.lines))
+            for line in list(self.lines)[len(self.lines) - fresh :]:
+                match = pattern.search(line)
+                if match:
+                    return match
+            seen = self.total
+            if self.closed:
+                raise ProcessFailed(f"{self.name} exited before printing {pattern.pattern!r}:\n{self.tail()}")
+            await self._changed.wait()
+
+
+@dataclass(slots=True)
+class Child:
+    process: trio.Process
+    output: OutputLog
+
+    @property
+    def exited(self) -> bool:
+        return self.process.returncode is not None
+
+
+async def _stop(grace_s: float, process: trio.Process) -> None:
+    """trio's `deliver_cancel` hook: SIGTERM, then SIGKILL after `grace_s`."""
+    if grace_s > 0:
+        process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace_s):
+            await process.wait()
+            return
+    process.kill()
+
+
+async def _drain(stream: trio.abc.ReceiveStream, log: OutputLog) -> None:
+    pending = b""
+    try:
+        async for chunk in stream:
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            for raw in complete:
+                log.add(_clean(raw))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    if pending:
+        log.add(_clean(pending))
+    log.close()
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _clean(raw: bytes) -> str:
+    return _ANSI.sub("", raw.decode("utf-8", "replace").rstrip("\r"))
+
+
+@asynccontextmanager
+async def open_process(
+    argv: Sequence[str], name: str, *, stop_grace_s: float = 1.0, env: dict[str, str] | None = None
+) -> AsyncIterator[Child]:
+    """Run `argv` for the duration of the block.
+
+    Leaving the block (or cancellation) stops the process: SIGTERM, SIGKILL after
+    `stop_grace_s` (0: SIGKILL at once), and waits for it to exit.
+    """
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    log = OutputLog(name)
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                check=False,
+                env=full_env,
+                deliver_cancel=partial(_stop, stop_grace_s),
+            )
+        )
+        assert process.stdout is not None
+        nursery.start_soon(_drain, process.stdout, log)
+        try:
+            yield Child(process, log)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now, for a program that cannot bind port 0 itself.
+
+    Another process may take it before the program binds it; callers that see a bind
+    failure try again with a new port.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port

@@ -1,0 +1,76 @@
+"""The whole suite, run the way CI runs it: `conformance run --plane P --junit F`.
+
+Every case passes on the Python plane. On smg every case passes, is unsupported, or is a
+divergence listed in `conformance/planes/smg_divergences.yaml`; and every listed
+divergence still happens (a stale one fails the run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from conformance.divergences import load_divergences
+from conformance.planes.smg import SmgPlane
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE_TIMEOUT_S = 400
+
+
+def run_plane(plane: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, ET.Element], str]:
+    junit, markdown = tmp_path / "junit.xml", tmp_path / "parity.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "conformance", "run", "--plane", plane, "--jobs", "4",
+         "--junit", str(junit), "--report-md", str(markdown)],
+        cwd=ROOT, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, check=False,
+    )
+    assert junit.exists(), result.stdout + result.stderr
+    cases = {case.get("name", ""): case for case in ET.parse(junit).getroot().iter("testcase")}
+    return result, cases, markdown.read_text()
+
+
+def verdict(case: ET.Element) -> str:
+    for tag in ("failure", "error"):
+        if case.find(tag) is not None:
+            return tag
+    skipped = case.find("skipped")
+    return "pass" if skipped is None else skipped.get("type", "skipped")
+
+
+def spec_ids() -> set[str]:
+    return {p.relative_to(ROOT / "spec").with_suffix("").as_posix() for p in (ROOT / "spec").rglob("*.yaml")}
+
+
+def test_every_case_passes_on_the_python_plane(tmp_path: Path) -> None:
+    result, cases, markdown = run_plane("python", tmp_path)
+    verdicts = {name: verdict(case) for name, case in cases.items()}
+    assert set(verdicts) == spec_ids()
+    assert {name for name, v in verdicts.items() if v != "pass"} == set(), result.stdout[-4000:]
+    assert result.returncode == 0
+    assert "| python | " in markdown
+
+
+@pytest.mark.smg
+@pytest.mark.skipif(importlib.util.find_spec("smg") is None, reason="smg is not installed")
+def test_smg_passes_or_diverges_as_listed(tmp_path: Path) -> None:
+    result, cases, markdown = run_plane("smg", tmp_path)
+    verdicts = {name: verdict(case) for name, case in cases.items()}
+    assert set(verdicts) == spec_ids()
+    assert {name for name, v in verdicts.items() if v not in ("pass", "divergent", "unsupported")} == set(), (
+        result.stdout[-4000:]
+    )
+    listed = set(load_divergences(SmgPlane.divergences))
+    assert {name for name, v in verdicts.items() if v == "divergent"} == listed
+    unsupported = {name for name, v in verdicts.items() if v == "unsupported"}
+    for name in unsupported:
+        message = cases[name].find("skipped").get("message", "")  # type: ignore[union-attr]
+        assert message.startswith("unsupported: needs ") or "whole seconds" in message, message
+    # Most of the spec runs on smg; a plane that "supports" nothing would pass vacuously.
+    assert sum(1 for v in verdicts.values() if v == "pass") >= len(verdicts) // 2
+    assert result.returncode == 0
+    assert "## Divergences" in markdown
