@@ -1,0 +1,174 @@
+"""`python -m bench`: run the side-by-side benchmark and write docs/performance.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench import report
+from bench.plan import CASES, CONTENDERS, QUICK_CASES
+from bench.procs import BenchError, raise_nofile_limit
+from bench.run import FLEET_SIZE, Bench, Log, Session, dump_json, machine, versions, wrk_version
+from bench.wrk import find_wrk
+
+DEFAULT_OUT = Path("docs/performance.md")
+IDLE_TIMEOUT_S = 90.0
+# Descriptors a process needs besides its streams: listeners, epoll, logs, health checks.
+FD_SPARE = 128
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=(
+            "Measure our router against smg and direct calls on one fake fleet, in "
+            "interleaved rounds, and write the results into a Markdown file with a chart."
+        ),
+    )
+    parser.add_argument("--quick", action="store_true", help=f"1 s runs, cases {', '.join(QUICK_CASES)}, 2,000 idle streams")
+    parser.add_argument("--duration", type=int, default=None, help="seconds per run (whole seconds: wrk's unit; default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of {', '.join(CONTENDERS)}")
+    parser.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--idle-streams", type=int, default=None, help="idle SSE streams held through `ours` (0 skips; default 10,000)")
+    parser.add_argument("--no-burst", action="store_true", help="skip the burst-then-c=1 run")
+    parser.add_argument("--profile", action="store_true", help="also run py-spy on `ours` under unary c=32 and report the top functions")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown file; its results block is replaced (default docs/performance.md)")
+    return parser
+
+
+def _names(text: str, known: Sequence[str], what: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"python -m bench: unknown {what} {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    duration = args.duration if args.duration is not None else (1 if args.quick else 2)
+    cases = _names(args.cases or ",".join(QUICK_CASES if args.quick else CASES), list(CASES), "case")
+    contenders = _names(args.contenders, list(CONTENDERS), "contender")
+    idle_count = args.idle_streams if args.idle_streams is not None else (2000 if args.quick else 10_000)
+    if duration < 1 or args.rounds < 1:
+        raise SystemExit("python -m bench: --duration and --rounds must be at least 1")
+    notes: list[str] = []
+    if "smg" in contenders and importlib.util.find_spec("smg") is None:
+        contenders.remove("smg")
+        notes.append("smg is not installed, so it was left out (pip install smg).")
+    if "ours-hypercorn" in contenders and importlib.util.find_spec("hypercorn") is None:
+        contenders.remove("ours-hypercorn")
+        notes.append("hypercorn is not installed, so ours-hypercorn was left out.")
+    try:
+        wrk = find_wrk()
+    except BenchError as exc:
+        print(f"python -m bench: {exc}", file=sys.stderr)
+        return 2
+
+    started = time.monotonic()
+    nofile = raise_nofile_limit()
+    if idle_count > nofile - FD_SPARE:
+        notes.append(f"The open-file limit ({nofile:,}) caps the idle streams at {nofile - FD_SPARE:,}.")
+        idle_count = nofile - FD_SPARE
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True)
+
+    session = Session(notes=notes)
+    with tempfile.TemporaryDirectory(prefix="bench-") as work:
+        bench = Bench(Path(work), wrk, duration, log, nofile)
+        try:
+            _run(bench, session, contenders, cases, args, idle_count, log)
+        except BenchError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            bench.close()
+
+    header = {
+        **machine(),
+        **versions(),
+        "wrk": wrk_version(wrk),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "rounds": str(args.rounds),
+        "duration": str(duration),
+        "fleet": str(FLEET_SIZE),
+    }
+    header["command"] = header["command"].rstrip()
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.with_suffix(".png")
+    report.write_chart(png, session.measurements)
+    report.write_doc(out, report.results_markdown(session, header, png.name))
+    dump_json(out.with_suffix(".json"), {"header": header, **session.to_json()})
+    log(f"wrote {out}, {png.name} and {out.with_suffix('.json').name}")
+    return 0
+
+
+def _run(
+    bench: Bench,
+    session: Session,
+    contenders: list[str],
+    case_names: list[str],
+    args: argparse.Namespace,
+    idle_count: int,
+    log: Log,
+) -> None:
+    log(f"starting {FLEET_SIZE} fake workers")
+    bench.start_fleet()
+    log(f"starting contenders: {', '.join(contenders)}")
+    bench.start_contenders(contenders)
+    warm = CASES["unary-c32"]
+    for name in contenders:
+        bench.wrk(bench.targets[name], warm.body, warm.connections, 1)
+    for case_name in case_names:
+        case = CASES[case_name]
+        bench.set_pace(case.token_latency_ms)
+        for round_ in range(args.rounds):
+            for name in contenders:
+                m = bench.measure(bench.targets[name], case, round_)
+                session.measurements.append(m)
+                rate = f"{m.requests / m.cpu_s:,.0f}" if m.cpu_s else "n/a"
+                log(
+                    f"{case.name:<11} round {round_ + 1} {name:<15} {m.requests / m.duration_s:8,.0f} req/s "
+                    f"p50 {m.p50_ms:7.2f} ms p99 {m.p99_ms:8.2f} ms err {m.errors:<4} "
+                    f"cpu {m.cpu_s:5.2f} s -> {rate} req/cpu-s"
+                )
+        if case.token_latency_ms:
+            bench.set_pace(0.0)
+    if not args.no_burst:
+        for name in ("ours", "smg"):
+            if name in bench.targets:
+                log(f"burst then quiet: {name}")
+                burst = bench.burst_then_quiet(bench.targets[name], CASES["unary-c256"], CASES["unary-c1"])
+                session.bursts.append(burst)
+                log(f"  c=1 p50 {burst.before.p50_ms:.3f} ms before, {burst.after.p50_ms:.3f} ms after")
+    if args.profile and "ours" in bench.targets:
+        log("profiling ours under unary c=32 (py-spy)")
+        session.profile = bench.profile(bench.targets["ours"], CASES["unary-c32"])
+    if idle_count and "ours" in bench.targets:
+        # A stream holds two sockets in the router: the client's and the worker's.
+        per_process = (bench.nofile - FD_SPARE) // 2
+        plan = [("ours", min(idle_count, per_process))]
+        if per_process < idle_count and "ours-2proc" in bench.targets:
+            plan.append(("ours-2proc", idle_count))
+            session.notes.append(
+                f"The open-file limit ({bench.nofile:,}, which this machine does not let us raise) "
+                f"holds one router process to {per_process:,} streams; the full {idle_count:,} "
+                "were held through ours-2proc."
+            )
+        for name, count in plan:
+            log(f"holding {count:,} idle streams through {name}")
+            held = bench.idle_streams(bench.targets[name], count, IDLE_TIMEOUT_S)
+            session.idle.append(held)
+            log(f"  {held.opened:,} open, RSS {held.rss_held_kb / 1024:,.0f} MB (before {held.rss_before_kb / 1024:,.0f} MB)")
+

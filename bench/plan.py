@@ -1,0 +1,87 @@
+"""What is measured: the cases (request shape and concurrency) and the contenders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+MODEL = "fake-model"
+# A chat stream carries the role event, one event per token, the finish event and [DONE].
+STREAM_EVENTS = 20
+STREAM_TOKENS = STREAM_EVENTS - 3
+UNARY_TOKENS = 16
+PACED_TOKEN_MS = 1.0
+
+
+def chat_body(*, stream: bool, tokens: int) -> bytes:
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say something short."}],
+            "max_tokens": tokens,
+            "stream": stream,
+        }
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One load shape: the body, how many connections, and the fleet's pace meanwhile."""
+
+    name: str
+    title: str
+    connections: int
+    stream: bool
+    token_latency_ms: float = 0.0
+
+    @property
+    def body(self) -> bytes:
+        tokens = STREAM_TOKENS if self.stream else UNARY_TOKENS
+        return chat_body(stream=self.stream, tokens=tokens)
+
+    @property
+    def events(self) -> int:
+        """SSE events per response (0 for unary)."""
+        return STREAM_EVENTS if self.stream else 0
+
+
+CASES: dict[str, Case] = {
+    case.name: case
+    for case in (
+        Case("unary-c1", "unary, c=1", 1, stream=False),
+        Case("unary-c32", "unary, c=32", 32, stream=False),
+        Case("unary-c256", "unary, c=256", 256, stream=False),
+        Case("stream-c32", f"burst stream ({STREAM_EVENTS} events), c=32", 32, stream=True),
+        Case(
+            "paced-c64",
+            f"paced stream ({STREAM_EVENTS} events, {PACED_TOKEN_MS:g} ms apart), c=64",
+            64,
+            stream=True,
+            token_latency_ms=PACED_TOKEN_MS,
+        ),
+    )
+}
+QUICK_CASES = ("unary-c1", "unary-c32", "paced-c64")
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """A way to reach the fleet. `router_flags` is None for the ones that are not our router."""
+
+    name: str
+    description: str
+    router_flags: tuple[str, ...] | None = None
+    processes: int = 1
+
+
+CONTENDERS: dict[str, Contender] = {
+    c.name: c
+    for c in (
+        Contender("direct", "straight to one fake worker (its CPU is the worker's)"),
+        Contender("ours", "router serve, native front (trio + h11)", ()),
+        Contender("ours-hypercorn", "router serve --server hypercorn (ASGI adapter)", ("--server", "hypercorn")),
+        Contender("ours-2proc", "router serve --processes 2 (SO_REUSEPORT)", ("--processes", "2"), processes=2),
+        Contender("smg", "SGLang Model Gateway (Rust), round_robin"),
+    )
+}

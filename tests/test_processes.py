@@ -1,0 +1,88 @@
+"""`router serve --processes N`: children sharing one port, signals passed on, port 0 refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from router.config import Settings
+from router.processes import child_command, run_processes
+from tests.support.fake_fleet import open_fake_fleet
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_port_zero_is_refused_when_processes_would_not_share_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_processes(Settings.defaults(processes=2, port=0), []) == 2
+    assert "needs an explicit --port" in capsys.readouterr().err
+
+
+def test_a_child_runs_the_same_flags_as_one_process_on_a_shared_port() -> None:
+    command = child_command(["--port", "9000", "--processes", "4"])
+    assert command[-6:] == ["9000", "--processes", "4", "--processes", "1", "--reuse-port"]
+
+
+def _children(pid: int) -> list[int]:
+    # Every thread's list: trio starts processes from a worker thread, whose children they are.
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+    return children
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_two_processes_serve_one_port_and_both_stop_on_one_sigterm() -> None:
+    with trio.fail_after(30):
+        async with open_fake_fleet(1) as fleet:
+            port = _free_port()
+            command = [
+                sys.executable, "-m", "router.cli", "serve", "--port", str(port),
+                "--worker", fleet[0].url, "--processes", "2", "--log-level", "warning",
+                "--health-interval-s", "3600",
+            ]
+            process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
+            try:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                    while len(_children(process.pid)) < 2:  # noqa: ASYNC110 - /proc offers no event
+                        await trio.sleep(0.02)
+                    children = _children(process.pid)
+                    answered = 0
+                    while answered < 20:
+                        try:
+                            # A new connection each time, so the kernel picks a process each time.
+                            response = await http.post(
+                                "/v1/chat/completions", json=CHAT, headers={"connection": "close"}
+                            )
+                        except httpx.ConnectError:
+                            await trio.sleep(0.02)  # not listening yet
+                            continue
+                        assert response.status_code == 200
+                        answered += 1
+                assert fleet[0].worker.routing.dispatches == 20
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == 0
+            finally:
+                if process.returncode is None:
+                    process.kill()
+            for child in children:
+                with pytest.raises(ProcessLookupError):
+                    os.kill(child, 0)
