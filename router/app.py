@@ -20,17 +20,6 @@ _POST = b"POST"
 _GET = b"GET, HEAD"
 
 
-class _WrongMethod(MethodNotAllowed):
-    """A 405 that names the methods the route takes (RFC 9110 requires `Allow`)."""
-
-    def __init__(self, message: str, allow: bytes) -> None:
-        super().__init__(message)
-        self.allow = allow
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [*super().headers(), (b"allow", self.allow)]
-
-
 class RouterApp:
     def __init__(
         self, settings: Settings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics,
@@ -54,14 +43,14 @@ class RouterApp:
         try:
             if path in GENERATION_ROUTES:
                 if request.method != "POST":
-                    raise _WrongMethod(f"{path} accepts POST, not {request.method}", _POST)
+                    raise MethodNotAllowed(f"{path} accepts POST, not {request.method}", _POST)
                 await self.generation.handle(request, writer)
                 return
             route = self._get_routes.get(path)
             if route is None:
                 raise NotFound(f"no route {path}")
             if request.method not in ("GET", "HEAD"):
-                raise _WrongMethod(f"{path} accepts GET, not {request.method}", _GET)
+                raise MethodNotAllowed(f"{path} accepts GET, not {request.method}", _GET)
             status, content_type, body = route()
             await writer.respond(status, [(b"content-type", content_type)], body)
         except RouterError as error:

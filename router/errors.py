@@ -46,9 +46,18 @@ class NotFound(RouterError):
 
 
 class MethodNotAllowed(RouterError):
+    """405, naming the methods the route takes (RFC 9110 requires `Allow`)."""
+
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
+
+    def __init__(self, message: str, allow: bytes) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"allow", self.allow)]
 
 
 class ModelNotFound(RouterError):

@@ -6,6 +6,7 @@ Exit status: 0 after a signal, 2 for bad arguments, 3 when the port cannot be bo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 
@@ -74,26 +75,9 @@ def parse_settings(argv: list[str]) -> FakeWorkerSettings:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return FakeWorkerSettings(
-            host=args.host,
-            port=args.port,
-            model=args.model,
-            engine=args.engine,
-            role=args.role,
-            dp_size=args.dp_size,
-            pd_protocol=args.pd_protocol,
-            bootstrap_port=args.bootstrap_port,
-            max_concurrency=args.max_concurrency,
-            startup_delay_s=args.startup_delay_s,
-            shutdown_grace_s=args.shutdown_grace_s,
-            tokens=args.tokens,
-            ttft_ms=args.ttft_ms,
-            token_latency_ms=args.token_latency_ms,
-            fail_first=args.fail_first,
-            fail_status=args.fail_status,
-            fail_mode=FailMode(args.fail_mode),
-            fail_after_chunks=args.fail_after_chunks,
-        )
+        # Every settings field has the flag of the same name (dashes for underscores).
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(FakeWorkerSettings)}
+        return FakeWorkerSettings(**values)
     except ValueError as exc:
         parser.error(str(exc))
 

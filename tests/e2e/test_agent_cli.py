@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -17,21 +16,13 @@ from router.discovery.etcd_client import WatchEvent, open_etcd_client
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from tests.support.cli_process import open_cli, sse_text
-from tests.support.etcd_server import EtcdServer, etcd_available, open_etcd_server
+from tests.support.etcd_server import EtcdServer
 from tests.support.fake_fleet import open_fake_fleet
 
 pytestmark = pytest.mark.etcd
 PREFIX = "/e2e/workers/"
 STARTUP_DELAY_S = 1.0
 SETTLE_S = 0.5
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    if not etcd_available():
-        pytest.skip("no etcd binary on PATH")
-    async with open_etcd_server(tmp_path / "etcd") as server:
-        yield server
 
 
 async def test_agent_waits_for_health_registers_and_drains_on_sigterm(

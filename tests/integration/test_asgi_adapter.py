@@ -19,8 +19,6 @@ from tests.support.fake_fleet import open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router
 
-pytest.importorskip("hypercorn")
-
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 JSON = [("content-type", "application/json")]
 

@@ -4,7 +4,6 @@ it streams a long generation and 30 more requests flow through the router."""
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import trio
 from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.formats import expected_text
 from tests.support.cli_process import open_cli, read_line, sse_text
-from tests.support.etcd_server import EtcdServer, etcd_available, open_etcd_server
+from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import MODEL, PREFIX, record_for, register, wait_until
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.router_instance import open_router
@@ -24,14 +23,6 @@ pytestmark = pytest.mark.etcd
 DRAINEE = "drainee"
 LONG_TOKENS = 200
 SETTLE_S = 1.0
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    if not etcd_available():
-        pytest.skip("no etcd binary on PATH")
-    async with open_etcd_server(tmp_path / "etcd") as server:
-        yield server
 
 
 @dataclass

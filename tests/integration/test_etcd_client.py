@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,18 +25,8 @@ from router.discovery.etcd_client import (
 )
 from tests.support.etcd_server import (
     EtcdServer,
-    etcd_available,
     free_loopback_ports,
-    open_etcd_server,
 )
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    if not etcd_available():
-        pytest.skip("no etcd binary on PATH")
-    async with open_etcd_server(tmp_path / "etcd") as server:
-        yield server
 
 
 async def next_events(watch: AsyncIterator[list[WatchEvent]], count: int) -> list[WatchEvent]:

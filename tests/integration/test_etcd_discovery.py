@@ -4,9 +4,7 @@ outages and malformed records. Workers register through the agent's registration
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from functools import partial
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +12,7 @@ import trio
 
 from router.discovery.etcd_client import open_etcd_client
 from router.serve import RunningRouter
-from tests.support.etcd_server import EtcdServer, etcd_available, open_etcd_server
+from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import (
     MODEL,
     PREFIX,
@@ -27,14 +25,6 @@ from tests.support.router_instance import open_router
 
 pytestmark = pytest.mark.etcd
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    if not etcd_available():
-        pytest.skip("no etcd binary on PATH")
-    async with open_etcd_server(tmp_path / "etcd") as server:
-        yield server
 
 
 async def send(router: RunningRouter, count: int) -> list[str]:

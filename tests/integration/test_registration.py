@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import orjson
 import pytest
 import trio
@@ -13,19 +10,11 @@ from router.agent.drain import DrainResult, DrainSettings
 from router.agent.engine_metrics import EngineLoad
 from router.agent.registration import Registration, drain_and_deregister, serve_registration
 from router.discovery.etcd_client import EtcdClient, open_etcd_client
-from tests.support.etcd_server import EtcdServer, etcd_available, open_etcd_server
+from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import PREFIX, record_for, wait_until
 
 pytestmark = pytest.mark.etcd
 URL = "http://10.0.0.7:30000"
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    if not etcd_available():
-        pytest.skip("no etcd binary on PATH")
-    async with open_etcd_server(tmp_path / "etcd") as server:
-        yield server
 
 
 async def stored(client: EtcdClient, key: str) -> tuple[dict[str, object], int] | None:

@@ -1,0 +1,22 @@
+"""Fixtures shared across the suite."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.etcd_server import EtcdServer, etcd_available, open_etcd_server
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
+    """A real etcd on free loopback ports with its own data dir, stopped afterwards.
+
+    `make test` installs Debian's etcd-server when it is missing; a run without it fails
+    here rather than skipping the discovery tests.
+    """
+    assert etcd_available(), "no etcd binary on PATH: run `make system-deps` (apt-get install -y etcd-server)"
+    async with open_etcd_server(tmp_path / "etcd") as server:
+        yield server
