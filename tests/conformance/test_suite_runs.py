@@ -24,7 +24,7 @@ SUITE_TIMEOUT_S = 400
 def run_plane(plane: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, ET.Element], str]:
     junit, markdown = tmp_path / "junit.xml", tmp_path / "parity.md"
     result = subprocess.run(
-        [sys.executable, "-m", "conformance", "run", "--plane", plane, "--jobs", "4",
+        [sys.executable, "-m", "conformance", "run", "-v", "--plane", plane, "--jobs", "4",
          "--junit", str(junit), "--report-md", str(markdown)],
         cwd=ROOT, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, check=False,
     )
