@@ -85,6 +85,9 @@ async def supervise(command: list[str], count: int) -> int:
     return next((status for status in statuses if status != 0), 0)
 
 
+_KILLED_BY_FORWARDED_SIGNAL = frozenset({-signal.SIGTERM, -signal.SIGINT})
+
+
 class _Stopping:
     """Whether the children were already told to drain, so a child that finished its drain
     does not turn the parent's one signal into a second one for its siblings.
@@ -109,6 +112,11 @@ async def _forward_signals(signals: AsyncIterator[int], stopping: _Stopping) -> 
 
 async def _wait_child(process: trio.Process, stopping: _Stopping, statuses: list[int]) -> None:
     status = await process.wait()
+    if stopping.signalled and status in _KILLED_BY_FORWARDED_SIGNAL:
+        # A child still starting up has no signal handler yet, so the forwarded signal's
+        # default action ends it. It had not begun to listen, so no request was cut:
+        # it stopped as it was asked to.
+        status = 0
     statuses.append(status)
     if not stopping.signalled:
         log.warning("router process %d exited with status %d; stopping the others", process.pid, status)

@@ -86,3 +86,26 @@ async def test_two_processes_serve_one_port_and_both_stop_on_one_sigterm() -> No
             for child in children:
                 with pytest.raises(ProcessLookupError):
                     os.kill(child, 0)
+
+
+async def test_a_sigterm_while_the_processes_start_stops_them_all_cleanly() -> None:
+    # The children have no signal handler until trio runs in them, so the forwarded
+    # SIGTERM ends them by its default action; nothing listened yet, nothing was cut.
+    with trio.fail_after(30):
+        command = [
+            sys.executable, "-m", "router.cli", "serve", "--port", str(_free_port()),
+            "--worker", "http://127.0.0.1:9,model=m", "--processes", "2", "--log-level", "warning",
+        ]
+        process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
+        try:
+            while len(_children(process.pid)) < 2:  # noqa: ASYNC110 - /proc offers no event
+                await trio.sleep(0.005)
+            children = _children(process.pid)
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+    for child in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
