@@ -6,15 +6,17 @@ with or without a worker's answer) so the attempt loop sees one vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import TracebackType
 
 import orjson
 import trio
 
 from router.http.messages import Headers, ResponseWriter
 from router.http.pool import (
+    PooledRequest,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
@@ -84,22 +86,39 @@ def client_headers(worker_headers: Headers, worker_id: str) -> list[tuple[bytes,
     return headers
 
 
-@asynccontextmanager
-async def open_upstream_response(
+def open_upstream_response(
     pool: UpstreamPool, url: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
-) -> AsyncIterator[UpstreamResponse]:
+) -> UpstreamAttempt:
     """Send the request and wait for response headers, within the first-byte deadline.
 
-    A new connection must also be made within the connect deadline, inside the first-byte
-    one: a worker that is not there is given up on long before a slow one would be.
+    An async context manager giving the `UpstreamResponse`. A new connection must also be
+    made within the connect deadline, inside the first-byte one: a worker that is not
+    there is given up on long before a slow one would be.
     Cancellation: the upstream connection is closed, never returned to the pool.
     """
-    async with AsyncExitStack() as stack:
-        with trio.move_on_after(timeouts.first_byte_s) as deadline:
+    return UpstreamAttempt(pool.request(url, "POST", path, headers, body, connect_timeout_s=timeouts.connect_s), url, timeouts)
+
+
+class UpstreamAttempt:
+    """`open_upstream_response`'s context manager: the pool's, with errors translated.
+
+    A plain class rather than a generator-based context manager: it is entered once per
+    upstream request.
+    """
+
+    __slots__ = ("_request", "_timeouts", "_url")
+
+    def __init__(self, request: PooledRequest, url: str, timeouts: Timeouts) -> None:
+        self._request = request
+        self._url = url
+        self._timeouts = timeouts
+
+    async def __aenter__(self) -> UpstreamResponse:
+        url = self._url
+        first_byte_s = self._timeouts.first_byte_s
+        with trio.CancelScope(deadline=trio.current_time() + first_byte_s) as deadline:
             try:
-                response = await stack.enter_async_context(
-                    pool.request(url, "POST", path, headers, body, connect_timeout_s=timeouts.connect_s)
-                )
+                return await self._request.__aenter__()
             except UpstreamConnectTimeout as exc:
                 raise AttemptFailed("connect_timeout", str(exc), fault=True) from None
             except UpstreamConnectError as exc:
@@ -107,30 +126,34 @@ async def open_upstream_response(
                 raise AttemptFailed("connect_error", str(exc), fault=True) from None
             except UpstreamError as exc:
                 raise AttemptFailed("transport_error", f"{url} broke the connection: {exc}", fault=True) from None
-        if deadline.cancelled_caught:
-            raise AttemptFailed(
-                "first_byte_timeout",
-                f"{url} sent no response headers within {timeouts.first_byte_s:g}s",
-                fault=True,
-            )
-        yield response
+        assert deadline.cancelled_caught
+        raise AttemptFailed(
+            "first_byte_timeout", f"{url} sent no response headers within {first_byte_s:g}s", fault=True
+        )
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self._request.__aexit__(exc_type, exc, traceback)
 
 
 async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> Answer:
     """Read a whole upstream body, no chunk further apart than `idle_s`."""
     parts: list[bytes] = []
-    try:
-        while True:
-            with trio.move_on_after(idle_s) as idle:
+    # One scope whose deadline moves with each chunk: a scope per chunk costs more.
+    with trio.CancelScope() as idle:
+        try:
+            while True:
+                idle.deadline = trio.current_time() + idle_s
                 chunk = await response.receive_some()
-            if idle.cancelled_caught:
-                raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
-            if not chunk:
-                break
-            parts.append(chunk)
-    except UpstreamError as exc:
-        raise AttemptFailed("transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True) from None
-    return Answer(response.status, response.headers, b"".join(parts))
+                if not chunk:
+                    break
+                parts.append(chunk)
+        except UpstreamError as exc:
+            raise AttemptFailed("transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True) from None
+    if idle.cancelled_caught:
+        raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
+    return Answer(response.status, response.headers, parts[0] if len(parts) == 1 else b"".join(parts))
 
 
 def judge_answer(answer: Answer, url: str, *, expect_json: bool) -> Answer:
@@ -185,33 +208,36 @@ async def relay_stream(
     pending = b""
     chunk = first
     error: bytes | None = None
-    while True:
-        if pending:
-            chunk = pending + chunk
-        if chunk.endswith(b"\n\n"):
-            pending = b""
-            await writer.write(chunk)
-            relayed += len(chunk)
-        else:
-            cut = chunk.rfind(b"\n\n") + 2
-            pending = chunk[cut:] if cut > 1 else chunk
-            if cut > 1:
-                await writer.write(chunk[:cut])
-                relayed += cut
-        try:
-            with trio.move_on_after(idle_s) as idle:
-                chunk = await response.receive_some()
-        except UpstreamError:
-            error = stream_error_event(f"worker {url} broke the stream", "stream_interrupted")
-            break
-        if idle.cancelled_caught:
-            error = stream_error_event(f"worker {url} stalled for {idle_s:g}s mid-stream", "stream_idle_timeout")
-            break
-        if not chunk:
+    # One scope for the whole relay: its deadline is set for each read from the worker and
+    # lifted for each write to the client (a slow client is not a stalled worker).
+    with trio.CancelScope() as idle:
+        while True:
             if pending:
-                await writer.write(pending)
-                relayed += len(pending)
-            break
+                chunk = pending + chunk
+            if chunk.endswith(b"\n\n"):
+                pending = b""
+                await writer.write(chunk)
+                relayed += len(chunk)
+            else:
+                cut = chunk.rfind(b"\n\n") + 2
+                pending = chunk[cut:] if cut > 1 else chunk
+                if cut > 1:
+                    await writer.write(chunk[:cut])
+                    relayed += cut
+            idle.deadline = trio.current_time() + idle_s
+            try:
+                chunk = await response.receive_some()
+            except UpstreamError:
+                error = stream_error_event(f"worker {url} broke the stream", "stream_interrupted")
+                break
+            idle.deadline = math.inf
+            if not chunk:
+                if pending:
+                    await writer.write(pending)
+                    relayed += len(pending)
+                break
+    if idle.cancelled_caught:
+        error = stream_error_event(f"worker {url} stalled for {idle_s:g}s mid-stream", "stream_idle_timeout")
     if error is not None:
         await writer.write(error)
     await writer.finish()

@@ -6,8 +6,8 @@ connection is the one least likely to have been closed by the worker, and the ol
 gather at the left end, where the periodic sweep closes them before the engine's own
 keep-alive timeout does. No request ever walks the pooled connections.
 
-A connection goes back to the pool only after a response read to its end, with h11 ready
-for another cycle and no `connection: close`. Anything else (an error, a cancellation, a
+A connection goes back to the pool only after a response read to its end, on HTTP/1.1, with
+no `connection: close` and no byte beyond the response. Anything else (an error, a cancellation, a
 body left unread) closes it.
 """
 
@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
 from router.http.upstream_connection import (
@@ -28,11 +28,13 @@ from router.http.upstream_connection import (
     UpstreamConnection,
     UpstreamError,
     UpstreamProtocolError,
+    encode_request,
 )
 
 __all__ = [
     "PoolSettings",
     "PoolStatistics",
+    "PooledRequest",
     "UpstreamConnectError",
     "UpstreamConnectTimeout",
     "UpstreamError",
@@ -100,10 +102,12 @@ class UpstreamResponse:
 
     __slots__ = ("_connection", "headers", "status")
 
-    def __init__(self, connection: UpstreamConnection, head: h11.Response) -> None:
+    def __init__(
+        self, connection: UpstreamConnection, status: int, headers: list[tuple[bytes, bytes]]
+    ) -> None:
         self._connection = connection
-        self.status: int = head.status_code
-        self.headers: list[tuple[bytes, bytes]] = list(head.headers)
+        self.status = status
+        self.headers = headers
 
     async def receive_some(self) -> bytes:
         """The next body bytes as they arrive; b"" once the body has ended.
@@ -119,6 +123,53 @@ class UpstreamResponse:
         while chunk := await self._connection.receive_data():
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+class PooledRequest:
+    """What `UpstreamPool.request` returns: `async with` it to get the `UpstreamResponse`.
+
+    A plain class rather than a generator-based context manager: it is entered once per
+    proxied request.
+    """
+
+    __slots__ = (
+        "_pool", "base_url", "body", "connect_timeout_s", "connection", "endpoint", "headers",
+        "method", "target",
+    )
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        base_url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        connect_timeout_s: float | None,
+    ) -> None:
+        self._pool = pool
+        self.base_url = base_url
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.connect_timeout_s = connect_timeout_s
+        self.endpoint: _Endpoint | None = None
+        self.connection: UpstreamConnection | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return await self._pool._open(self)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        connection = self.connection
+        assert connection is not None and self.endpoint is not None
+        self.connection = None
+        self._pool._finish(self.endpoint, connection, failed=exc_type is not None)
 
 
 class UpstreamPool:
@@ -142,8 +193,7 @@ class UpstreamPool:
         self._reused = 0
         self._stale_retries = 0
 
-    @asynccontextmanager
-    async def request(
+    def request(
         self,
         base_url: str,
         method: str,
@@ -152,8 +202,9 @@ class UpstreamPool:
         body: bytes,
         *,
         connect_timeout_s: float | None = None,
-    ) -> AsyncIterator[UpstreamResponse]:
-        """Sends one request to `base_url` and yields the response once its head arrived.
+    ) -> PooledRequest:
+        """An async context manager that sends one request to `base_url` and gives the
+        response once its head arrived.
 
         `host` and `content-length` are set here; `headers` are forwarded as given and must
         carry neither, nor `transfer-encoding`. A pooled connection that fails before any
@@ -163,42 +214,45 @@ class UpstreamPool:
         `connect_timeout_s` bounds opening a new connection only (a pooled one needs no
         connect): past it, `UpstreamConnectTimeout`. Any deadline on the whole exchange
         stays the caller's.
-        Raises `UpstreamConnectError` / `UpstreamProtocolError`.
+        Raises `UpstreamConnectError` / `UpstreamProtocolError`, and ValueError for a
+        request HTTP/1.1 cannot carry (before any connection is touched).
         Cancellation: the connection in use is closed, the pool stays consistent.
         """
+        return PooledRequest(self, base_url, method, target, headers, body, connect_timeout_s)
+
+    async def _open(self, request: PooledRequest) -> UpstreamResponse:
+        """`PooledRequest.__aenter__`: checkout (or connect) and the exchange up to the head."""
+        base_url = request.base_url
         endpoint = self._endpoints.get(base_url)
         if endpoint is None:
             endpoint = self._endpoints[base_url] = _Endpoint(base_url)
-        # Built (and validated by h11) before any connection is touched, so a malformed
-        # request costs no connection, and reused as-is for the stale retry.
-        event = h11.Request(
-            method=method,
-            target=endpoint.prefix + target,
-            headers=[
-                (b"host", endpoint.host_header),
-                (b"content-length", b"%d" % len(body)),
-                *headers,
-            ],
+        # Built (and validated) before any connection is touched, so a malformed request
+        # costs no connection, and reused as-is for the stale retry.
+        data = encode_request(
+            request.method, endpoint.prefix + request.target, endpoint.host_header,
+            request.headers, request.body,
         )
-        connection, head = await self._start(endpoint, event, body, connect_timeout_s)
+        connection, status, response_headers = await self._start(
+            endpoint, data, request.method == "HEAD", request.connect_timeout_s
+        )
         self._in_use += 1
-        try:
-            yield UpstreamResponse(connection, head)
-        except BaseException:
-            self._in_use -= 1
-            self._close(connection)
-            raise
+        request.endpoint = endpoint
+        request.connection = connection
+        return UpstreamResponse(connection, status, response_headers)
+
+    def _finish(self, endpoint: _Endpoint, connection: UpstreamConnection, failed: bool) -> None:
+        """`PooledRequest.__aexit__`: back to the pool, or closed."""
         self._in_use -= 1
         idle = endpoint.idle
-        if len(idle) < self._max_idle and connection.recycle():
+        if not failed and len(idle) < self._max_idle and connection.recycle():
             connection.idle_since = trio.current_time()
             idle.append(connection)
         else:
             self._close(connection)
 
     async def _start(
-        self, endpoint: _Endpoint, event: h11.Request, body: bytes, connect_timeout_s: float | None
-    ) -> tuple[UpstreamConnection, h11.Response]:
+        self, endpoint: _Endpoint, data: bytes, bodyless: bool, connect_timeout_s: float | None
+    ) -> tuple[UpstreamConnection, int, list[tuple[bytes, bytes]]]:
         """Runs the exchange up to the response head on a pooled or a fresh connection.
 
         Cancellation: the connection in use is closed.
@@ -209,7 +263,7 @@ class UpstreamPool:
             if trio.current_time() - connection.idle_since < self._settings.idle_expiry_s:
                 self._reused += 1
                 try:
-                    return connection, await connection.exchange(event, body)
+                    return connection, *await connection.exchange(data, bodyless=bodyless)
                 except UpstreamProtocolError as exc:
                     self._close(connection)
                     if exc.response_started:
@@ -226,7 +280,7 @@ class UpstreamPool:
                     self._close(idle.pop())
         connection = await self._connect(endpoint, connect_timeout_s)
         try:
-            return connection, await connection.exchange(event, body)
+            return connection, *await connection.exchange(data, bodyless=bodyless)
         except BaseException:
             self._close(connection)
             raise

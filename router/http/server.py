@@ -3,9 +3,10 @@
 `serve_http` accepts connections into a connection nursery. Each connection reads one
 request at a time (head bounded by h11's incomplete-event limit, body bounded by
 `max_body_bytes`), hands it to the handler with a `ResponseWriter`, and keeps the
-connection alive when h11 allows it. While the handler runs, one sibling task reads the
-client socket: end-of-stream means the client left and cancels the handler; bytes mean a
-pipelined next request, kept in h11's buffer for the next cycle.
+connection alive when h11 allows it. One reader task per connection does every read of
+the client socket; while the handler runs its pending read is the disconnect watch:
+end-of-stream means the client left and cancels the handler; bytes mean a pipelined next
+request, kept in h11's buffer for the next cycle.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import h11
 import trio
 
 from router.errors import PayloadTooLarge, RouterError
+from router.http.direct_socket import DirectSocket
 from router.http.listen import open_tcp_sockets
 from router.http.messages import ClientDisconnected, Handler, Headers, Request
 from router.http.server_settings import (
@@ -135,8 +137,10 @@ class _Server:
 
     async def _run_connection(self, connection: _Connection) -> None:
         try:
-            async with connection.stream:
+            try:
                 await connection.serve()
+            finally:
+                connection.socket.close()
         except* Exception as group:
             # A bug in one connection must not take the server down.
             logger.error("connection from %s failed", connection.client, exc_info=group)
@@ -186,23 +190,55 @@ class _Server:
 class _Connection:
     """One client socket and its h11 state machine, serving requests one after another."""
 
-    __slots__ = ("_server", "client", "h11", "idle_scope", "stream")
+    __slots__ = (
+        "_main_waiter",
+        "_reader",
+        "_reader_armed",
+        "_reader_broken",
+        "_reader_parked",
+        "_reader_scope",
+        "_server",
+        "_watched",
+        "client",
+        "h11",
+        "idle_scope",
+        "socket",
+    )
 
     def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
         self._server = server
-        self.stream = stream
+        # Called directly, without trio's per-operation checkpoint and reschedule (see
+        # `DirectSocket`); closed by the connection's task when it ends.
+        self.socket = DirectSocket.adopt(stream)
         self.h11 = h11.Connection(
             h11.SERVER, max_incomplete_event_size=server.settings.max_header_bytes
         )
-        self.client = _peer(stream)
+        self.client = _peer(self.socket.sock)
         # Set while waiting for the first byte of a request: shutdown cancels it.
         self.idle_scope: trio.CancelScope | None = None
+        # One reader task per connection does every read of the client socket (see
+        # `_read_loop`); these fields are how it and the connection's task hand over.
+        self._reader: trio.lowlevel.Task | None = None
+        self._reader_scope = trio.CancelScope()
+        self._reader_armed = False
+        self._reader_parked = False
+        self._reader_broken: trio.BrokenResourceError | None = None
+        self._main_waiter: trio.lowlevel.Task | None = None
+        self._watched: tuple[Request, _Writer, trio.CancelScope] | None = None
 
     async def serve(self) -> None:
         """Serve requests until the client leaves, a timeout, an error, or shutdown.
 
-        Leaves the stream open; the caller closes it.
+        Leaves the socket open; the caller closes it. The reader task stops first.
         """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_loop)
+            try:
+                await self._serve_requests()
+            finally:
+                self._reader_scope.cancel()
+
+    async def _serve_requests(self) -> None:
         server = self._server
         deadline: float | None = trio.current_time() + server.settings.header_timeout_s
         while True:
@@ -252,7 +288,7 @@ class _Connection:
                     if waiting:
                         self.idle_scope = scope
                     try:
-                        data = await self.stream.receive_some(_RECEIVE_BYTES)
+                        await self._receive()
                     finally:
                         self.idle_scope = None
                 if scope.cancelled_caught:
@@ -262,7 +298,6 @@ class _Connection:
                 if waiting and keep_alive_wait:
                     deadline = trio.current_time() + settings.header_timeout_s
                 waiting = False
-                conn.receive_data(data)
                 event = conn.next_event()
         if type(event) is h11.Request:
             return event
@@ -291,7 +326,7 @@ class _Connection:
             await self._refuse(PayloadTooLarge(f"request body exceeds {limit} bytes"))
             return None
         if conn.they_are_waiting_for_100_continue:
-            await self.stream.send_all(
+            await self.socket.send_all(
                 conn.send(h11.InformationalResponse(status_code=100, headers=[]))
             )
         chunks: list[bytes | bytearray] = []
@@ -306,11 +341,10 @@ class _Connection:
                 chunks.append(event.data)
             else:
                 with trio.move_on_after(settings.header_timeout_s) as scope:
-                    data = await self.stream.receive_some(_RECEIVE_BYTES)
+                    await self._receive()
                 if scope.cancelled_caught:
                     await self._refuse(RequestTimeout("request body stalled"))
                     return None
-                conn.receive_data(data)
             event = conn.next_event()
         return Request(
             method=head.method.decode("latin-1"),
@@ -321,21 +355,25 @@ class _Connection:
         )
 
     async def _run_handler(self, request: Request) -> bool:
-        """Run the handler with a disconnect watcher; True when the connection can be reused.
+        """Run the handler, watched for a client that leaves; True when the connection can
+        be reused.
 
+        The watch is the reader task's pending read (no task per request): end-of-stream
+        before the response's last bytes went out cancels the handler.
         Cancellation (shutdown grace over): the handler is cancelled with everything else.
         """
         writer = _Writer(self, request)
         handler_scope = trio.CancelScope()
         failure: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_client, request, writer, handler_scope)
-            try:
-                with handler_scope:
-                    await self._server.handler(request, writer)
-            except Exception as exc:
-                failure = exc
-            nursery.cancel_scope.cancel()
+        self._watched = (request, writer, handler_scope)
+        self._arm_reader()
+        try:
+            with handler_scope:
+                await self._server.handler(request, writer)
+        except Exception as exc:
+            failure = exc
+        finally:
+            self._watched = None
         if request.client_gone or writer.aborted or isinstance(failure, ClientDisconnected):
             return False
         if failure is not None or not writer.finished:
@@ -355,28 +393,77 @@ class _Connection:
             writer.finished and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
         )
 
-    async def _watch_client(
-        self, request: Request, writer: _Writer, handler_scope: trio.CancelScope
-    ) -> None:
-        """Cancel `handler_scope` when the client closes or resets its side before the
-        response's last bytes went out.
+    async def _read_loop(self) -> None:
+        """The connection's only reader of the client socket, one read per arming.
 
-        Bytes that arrive first belong to a pipelined next request: they go to h11's buffer
-        and the watch ends (a later disconnect then shows as a failed send). A client that
-        closes once the whole response is on its way is done, not gone: the handler's
-        bookkeeping after the response is left to finish.
+        Armed by the connection's task when h11 needs bytes, and when a handler starts. What
+        a read brings goes to h11's buffer: a request's bytes, or a pipelined next request
+        while a handler runs (the reader then stops until armed again, so a later
+        disconnect shows as a failed send). End-of-stream while a handler runs, before the
+        response's last bytes went out, means the client left: the handler is cancelled. A
+        client that closes once the whole response is on its way is done, not gone: the
+        handler's bookkeeping after the response is left to finish.
+        Cancellation: stops at once; no byte is lost (a pending read consumed nothing).
         """
-        try:
-            data = await self.stream.receive_some(_RECEIVE_BYTES)
-        except trio.BrokenResourceError:
-            data = b""
-        if data:
-            self.h11.receive_data(data)
-        elif writer.ending:
-            self.h11.receive_data(b"")
-        else:
-            request.client_gone = True
-            handler_scope.cancel()
+        self._reader = trio.lowlevel.current_task()
+        with self._reader_scope:
+            while True:
+                if not self._reader_armed:
+                    self._reader_parked = True
+                    await trio.lowlevel.wait_task_rescheduled(self._abort_reader_park)
+                try:
+                    data = await self.socket.receive_some(_RECEIVE_BYTES)
+                except trio.BrokenResourceError as exc:
+                    data = b""
+                    self._reader_broken = exc
+                self._reader_armed = False
+                watched = self._watched
+                if watched is None or data:
+                    if data or self._reader_broken is None:
+                        self.h11.receive_data(data)
+                else:
+                    request, writer, handler_scope = watched
+                    if writer.ending:
+                        self.h11.receive_data(b"")
+                    else:
+                        request.client_gone = True
+                        handler_scope.cancel()
+                waiter = self._main_waiter
+                if waiter is not None:
+                    self._main_waiter = None
+                    trio.lowlevel.reschedule(waiter)
+                if not data:
+                    return
+
+    def _abort_reader_park(self, _: object) -> trio.lowlevel.Abort:
+        self._reader_parked = False
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _arm_reader(self) -> None:
+        self._reader_armed = True
+        if self._reader_parked:
+            self._reader_parked = False
+            assert self._reader is not None
+            trio.lowlevel.reschedule(self._reader)
+
+    async def _receive(self) -> None:
+        """Wait until the reader gave h11 more bytes, or end-of-stream.
+
+        Raises BrokenResourceError when the client reset the connection. Cancellation
+        (timeouts, shutdown): the reader's read stays pending; what it brings still goes
+        to h11.
+        """
+        if self._reader_broken is not None:
+            raise trio.BrokenResourceError("the client reset the connection")
+        self._arm_reader()
+        self._main_waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort_main_wait)
+        if self._reader_broken is not None:
+            raise trio.BrokenResourceError("the client reset the connection")
+
+    def _abort_main_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._main_waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     async def _refuse(self, error: RouterError) -> None:
         """Answer `error` with `connection: close` when h11 still allows an answer, then
@@ -385,10 +472,12 @@ class _Connection:
         conn = self.h11
         if conn.our_state is h11.IDLE or conn.our_state is h11.SEND_RESPONSE:
             try:
-                await self.stream.send_all(encode_error(conn, error, self._server.date.now()))
+                await self.socket.send_all(encode_error(conn, error, self._server.date.now()))
             except trio.BrokenResourceError:
                 return
-        await _linger(self.stream)
+        # The reader's pending read would compete with the linger's reads.
+        self._reader_scope.cancel()
+        await _linger(self.socket)
 
 
 class _Writer:
@@ -416,7 +505,7 @@ class _Writer:
         The connection is closed when the handler returns; nothing more is sent on it.
         """
         if reset:
-            self._connection.stream.setsockopt(
+            self._connection.socket.sock.setsockopt(
                 socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
             )
         self.aborted = True
@@ -481,7 +570,7 @@ class _Writer:
 
     async def _send(self, data: bytes) -> None:
         try:
-            await self._connection.stream.send_all(data)
+            await self._connection.socket.send_all(data)
         except trio.BrokenResourceError as exc:
             self._request.client_gone = True
             raise ClientDisconnected("the client closed the connection") from exc
@@ -496,7 +585,7 @@ def _reason(status: int) -> bytes:
         return b""
 
 
-async def _linger(stream: trio.SocketStream) -> None:
+async def _linger(stream: trio.SocketStream | DirectSocket) -> None:
     """Half-close, then drain what the client still sends, for at most `_LINGER_S`."""
     with trio.move_on_after(_LINGER_S):
         try:
@@ -507,9 +596,9 @@ async def _linger(stream: trio.SocketStream) -> None:
             pass
 
 
-def _peer(stream: trio.SocketStream) -> tuple[str, int] | None:
+def _peer(sock: socket.socket) -> tuple[str, int] | None:
     try:
-        address = stream.socket.getpeername()
+        address = sock.getpeername()
     except OSError:
         return None
     return (address[0], address[1])

@@ -1,31 +1,52 @@
-"""One HTTP/1.1 client connection to a worker: a trio socket stream driven by h11.
+"""One HTTP/1.1 client connection to a worker: a socket and a hand-written response parser.
 
-This module is the edge where socket, trio and h11 exceptions become `UpstreamError`s;
-nothing above it sees a `BrokenResourceError` or an `h11.RemoteProtocolError`. It knows
-nothing of pooling: `router.http.pool` decides when a connection is opened, reused or
-closed.
+The peer is our own fleet, not an untrusted client, so the client side of HTTP/1.1 is
+written out here instead of run through h11 (h11 stays on the client-facing server): the
+request is one join, the response head one `find` and `split`, and the body is framed by
+content-length, by chunked coding (decoded incrementally, across reads), or by the end of
+the connection when the head gives neither. A head or a chunk line that is not HTTP/1.1
+is refused with `UpstreamProtocolError`.
+
+This module is the edge where socket and framing errors become `UpstreamError`s; nothing
+above it sees a `BrokenResourceError` or an `OSError`. It knows nothing of pooling:
+`router.http.pool` decides when a connection is opened, reused or closed.
 """
 
 from __future__ import annotations
 
-import h11
+import re
+
 import trio
 
+from router.http.direct_socket import DirectSocket
+
 _RECEIVE_SIZE = 65536
+# Bounds on what is buffered while looking for a line end: h11's default for a head is
+# 16 KiB; engines send a few hundred bytes.
+_MAX_HEAD_BYTES = 65536
+_MAX_CHUNK_LINE_BYTES = 4096
 
-# What a worker (or the network) can do to an open connection. h11's LocalProtocolError is
-# left out on purpose: it means our own request was malformed, a bug to see, not a worker
-# fault to fail over from.
-_TRANSPORT_ERRORS = (
-    trio.BrokenResourceError,
-    trio.ClosedResourceError,
-    OSError,
-    h11.RemoteProtocolError,
-)
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
+_FIELD_VALUE = re.compile(rb"[^\x00\r\n]*")
+_HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\x00\r\n]*?)[ \t]*")
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
-# States in which the worker has finished its message. ERROR is not among them: a body that
-# broke off keeps raising, it never reads as a clean end.
-_BODY_ENDED = frozenset((h11.DONE, h11.MUST_CLOSE, h11.CLOSED))
+# What a worker (or the network) can do to an open connection.
+_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+# Body framing of the response in progress.
+_ENDED = 0
+_LENGTH = 1
+_CHUNKED = 2
+_UNTIL_EOF = 3
+_BROKEN = 4
+
+# Where the chunked decoder stands.
+_CHUNK_SIZE_LINE = 0
+_CHUNK_DATA = 1
+_CHUNK_DATA_END = 2
+_CHUNK_TRAILER = 3
 
 
 class UpstreamError(Exception):
@@ -48,104 +69,298 @@ class UpstreamProtocolError(UpstreamError):
     """The connection broke or the answer was not valid HTTP/1.1: reset, early EOF, garbage."""
 
 
+def encode_request(
+    method: str, target: str, host: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    """The request's bytes: head (with `host` and `content-length`) and body, in one join.
+
+    Raises ValueError for a method, target or header that HTTP/1.1 cannot carry: our own
+    request is malformed, a bug to see, not a worker fault to fail over from.
+    """
+    method_bytes = method.encode("ascii")
+    target_bytes = target.encode("ascii")
+    if _TOKEN.fullmatch(method_bytes) is None or _TARGET.fullmatch(target_bytes) is None:
+        raise ValueError(f"cannot send request line {method!r} {target!r}")
+    parts = [
+        method_bytes, b" ", target_bytes, b" HTTP/1.1\r\nhost: ", host,
+        b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n",
+    ]
+    for name, value in headers:
+        if _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+            raise ValueError(f"cannot send header {name!r}: {value!r}")
+        parts += (name, b": ", value, b"\r\n")
+    parts += (b"\r\n", body)
+    return b"".join(parts)
+
+
 class UpstreamConnection:
-    """A connected socket stream and the h11 state machine that frames it.
+    """A connected socket and the framing state of the response it carries.
 
     `idle_since` is written by the pool when the connection is returned to it.
     """
 
-    __slots__ = ("_h11", "_stream", "idle_since", "response_started")
+    __slots__ = (
+        "_buffer",
+        "_chunk_state",
+        "_framing",
+        "_keep_alive",
+        "_left",
+        "_position",
+        "_socket",
+        "idle_since",
+        "response_started",
+    )
 
     def __init__(self, stream: trio.SocketStream) -> None:
-        # trio's SocketStream turns TCP_NODELAY on for TCP sockets, which a request/response
-        # protocol with small heads needs; nothing to set here.
-        self._stream = stream
-        self._h11 = h11.Connection(h11.CLIENT)
+        # The socket is called directly (see `DirectSocket`); trio's SocketStream already
+        # turned TCP_NODELAY on, which a request/response protocol with small heads needs.
+        self._socket = DirectSocket.adopt(stream)
+        # Received bytes not parsed yet start at `_position` (kept as an offset: no copy
+        # per parsed line).
+        self._buffer = b""
+        self._position = 0
+        self._framing = _ENDED
+        self._chunk_state = _CHUNK_SIZE_LINE
+        self._left = 0
+        self._keep_alive = False
         self.idle_since = 0.0
         self.response_started = False
 
-    async def exchange(self, request: h11.Request, body: bytes) -> h11.Response:
-        """Sends one request and waits for the final response head (1xx heads are skipped).
+    async def exchange(
+        self, request: bytes, *, bodyless: bool = False
+    ) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Sends one encoded request and waits for the final response head (1xx are skipped).
 
+        Returns the status and the headers (names lower-case). `bodyless` says the request
+        was HEAD: its response has no body whatever the head says.
         Raises `UpstreamProtocolError` with `response_started` telling whether any response
         byte arrived. Cancellation: the connection is left mid-exchange; the caller must
         close it.
         """
-        h = self._h11
         self.response_started = False
+        self._framing = _BROKEN
         try:
-            head = h.send(request) or b""
-            data = (h.send(h11.Data(data=body)) or b"") if body else b""
-            tail = h.send(h11.EndOfMessage()) or b""
             # One write: with TCP_NODELAY, separate writes would be separate packets.
-            await self._stream.send_all(b"".join((head, data, tail)))
+            await self._socket.send_all(request)
             while True:
-                event = h.next_event()
-                if event is h11.NEED_DATA:
-                    await self._receive()
-                elif isinstance(event, h11.Response):
-                    return event
-                elif not isinstance(event, h11.InformationalResponse):
+                end = self._buffer.find(b"\r\n\r\n", self._position)
+                while end < 0:
+                    if len(self._buffer) - self._position > _MAX_HEAD_BYTES:
+                        raise UpstreamProtocolError(
+                            f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
+                            response_started=True,
+                        )
+                    if not await self._receive():
+                        raise UpstreamProtocolError(
+                            "upstream closed the connection before the response head",
+                            response_started=self.response_started,
+                        )
+                    end = self._buffer.find(b"\r\n\r\n", self._position)
+                head = self._buffer[self._position : end]
+                self._position = end + 4
+                status, headers, keep_alive = _parse_head(head)
+                if status >= 200:
+                    break
+                if status == 101:
                     raise UpstreamProtocolError(
-                        f"upstream closed before answering ({type(event).__name__})",
-                        response_started=self.response_started,
+                        "upstream switched protocols unasked", response_started=True
                     )
         except _TRANSPORT_ERRORS as exc:
             raise UpstreamProtocolError(
                 _describe(exc, "before the response head"),
                 response_started=self.response_started,
             ) from exc
+        self._keep_alive = keep_alive
+        self._start_body(status, headers, bodyless)
+        return status, headers
+
+    def _start_body(self, status: int, headers: list[tuple[bytes, bytes]], bodyless: bool) -> None:
+        """Sets the body framing from the head (RFC 9112 section 6.3)."""
+        if bodyless or status == 204 or status == 304:
+            self._framing = _ENDED
+            return
+        length: bytes | None = None
+        coding: bytes | None = None
+        for name, value in headers:
+            if name == b"content-length":
+                if length is not None and value != length:
+                    raise UpstreamProtocolError(
+                        "upstream sent conflicting content-length headers", response_started=True
+                    )
+                length = value
+            elif name == b"transfer-encoding":
+                coding = value if coding is None else coding + b", " + value
+            elif name == b"connection" and b"close" in _tokens(value):
+                self._keep_alive = False
+        if coding is not None:
+            if length is not None or coding.lower() != b"chunked":
+                raise UpstreamProtocolError(
+                    f"upstream body framing not supported: transfer-encoding {coding!r}"
+                    + (" with a content-length" if length is not None else ""),
+                    response_started=True,
+                )
+            self._framing = _CHUNKED
+            self._chunk_state = _CHUNK_SIZE_LINE
+        elif length is not None:
+            if b"," in length:
+                # "5, 5" is one length repeated by a proxy; anything else is ambiguous.
+                values = {part.strip() for part in length.split(b",")}
+                length = values.pop() if len(values) == 1 else b"x"
+            if not length.isdigit():
+                raise UpstreamProtocolError(
+                    f"upstream sent an invalid content-length {length!r}", response_started=True
+                )
+            self._left = int(length)
+            self._framing = _LENGTH if self._left else _ENDED
+        else:
+            # Neither: the body runs until the worker closes, so the connection cannot
+            # carry another request.
+            self._keep_alive = False
+            self._framing = _UNTIL_EOF
 
     async def receive_data(self) -> bytes:
         """Returns the next body bytes as they arrive, b"" once the body has ended.
 
-        Raises `UpstreamProtocolError` (response_started=True) on reset, early EOF or a
-        malformed body. Cancellation: the connection is left mid-body; the caller must
-        close it.
+        Bytes of several chunks already received come back together. Raises
+        `UpstreamProtocolError` (response_started=True) on reset, early EOF or a malformed
+        body, and again on every later call. Cancellation: the connection is left
+        mid-body; the caller must close it.
         """
-        h = self._h11
-        if h.their_state in _BODY_ENDED:
+        framing = self._framing
+        if framing == _ENDED:
             return b""
+        if framing == _BROKEN:
+            raise UpstreamProtocolError("the response body broke off earlier", response_started=True)
         try:
             while True:
-                event = h.next_event()
-                if event is h11.NEED_DATA:
-                    await self._receive()
-                elif isinstance(event, h11.Data):
-                    if event.data:
-                        # h11 hands out slices of its receive buffer (bytearray); callers
-                        # get immutable bytes they may keep.
-                        return bytes(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    return b""
+                if framing == _LENGTH:
+                    data = self._take_length()
+                elif framing == _CHUNKED:
+                    data = self._take_chunked()
                 else:
+                    data = self._take_all()
+                if data or self._framing == _ENDED:
+                    return data
+                if not await self._receive():
+                    if framing == _UNTIL_EOF:
+                        self._framing = _ENDED
+                        return b""
                     raise UpstreamProtocolError(
-                        f"unexpected {type(event).__name__} in the response body",
+                        "upstream closed the connection before the body ended",
                         response_started=True,
                     )
+        except UpstreamProtocolError:
+            self._framing = _BROKEN
+            raise
         except _TRANSPORT_ERRORS as exc:
+            self._framing = _BROKEN
             raise UpstreamProtocolError(
                 _describe(exc, "during the response body"), response_started=True
             ) from exc
 
-    async def _receive(self) -> None:
-        data = await self._stream.receive_some(_RECEIVE_SIZE)
-        if data:
-            self.response_started = True
-        # b"" is end-of-stream; h11 turns it into ConnectionClosed or a RemoteProtocolError.
-        self._h11.receive_data(data)
+    def _take_length(self) -> bytes:
+        buffer = self._buffer
+        start = self._position
+        end = min(len(buffer), start + self._left)
+        if end == start:
+            return b""
+        self._left -= end - start
+        self._position = end
+        if not self._left:
+            self._framing = _ENDED
+        return buffer if start == 0 and end == len(buffer) else buffer[start:end]
+
+    def _take_all(self) -> bytes:
+        data = self._buffer[self._position :]
+        self._position = len(self._buffer)
+        return data
+
+    def _take_chunked(self) -> bytes:
+        """Decodes as much chunked framing as the buffer holds; returns the data bytes."""
+        buffer = self._buffer
+        position = self._position
+        size = len(buffer)
+        state = self._chunk_state
+        pieces: list[bytes] = []
+        while position < size:
+            if state == _CHUNK_DATA:
+                end = min(size, position + self._left)
+                pieces.append(buffer[position:end])
+                self._left -= end - position
+                position = end
+                if not self._left:
+                    state = _CHUNK_DATA_END
+            elif state == _CHUNK_DATA_END:
+                if size - position < 2:
+                    if buffer[position] != 13:  # the first byte can be judged alone
+                        raise UpstreamProtocolError(
+                            "upstream chunk data not followed by CRLF", response_started=True
+                        )
+                    break
+                if buffer[position : position + 2] != b"\r\n":
+                    raise UpstreamProtocolError(
+                        "upstream chunk data not followed by CRLF", response_started=True
+                    )
+                position += 2
+                state = _CHUNK_SIZE_LINE
+            else:
+                end = buffer.find(b"\r\n", position)
+                if end < 0:
+                    if size - position > _MAX_CHUNK_LINE_BYTES:
+                        raise UpstreamProtocolError(
+                            "upstream chunk line too long", response_started=True
+                        )
+                    break
+                line = buffer[position:end]
+                position = end + 2
+                if state == _CHUNK_TRAILER:
+                    if not line:
+                        self._framing = _ENDED
+                        break
+                    if _HEADER_LINE.fullmatch(line) is None:
+                        raise UpstreamProtocolError(
+                            f"upstream sent a malformed trailer {line[:40]!r}",
+                            response_started=True,
+                        )
+                    continue
+                digits = line.partition(b";")[0].rstrip(b" \t")
+                if _CHUNK_SIZE.fullmatch(digits) is None:
+                    raise UpstreamProtocolError(
+                        f"upstream sent a malformed chunk size line {line[:40]!r}",
+                        response_started=True,
+                    )
+                self._left = int(digits, 16)
+                state = _CHUNK_DATA if self._left else _CHUNK_TRAILER
+        self._position = position
+        self._chunk_state = state
+        if len(pieces) == 1:
+            return pieces[0]
+        return b"".join(pieces)
+
+    async def _receive(self) -> bool:
+        """Appends the next received bytes to the buffer; False at end-of-stream."""
+        data = await self._socket.receive_some(_RECEIVE_SIZE)
+        if not data:
+            return False
+        self.response_started = True
+        if self._position < len(self._buffer):
+            self._buffer = self._buffer[self._position :] + data
+        else:
+            self._buffer = data
+        self._position = 0
+        return True
 
     def recycle(self) -> bool:
         """Readies the connection for the next request; False when it must not carry one.
 
-        Only an exchange where both sides finished their message and neither asked to close
-        (h11 leaves `MUST_CLOSE` for `connection: close` or HTTP/1.0) can be reused.
+        Only a response read to its end, on HTTP/1.1 without `connection: close`, with no
+        byte beyond its end, leaves a connection that can be reused.
         """
-        h = self._h11
-        if h.our_state is h11.DONE and h.their_state is h11.DONE:
-            h.start_next_cycle()
-            return True
-        return False
+        return (
+            self._framing == _ENDED
+            and self._keep_alive
+            and self._position == len(self._buffer)
+        )
 
     def close(self) -> None:
         """Closes the socket at once (no checkpoint), waking any task blocked on it.
@@ -153,7 +368,40 @@ class UpstreamConnection:
         Unread data makes the kernel send a reset, which is what a half-read response
         deserves.
         """
-        self._stream.socket.close()
+        self._socket.close()
+
+
+def _parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool]:
+    """The status, the headers (names lower-case) and whether the version allows keep-alive."""
+    lines = head.split(b"\r\n")
+    status_line = lines[0]
+    version = status_line[:9]
+    if version == b"HTTP/1.1 ":
+        keep_alive = True
+    elif version == b"HTTP/1.0 ":
+        keep_alive = False
+    else:
+        raise UpstreamProtocolError(
+            f"upstream sent no HTTP/1.1 status line: {status_line[:40]!r}", response_started=True
+        )
+    code = status_line[9:12]
+    if not code.isdigit() or (len(status_line) > 12 and status_line[12] != 32):
+        raise UpstreamProtocolError(
+            f"upstream sent a malformed status line: {status_line[:40]!r}", response_started=True
+        )
+    headers = []
+    for line in lines[1:]:
+        match = _HEADER_LINE.fullmatch(line)
+        if match is None:
+            raise UpstreamProtocolError(
+                f"upstream sent a malformed header line: {line[:40]!r}", response_started=True
+            )
+        headers.append((match[1].lower(), match[2]))
+    return int(code), headers, keep_alive
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    return [token.strip() for token in value.lower().split(b",")]
 
 
 def _describe(exc: BaseException, where: str) -> str:

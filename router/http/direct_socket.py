@@ -1,0 +1,128 @@
+"""A connected socket called directly, waiting on trio only when a call would block.
+
+trio's `SocketStream` wraps every send and receive in a checkpoint before it and a
+reschedule after it, and every would-block receive in a raised and caught
+`BlockingIOError`: on a proxied request that machinery costs more than the system calls.
+`DirectSocket` keeps trio's stream semantics where they matter and drops the rest:
+
+- errors are trio's: `BrokenResourceError` (from the `OSError`) when the peer broke the
+  connection, `ClosedResourceError` once the socket was closed here;
+- every operation is a checkpoint for cancellation (`checkpoint_if_cancelled` before the
+  system call), so a cancelled task never sends or consumes bytes;
+- a task yields to the scheduler whenever a call would block, and at least once every
+  `_OPS_BETWEEN_YIELDS` operations that did not, so a relay whose sockets never block
+  cannot starve the other tasks.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import trio
+
+__all__ = ["DirectSocket"]
+
+_OPS_BETWEEN_YIELDS = 16
+_CLOSED_ERRNOS = frozenset({errno.EBADF, errno.ENOTSOCK})
+
+
+class DirectSocket:
+    """A non-blocking stdlib socket with trio-stream-like `send_all` / `receive_some`.
+
+    One task may send while another receives; two concurrent senders (or receivers) are
+    not allowed (trio raises `BusyResourceError` when both would wait).
+    """
+
+    __slots__ = ("_ops_without_wait", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._ops_without_wait = 0
+
+    @classmethod
+    def adopt(cls, stream: trio.SocketStream) -> DirectSocket:
+        """Takes over the file descriptor of `stream`, whose socket is left detached.
+
+        Options trio set (TCP_NODELAY) stay with the descriptor.
+        """
+        tsock = stream.socket
+        return cls(socket.socket(tsock.family, tsock.type, tsock.proto, fileno=tsock.detach()))
+
+    async def send_all(self, data: bytes) -> None:
+        """Sends all of `data`. Raises `BrokenResourceError` / `ClosedResourceError`.
+
+        Cancellation: nothing is sent when cancelled before the first byte; a send that had
+        to wait may be cut off part-way, leaving the connection unusable.
+        """
+        sock = self.sock
+        await self._pass_checkpoint()
+        try:
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                self._ops_without_wait = 0
+                with memoryview(data) as view:
+                    while sent < len(data):
+                        await trio.lowlevel.wait_writable(sock)
+                        try:
+                            sent += sock.send(view[sent:])
+                        except BlockingIOError:
+                            pass
+        except OSError as exc:
+            raise _translate(exc) from exc
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        """The next bytes received, b"" at end-of-stream. Errors as `send_all`.
+
+        Cancellation: no byte is consumed.
+        """
+        sock = self.sock
+        await self._pass_checkpoint()
+        try:
+            try:
+                return sock.recv(max_bytes)
+            except BlockingIOError:
+                pass
+            self._ops_without_wait = 0
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    return sock.recv(max_bytes)
+                except BlockingIOError:
+                    pass
+        except OSError as exc:
+            raise _translate(exc) from exc
+
+    async def send_eof(self) -> None:
+        """Half-closes the sending side (idempotent). A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise _translate(exc) from exc
+
+    def close(self) -> None:
+        """Closes at once (no checkpoint), waking any task waiting on the socket with
+        `ClosedResourceError`."""
+        if self.sock.fileno() != -1:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+
+    async def _pass_checkpoint(self) -> None:
+        self._ops_without_wait += 1
+        if self._ops_without_wait >= _OPS_BETWEEN_YIELDS:
+            self._ops_without_wait = 0
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+
+
+def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:
+    if exc.errno in _CLOSED_ERRNOS:
+        return trio.ClosedResourceError("the socket was already closed")
+    return trio.BrokenResourceError(f"socket connection broken: {exc}")
