@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import trio
 from router.config import Settings
 from router.processes import child_command, run_processes
 from tests.support.fake_fleet import open_fake_fleet
+from tests.support.ports import free_port
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -43,17 +43,12 @@ def _children(pid: int) -> list[int]:
     return children
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def test_two_processes_serve_one_port_and_both_stop_on_one_sigterm() -> None:
     with trio.fail_after(30):
         async with open_fake_fleet(1) as fleet:
-            port = _free_port()
+            port = free_port()
             command = [
                 sys.executable, "-m", "router.cli", "serve", "--port", str(port),
                 "--worker", fleet[0].url, "--processes", "2", "--log-level", "warning",
@@ -93,7 +88,7 @@ async def test_a_sigterm_while_the_processes_start_stops_them_all_cleanly() -> N
     # SIGTERM ends them by its default action; nothing listened yet, nothing was cut.
     with trio.fail_after(30):
         command = [
-            sys.executable, "-m", "router.cli", "serve", "--port", str(_free_port()),
+            sys.executable, "-m", "router.cli", "serve", "--port", str(free_port()),
             "--worker", "http://127.0.0.1:9,model=m", "--processes", "2", "--log-level", "warning",
         ]
         process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)

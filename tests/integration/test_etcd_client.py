@@ -25,8 +25,8 @@ from router.discovery.etcd_client import (
 )
 from tests.support.etcd_server import (
     EtcdServer,
-    free_loopback_ports,
 )
+from tests.support.ports import free_port
 
 
 async def next_events(watch: AsyncIterator[list[WatchEvent]], count: int) -> list[WatchEvent]:
@@ -457,7 +457,7 @@ async def test_unary_calls_map_5xx_to_unavailable_and_4xx_to_error() -> None:
 
 
 async def test_unreachable_endpoint_is_unavailable() -> None:
-    [port] = free_loopback_ports(1)
+    port = free_port()
     with trio.fail_after(5):
         async with open_etcd_client(f"http://127.0.0.1:{port}", timeout_s=1.0) as client:
             with pytest.raises(EtcdUnavailable, match="ConnectError"):

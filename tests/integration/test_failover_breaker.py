@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from router.selection import ConsistentHash, PolicyKey
 from router.serve import RunningRouter
 from router.workers import Role
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
+from tests.support.ports import free_port, free_ports, unanswered_port
 from tests.support.router_instance import open_router
 
 GUARD_S = 20
@@ -44,36 +44,6 @@ def spec(url: str) -> str:
     # Naming the model keeps the fleet in the order given (round robin's order) and spares
     # a worker that cannot answer `/v1/models` from being asked.
     return f"{url},model={MODEL}"
-
-
-@contextmanager
-def dead_port() -> Iterator[int]:
-    """A port nobody listens on: bound, then closed, so a connect is refused at once."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    yield port
-
-
-@asynccontextmanager
-async def unanswered_port() -> AsyncIterator[int]:
-    """A port whose connects hang: its one-slot accept queue is full, so the kernel drops
-    further SYNs instead of refusing them (a worker behind a firewall looks the same)."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        port = listener.getsockname()[1]
-        async with AsyncExitStack() as stack:
-            held = 0
-            while True:
-                with trio.move_on_after(0.2) as probe:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
-                    stack.push_async_callback(stream.aclose)
-                    held += 1
-                if probe.cancelled_caught:
-                    break
-                assert held < 16, "the accept queue never filled"
-            yield port
 
 
 def breaker_of(router: RunningRouter, url: str) -> BreakerStatistics:
@@ -167,14 +137,14 @@ async def send_ten(router: RunningRouter, broken: Broken) -> list[str | None]:
 @asynccontextmanager
 async def broken_and_healthy(broken: Broken, **overrides: Any) -> AsyncIterator[tuple[RunningRouter, str, FakeWorkerHandle | None, FakeWorkerHandle]]:
     """A router over [broken, healthy] (in that round-robin order)."""
-    with dead_port() as port:
-        fakes = [HEALTHY] if broken.settings is None else [broken.settings, HEALTHY]
-        async with open_fake_fleet(fakes) as fleet:
-            bad_url = f"http://127.0.0.1:{port}" if broken.settings is None else fleet[0].url
-            bad_handle = None if broken.settings is None else fleet[0]
-            good = fleet[-1]
-            async with open_router([spec(bad_url), spec(good.url)], **{**NO_PROBE, **overrides}) as router:
-                yield router, bad_url, bad_handle, good
+    port = free_port()  # refused: nothing listens there
+    fakes = [HEALTHY] if broken.settings is None else [broken.settings, HEALTHY]
+    async with open_fake_fleet(fakes) as fleet:
+        bad_url = f"http://127.0.0.1:{port}" if broken.settings is None else fleet[0].url
+        bad_handle = None if broken.settings is None else fleet[0]
+        good = fleet[-1]
+        async with open_router([spec(bad_url), spec(good.url)], **{**NO_PROBE, **overrides}) as router:
+            yield router, bad_url, bad_handle, good
 
 
 async def bad_worker_cost(router: RunningRouter, bad: FakeWorkerHandle | None) -> int:
@@ -428,8 +398,8 @@ async def test_three_always_503_workers_pass_the_last_answer_and_retry_after_thr
 
 
 async def test_when_no_worker_answers_the_client_gets_502_worker_unreachable() -> None:
-    with trio.fail_after(GUARD_S), dead_port() as a, dead_port() as b, dead_port() as c:
-        urls = [f"http://127.0.0.1:{port}" for port in (a, b, c)]
+    with trio.fail_after(GUARD_S):
+        urls = [f"http://127.0.0.1:{port}" for port in free_ports(3)]
         async with open_router([spec(url) for url in urls], breaker_failure_threshold=3, **NO_PROBE) as router:
             async with httpx.AsyncClient(base_url=router.url) as client:
                 response = await client.post("/v1/chat/completions", json=CHAT)

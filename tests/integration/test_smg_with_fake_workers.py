@@ -4,7 +4,6 @@ it admits them as SGLang engines and round-robins chat requests across them."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -18,19 +17,13 @@ import trio
 
 from router.fake_worker.formats import expected_text
 from tests.support.fake_fleet import open_fake_fleet
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.smg
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-def _free_port() -> int:
-    # smg refuses --port 0, so a port is picked here; another process could take it before
-    # smg binds, which shows up as smg failing to start, not as a wrong answer.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 async def _stop(process: trio.Process) -> None:
@@ -48,7 +41,7 @@ async def _stop(process: trio.Process) -> None:
 @asynccontextmanager
 async def open_smg(worker_urls: list[str], log_path: Path) -> AsyncIterator[str]:
     """Launch smg in front of `worker_urls`; yield its URL once it has admitted all of them."""
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     command = [
         sys.executable, "-m", "smg", "launch",
         "--worker-urls", *worker_urls,

@@ -22,6 +22,7 @@ from router.http.pool import (
     UpstreamProtocolError,
     open_upstream_pool,
 )
+from tests.support.ports import unanswered_port
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
 
 GUARD_S = 10
@@ -251,26 +252,6 @@ async def test_refused_connection_raises_connect_error() -> None:
         assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
 
 
-@asynccontextmanager
-async def unanswered_port() -> AsyncIterator[int]:
-    """A port whose connects hang: its one-slot accept queue is full, so the kernel drops
-    further SYNs instead of refusing them (a worker behind a firewall looks the same)."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        port = listener.getsockname()[1]
-        async with AsyncExitStack() as stack:
-            held = 0
-            # The kernel admits one connection beyond a zero backlog; fill until one hangs.
-            while True:
-                with trio.move_on_after(0.2) as probe:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
-                    stack.push_async_callback(stream.aclose)
-                    held += 1
-                if probe.cancelled_caught:
-                    break
-                assert held < 16, "the accept queue never filled"
-            yield port
 
 
 async def test_connect_timeout_bounds_a_hanging_connect() -> None:

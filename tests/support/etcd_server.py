@@ -12,7 +12,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,6 +21,8 @@ from typing import IO
 import httpx
 import orjson
 import trio
+
+from tests.support.ports import free_ports
 
 ETCD_BINARY = "etcd"
 READY_TIMEOUT_S = 15.0
@@ -46,16 +47,6 @@ def etcd_available() -> bool:
     return shutil.which(ETCD_BINARY) is not None
 
 
-def free_loopback_ports(count: int) -> list[int]:
-    """Ports that were free on 127.0.0.1 a moment ago (held together, so distinct)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _open_log(path: Path) -> IO[bytes]:
@@ -71,7 +62,7 @@ class EtcdServer:
         self.data_dir = data_dir
         self.name = name
         self.progress_interval_s = progress_interval_s
-        self.client_port, self.peer_port = free_loopback_ports(2)
+        self.client_port, self.peer_port = free_ports(2)
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.starts = 0
         self._process: trio.Process | None = None
