@@ -90,3 +90,30 @@ class WorkerUnreachable(RouterError):
     status = 502
     type = "bad_gateway"
     code = "worker_unreachable"
+
+
+class RequestTimeout(RouterError):
+    """The client took too long to send its request head or body (slowloris)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class HeadersTooLarge(RouterError):
+    """The request line and headers are over the server's limit."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "request_headers_too_large"
+
+
+class ServerBusy(RouterError):
+    """The server is at its connection cap; the connection is answered and closed."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "server_busy"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", b"1")]

@@ -10,7 +10,7 @@ from email.utils import formatdate
 
 import h11
 
-from router.errors import BadRequest, RouterError
+from router.errors import BadRequest, HeadersTooLarge, RouterError
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,27 +47,6 @@ class ServerSettings:
 SERVER_HEADER = (b"server", b"trio-router")
 CLOSE_HEADER = (b"connection", b"close")
 JSON_HEADER = (b"content-type", b"application/json")
-
-
-class RequestTimeout(RouterError):
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
-
-
-class HeadersTooLarge(RouterError):
-    status = 431
-    type = "invalid_request_error"
-    code = "request_headers_too_large"
-
-
-class ServerBusy(RouterError):
-    status = 503
-    type = "service_unavailable"
-    code = "server_busy"
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"retry-after", b"1")]
 
 
 def protocol_error(exc: h11.RemoteProtocolError, settings: ServerSettings) -> RouterError:
