@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from router.config import Settings
 from router.processes import child_command, run_processes
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.ports import free_port
+from tests.support.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -30,6 +32,11 @@ def test_port_zero_is_refused_when_processes_would_not_share_it(
 def test_a_child_runs_the_same_flags_as_one_process_on_a_shared_port() -> None:
     command = child_command(["--port", "9000", "--processes", "4"])
     assert command[-6:] == ["9000", "--processes", "4", "--processes", "1", "--reuse-port"]
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _children(pid: int) -> list[int]:
@@ -57,21 +64,15 @@ async def test_two_processes_serve_one_port_and_both_stop_on_one_sigterm() -> No
             process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
             try:
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-                    while len(_children(process.pid)) < 2:  # noqa: ASYNC110 - /proc offers no event
-                        await trio.sleep(0.02)
+                    await wait_until(lambda: len(_children(process.pid)) >= 2)
                     children = _children(process.pid)
-                    answered = 0
-                    while answered < 20:
-                        try:
-                            # A new connection each time, so the kernel picks a process each time.
-                            response = await http.post(
-                                "/v1/chat/completions", json=CHAT, headers={"connection": "close"}
-                            )
-                        except httpx.ConnectError:
-                            await trio.sleep(0.02)  # not listening yet
-                            continue
+                    await wait_until(lambda: _accepts(port))
+                    for _ in range(20):
+                        # A new connection each time, so the kernel picks a process each time.
+                        response = await http.post(
+                            "/v1/chat/completions", json=CHAT, headers={"connection": "close"}
+                        )
                         assert response.status_code == 200
-                        answered += 1
                 assert fleet[0].worker.routing.dispatches == 20
                 process.send_signal(signal.SIGTERM)
                 assert await process.wait() == 0
@@ -93,8 +94,7 @@ async def test_a_sigterm_while_the_processes_start_stops_them_all_cleanly() -> N
         ]
         process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
         try:
-            while len(_children(process.pid)) < 2:  # noqa: ASYNC110 - /proc offers no event
-                await trio.sleep(0.005)
+            await wait_until(lambda: len(_children(process.pid)) >= 2, interval_s=0.001)
             children = _children(process.pid)
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0

@@ -225,14 +225,14 @@ class FakeWorker:
         delay_ms = behaviour.ttft_ms + behaviour.token_latency_ms * max(0, gen.tokens - 1)
         if delay_ms > 0:
             await trio.sleep(delay_ms / 1000)
-        body = unary_body(gen, self._request_id(gen.api), int(time.time()))
+        body = unary_body(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
         load.generation_tokens += gen.completion_tokens
         await writer.respond(200, JSON_HEADERS, body)
 
     async def _stream(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
         """Stream the events, sleeping between tokens; events between two sleeps go out in
         one write. Cancellation: stops at once; nothing is left behind."""
-        frames = StreamFrames(gen, self._request_id(gen.api), int(time.time()))
+        frames = StreamFrames(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
         await writer.start(200, SSE_HEADERS)
         pending: list[bytes] = []
         for item in _paced_events(frames, self.behaviour, load):

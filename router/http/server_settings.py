@@ -90,7 +90,7 @@ class HttpDate:
         self._value = b""
 
     def now(self) -> bytes:
-        second = int(time.time())
+        second = int(time.time())  # wall-clock: the Date header names the calendar second
         if second != self._second:
             self._second = second
             self._value = formatdate(second, usegmt=True).encode("ascii")
