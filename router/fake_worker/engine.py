@@ -265,7 +265,7 @@ class FakeWorker:
             prompt_tokens=0,
             include_usage=False,
         )
-        request_id, created = self._request_id(gen.api), int(time.time())
+        request_id, created = self._request_id(gen.api), int(time.time())  # wall-clock: `created`
         if streaming:
             frames = StreamFrames(gen, request_id, created)
             events = _paced_events(frames, behaviour, RankLoad())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import httpx
 import orjson
@@ -18,15 +17,10 @@ from router.http.server_settings import ServerSettings
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router
+from tests.support.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 JSON = [("content-type", "application/json")]
-
-
-async def wait_until(condition: Callable[[], object]) -> None:
-    """Wait for a counter the fakes or the router keep; the caller's deadline bounds it."""
-    while not condition():  # noqa: ASYNC110 - counters, not events, are what the fakes offer
-        await trio.sleep(0.005)
 
 
 async def test_unary_and_streaming_reach_the_worker_through_hypercorn() -> None:

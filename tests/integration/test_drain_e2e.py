@@ -15,9 +15,10 @@ from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.formats import expected_text
 from tests.support.cli_process import open_cli, read_line, sse_text
 from tests.support.etcd_server import EtcdServer
-from tests.support.etcd_workers import MODEL, PREFIX, record_for, register, wait_until
+from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.router_instance import open_router
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
 DRAINEE = "drainee"
@@ -97,7 +98,7 @@ async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_re
 
                         drainee.send_signal(signal.SIGTERM)
                         sigterm_at = trio.current_time()
-                        await wait_until(lambda: drainee_worker.draining, poll_s=0.001)
+                        await wait_until(lambda: drainee_worker.draining, interval_s=0.001)
                         seen_at = trio.current_time()
                         await wait_until(lambda: router.fleet.get(DRAINEE) is None)
                         removed_at = trio.current_time()

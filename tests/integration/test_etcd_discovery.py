@@ -18,10 +18,10 @@ from tests.support.etcd_workers import (
     PREFIX,
     record_for,
     register,
-    wait_until,
 )
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -4,7 +4,7 @@ as a client sees it, the queue gauge under load, and disconnects."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -17,6 +17,7 @@ from router.fake_worker.behaviour import FailMode
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
+from tests.support.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "say something"}]}
 
@@ -124,14 +125,6 @@ async def test_reset_mode_resets_the_tcp_connection() -> None:
     assert fleet[0].worker.routing.disconnects == 0
 
 
-async def _eventually(predicate: Callable[[], bool]) -> None:
-    """Poll a cheap in-process predicate until it holds; the caller bounds the wait."""
-    while True:
-        if predicate():
-            return
-        await trio.sleep(0.005)
-
-
 async def test_hang_mode_never_answers_and_the_leaving_client_is_counted() -> None:
     with trio.fail_after(10):
         async with open_fake_fleet([_failing(FailMode.HANG)]) as fleet:
@@ -143,7 +136,7 @@ async def test_hang_mode_never_answers_and_the_leaving_client_is_counted() -> No
                 assert routing.inflight == 1
             # The cancelled request's connection closed: the worker notices within a second.
             with trio.fail_after(1):
-                await _eventually(lambda: routing.disconnects == 1)
+                await wait_until(lambda: routing.disconnects == 1)
             assert routing.inflight == 0
             assert routing.failures == 1
 
@@ -207,7 +200,7 @@ async def test_max_concurrency_queues_the_rest_and_the_gauge_shows_it() -> None:
                     for _ in range(3):
                         nursery.start_soon(one)
                     with trio.fail_after(5):
-                        await _eventually(lambda: worker.routing.inflight == 3)
+                        await wait_until(lambda: worker.routing.inflight == 3)
                     text = (await client.get("/metrics")).text
                     assert _gauge_sum(text, "sglang:num_running_reqs") == 1
                     assert _gauge_sum(text, "sglang:num_queue_reqs") == 2
@@ -242,7 +235,7 @@ async def test_a_client_leaving_mid_stream_is_counted_within_a_second() -> None:
             await stream.aclose()
             left_at = trio.current_time()
             with trio.fail_after(1):
-                await _eventually(lambda: routing.disconnects == 1)
+                await wait_until(lambda: routing.disconnects == 1)
             assert trio.current_time() - left_at < 1.0
             assert routing.inflight == 0
             assert fleet[0].worker.routing.loads[0].running == 0

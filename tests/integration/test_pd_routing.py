@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -24,6 +23,7 @@ from router.workers import Status, WorkerRecord
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router
+from tests.support.waiting import wait_until
 
 MODEL = "fake-model"
 CHAT: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
@@ -59,15 +59,6 @@ def spec(handle: FakeWorkerHandle) -> str:
 def rooms_of(handle: FakeWorkerHandle) -> dict[int, dict[str, Any]]:
     """The handoffs a worker received, by room (scalar handoffs only)."""
     return {record["bootstrap_room"]: record for record in handle.worker.routing.handoffs}
-
-
-async def wait_until(condition: Callable[[], bool]) -> None:
-    """Wait for a counter the fakes or the router keep; the caller's deadline bounds it.
-
-    The fakes count what reached them but signal nothing, so this polls.
-    """
-    while not condition():  # noqa: ASYNC110 - counters, not events, are what the fakes offer
-        await trio.sleep(0.005)
 
 
 async def stream_text(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[str, str]:

@@ -11,7 +11,8 @@ from router.agent.engine_metrics import EngineLoad
 from router.agent.registration import Registration, drain_and_deregister, serve_registration
 from router.discovery.etcd_client import EtcdClient, open_etcd_client
 from tests.support.etcd_server import EtcdServer
-from tests.support.etcd_workers import PREFIX, record_for, wait_until
+from tests.support.etcd_workers import PREFIX, record_for
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
 URL = "http://10.0.0.7:30000"
@@ -41,7 +42,7 @@ async def test_a_lost_lease_is_noticed_by_the_heartbeat_and_the_worker_registers
             await client.revoke_lease(first[1])  # as if it expired while etcd was out of reach
             assert await stored(client, key) is None
             lost_at = trio.current_time()
-            await wait_until(lambda: registration.statistics().writes == 2, poll_s=0.02)
+            await wait_until(lambda: registration.statistics().writes == 2, interval_s=0.02)
             again = await stored(client, key)
             # The heartbeat (every TTL/3 = 1 s) noticed and wrote the record again.
             assert trio.current_time() - lost_at < 1.5

@@ -7,7 +7,7 @@ worker, so the fake workers' dispatch counters stay where they were.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -21,20 +21,13 @@ from router.workers import Status
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.raw_upstream import Exchange, Respond, open_raw_upstream
 from tests.support.router_instance import open_router
+from tests.support.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 
 
 def _dispatches(fleet: list[FakeWorkerHandle]) -> list[int]:
     return [handle.worker.routing.dispatches for handle in fleet]
-
-
-async def _wait_for(condition: Callable[[], bool]) -> None:
-    """Poll `condition`: the health checker announces nothing, it only flips a flag."""
-    while True:
-        if condition():
-            return
-        await trio.sleep(0.01)
 
 
 def _chat(model: str) -> dict[str, object]:
@@ -95,11 +88,11 @@ async def test_health_checks_take_a_worker_out_and_bring_it_back() -> None:
         ) as router, httpx.AsyncClient(base_url=router.url) as client:
             worker = router.fleet.workers()[0]
             fleet[0].worker.behaviour.healthy = False
-            await _wait_for(lambda: not worker.healthy)
+            await wait_until(lambda: not worker.healthy)
             down = await client.post("/v1/chat/completions", json=CHAT)
             not_ready = await client.get("/readiness")
             fleet[0].worker.behaviour.healthy = True
-            await _wait_for(lambda: worker.healthy)
+            await wait_until(lambda: worker.healthy)
             up = await client.post("/v1/chat/completions", json=CHAT)
             ready = await client.get("/readiness")
     assert down.status_code == 503

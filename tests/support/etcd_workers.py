@@ -7,7 +7,6 @@ without revoking anything, which is what a crashed worker looks like to etcd.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -53,9 +52,3 @@ async def register(
 
     registration: Registration = await nursery.start(run)
     return Registered(registration, scope)
-
-
-async def wait_until(condition: Callable[[], bool], poll_s: float = 0.005) -> None:
-    """Poll `condition`: a router's view of its fleet offers no event to wait on."""
-    while not condition():  # noqa: ASYNC110
-        await trio.sleep(poll_s)
