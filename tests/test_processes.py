@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +33,16 @@ def test_port_zero_is_refused_when_processes_would_not_share_it(
 def test_a_child_runs_the_same_flags_as_one_process_on_a_shared_port() -> None:
     command = child_command(["--port", "9000", "--processes", "4"])
     assert command[-6:] == ["9000", "--processes", "4", "--processes", "1", "--reuse-port"]
+
+
+def _kill_tree(process: trio.Process) -> None:
+    """A failing test still leaves no router behind: the children run in sessions of their
+    own, so killing the parent alone would orphan them."""
+    if process.returncode is None:
+        for child in _children(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        process.kill()
 
 
 def _accepts(port: int) -> bool:
@@ -77,8 +88,7 @@ async def test_two_processes_serve_one_port_and_both_stop_on_one_sigterm() -> No
                 process.send_signal(signal.SIGTERM)
                 assert await process.wait() == 0
             finally:
-                if process.returncode is None:
-                    process.kill()
+                _kill_tree(process)
             for child in children:
                 with pytest.raises(ProcessLookupError):
                     os.kill(child, 0)
@@ -99,8 +109,7 @@ async def test_a_sigterm_while_the_processes_start_stops_them_all_cleanly() -> N
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
         finally:
-            if process.returncode is None:
-                process.kill()
+            _kill_tree(process)
     for child in children:
         with pytest.raises(ProcessLookupError):
             os.kill(child, 0)
