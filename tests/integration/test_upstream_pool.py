@@ -272,7 +272,7 @@ async def test_connect_timeout_bounds_a_hanging_connect() -> None:
 
 async def test_connect_timeout_leaves_a_slow_answer_alone() -> None:
     async def slow(exchange: Exchange) -> None:
-        await trio.sleep(0.3)
+        await trio.sleep(0.3)  # the worker's own slowness, longer than the connect timeout
         await ok(exchange)
 
     with trio.fail_after(GUARD_S):
