@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance
+.PHONY: setup system-deps demo test lint bench conformance fuzz soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +35,10 @@ conformance: setup
 
 bench: setup system-deps
 	$(BIN)/python -m bench
+
+# The long adversarial runs; the suite runs short versions of both. Bounded in count and time.
+fuzz: setup system-deps
+	ROUTER_FUZZ_EXAMPLES=10000 timeout 3600 $(BIN)/pytest -q -p no:cacheprovider tests/adversarial -k fuzz
+
+soak: setup system-deps
+	timeout 600 $(BIN)/python -m tests.adversarial.soak --duration-s 60 --streams 1000

@@ -31,6 +31,7 @@ from router.http.pool import PoolSettings, open_upstream_pool
 from router.http.server import serve_http
 from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
+from router.runtime_metrics import RuntimeCollector
 from router.workers import BreakerFactory, Fleet
 
 log = logging.getLogger("router")
@@ -127,6 +128,7 @@ async def run_router(
         httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
         trio.open_nursery() as nursery,
     ):
+        metrics.registry.register(RuntimeCollector(pool))
         discovery: DiscoveryHealth = await nursery.start(
             partial(serve_discovery, settings, fleet, http, metrics)
         )
