@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
+from conformance.capabilities import CAPABILITIES
 from conformance.model import (
     ALL_OPEN_MODES,
     ALL_WORKERS,
     BEHAVIOUR_FIELDS,
     DEFAULT_MODEL,
+    DISCOVERY_BACKENDS,
     FAIL_MODES,
     NO_STATUS,
     POLICIES,
@@ -24,14 +26,17 @@ from conformance.model import (
     ROUTES,
     STATUSES,
     STREAM_ENDS,
+    AwaitStep,
     BreakerSettings,
     Case,
     Expect,
+    FleetChangeStep,
     HandoffCheck,
     HeaderCheck,
     HealthSettings,
     PollStep,
     Range,
+    RawBody,
     RequestSpec,
     RouterSettings,
     SendStep,
@@ -43,18 +48,25 @@ from conformance.model import (
 )
 from conformance.nodes import NodeReader, join, line_of
 
-CASE_FIELDS = ("name", "description", "tags", "requires", "model", "fleet", "settings", "steps")
+CASE_FIELDS = ("name", "description", "tags", "requires", "model", "discovery", "fleet", "settings", "steps")
 WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
-SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health")
+SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "max_body_bytes")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
 HEALTH_FIELDS = ("interval_s", "failure_threshold", "success_threshold")
-REQUEST_FIELDS = ("count", "concurrency", "model", "route", "stream", "body", "headers", "timeout_s")
+REQUEST_FIELDS = (
+    "count", "concurrency", "model", "route", "stream", "body", "headers", "timeout_s", "raw", "background",
+)
+RAW_FIELDS = ("text", "nested", "size", "content_type")
+# A raw body is built in memory and sent whole; past this a case costs more than it shows.
+MAX_RAW_SIZE = 64 * 1024 * 1024
+MAX_NESTED = 100_000
 POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "within_s", "interval_s")
 EXPECT_FIELDS = (
     "status", "error_code", "message_contains", "headers", "dispatches", "dispatches_total",
     "stream_end", "body_json", "handoffs",
 )
-STEP_ACTIONS = ("send", "poll", "wait", "set_behaviour")
+STEP_ACTIONS = ("send", "poll", "wait", "set_behaviour", "await", "set_status", "remove", "add")
+FLEET_CHANGES = ("set_status", "remove", "add")
 # Past this a request would hold a fleet longer than any case should take.
 MAX_COUNT = 1000
 
@@ -66,6 +78,8 @@ class CaseReader:
         self.path = path
         self.case_id = case_id
         self.r = NodeReader(path)
+        # Background sends started so far, by name, while the steps are read in order.
+        self.background: dict[str, RequestSpec] = {}
 
     def read(self, text: str) -> Case:
         r = self.r
@@ -78,18 +92,44 @@ class CaseReader:
         step_nodes = r.sequence(steps_node, "steps")
         if not step_nodes:
             raise r.fail(steps_node, "steps", "needs at least one step")
+        discovery = r.choice(top["discovery"], "discovery", DISCOVERY_BACKENDS) if "discovery" in top else None
         steps = tuple(self.step(node, join("steps", i), names) for i, node in enumerate(step_nodes))
+        self.check_steps(steps, step_nodes, discovery)
+        requires: frozenset[str] = frozenset()
+        if "requires" in top:
+            requires = frozenset(r.strings(top["requires"], "requires"))
+            for name in sorted(requires):
+                if name not in CAPABILITIES:
+                    raise r.fail(top["requires"], "requires", r.unknown_word(name, CAPABILITIES, "capability"))
         return Case(
             id=self.case_id,
             path=self.path,
             name=r.string(top["name"], "name"),
             description=r.string(top["description"], "description").strip(),
             tags=r.strings(top["tags"], "tags") if "tags" in top else (),
-            requires=frozenset(r.strings(top["requires"], "requires")) if "requires" in top else frozenset(),
+            requires=requires,
             fleet=fleet,
             settings=self.settings(top.get("settings")),
             steps=steps,
+            discovery=discovery,
         )
+
+    def check_steps(self, steps: Sequence[Step], nodes: Sequence[Node], discovery: str | None) -> None:
+        """Background sends are awaited exactly once, after they start; fleet changes need
+        a discovery backend to happen in."""
+        r = self.r
+        awaited: set[str] = set()
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            field = join("steps", index)
+            if isinstance(step, FleetChangeStep) and discovery is None:
+                raise r.fail(node, join(field, step.action), "changes the fleet through discovery: set `discovery` on the case")
+            if isinstance(step, AwaitStep):
+                if step.name in awaited:
+                    raise r.fail(node, join(field, "await"), f"{step.name!r} is awaited twice")
+                awaited.add(step.name)
+        never = sorted(set(self.background) - awaited)
+        if never:
+            raise r.fail(nodes[-1], "steps", f"background send(s) never awaited: {', '.join(never)}")
 
     # -- fleet -----------------------------------------------------------------------
 
@@ -168,6 +208,9 @@ class CaseReader:
             attempts=r.integer(m["attempts"], "settings.attempts", 1, 100) if "attempts" in m else None,
             breaker=self.breaker(m["breaker"]) if "breaker" in m else BreakerSettings(),
             health=self.health(m["health"]) if "health" in m else HealthSettings(),
+            max_body_bytes=(
+                r.integer(m["max_body_bytes"], "settings.max_body_bytes", 1024) if "max_body_bytes" in m else None
+            ),
         )
 
     def breaker(self, node: Node) -> BreakerSettings:
@@ -218,15 +261,32 @@ class CaseReader:
         action = actions[0]
         where = join(field, action)
         line = line_of(node)
-        if action in ("wait", "set_behaviour") and "expect" in m:
+        if action in ("wait", "set_behaviour", *FLEET_CHANGES) and "expect" in m:
             raise r.fail(m["expect"], join(field, "expect"), f"a {action} step has no expectations")
         if action == "wait":
             return WaitStep(line, r.number(m["wait"], where, positive=True))
         if action == "set_behaviour":
             return self.set_behaviour(m["set_behaviour"], where, names, line)
+        if action in FLEET_CHANGES:
+            return self.fleet_change(action, m[action], where, names, line)
+        if action == "await":
+            name = r.string(m["await"], where)
+            started = self.background.get(name)
+            if started is None:
+                raise r.fail(m["await"], where, f"no background send {name!r} before this step")
+            expect = self.expect(m.get("expect"), join(field, "expect"), names, started)
+            if expect.reads_workers:
+                raise r.fail(m["expect"], join(field, "expect"), "an await step can only check answers; check dispatches in a send step")
+            return AwaitStep(line, name, expect)
         if action == "send":
             request = self.request(m["send"], where)
             expect = self.expect(m.get("expect"), join(field, "expect"), names, request)
+            if request.background is not None:
+                if "expect" in m:
+                    raise r.fail(m["expect"], join(field, "expect"), "a background send is checked by its await step")
+                if request.background in self.background:
+                    raise r.fail(m["send"], join(where, "background"), f"{request.background!r} is started twice")
+                self.background[request.background] = request
             return SendStep(line, request, expect)
         poll = r.mapping(m["poll"], where, POLL_FIELDS)
         request = self.request(m["poll"], where, fields=POLL_FIELDS)
@@ -261,6 +321,47 @@ class CaseReader:
             raise r.fail(m["behaviour"], join(field, "behaviour"), "changes nothing")
         return SetBehaviourStep(line, workers, behaviour)
 
+    def fleet_change(self, action: str, node: Node, field: str, names: set[str], line: int) -> FleetChangeStep:
+        r = self.r
+        if action == "set_status":
+            m = r.mapping(node, field, ("worker", "status"), required=("worker", "status"))
+            workers = self.worker_names(m["worker"], join(field, "worker"), names)
+            status = r.choice(m["status"], join(field, "status"), STATUSES)
+            return FleetChangeStep(line, "set_status", workers, status)
+        kind: Literal["remove", "add"] = "remove" if action == "remove" else "add"
+        return FleetChangeStep(line, kind, self.worker_names(node, field, names))
+
+    def worker_names(self, node: Node, field: str, names: set[str]) -> tuple[str, ...]:
+        r = self.r
+        workers = r.strings(node, field)
+        if workers == (ALL_WORKERS,):
+            return tuple(sorted(names))
+        if not workers:
+            raise r.fail(node, field, "names no worker")
+        for name in workers:
+            if name not in names:
+                raise r.fail(node, field, f"no worker {name!r} in the fleet ({', '.join(sorted(names))})")
+        return workers
+
+    def raw(self, node: Node, field: str) -> RawBody:
+        r = self.r
+        m = r.mapping(node, field, RAW_FIELDS)
+        kinds = [key for key in ("text", "nested", "size") if key in m]
+        if len(kinds) != 1:
+            raise r.fail(node, field, f"needs exactly one of text, nested, size, got {len(kinds)}")
+        text = None
+        if "text" in m:
+            value = r.scalar(m["text"], join(field, "text"))
+            if not isinstance(value, str):
+                raise r.fail(m["text"], join(field, "text"), f"must be a string (quote it), got {value!r}")
+            text = value
+        return RawBody(
+            text=text,
+            nested=r.integer(m["nested"], join(field, "nested"), 1, MAX_NESTED) if "nested" in m else None,
+            size=r.integer(m["size"], join(field, "size"), 1, MAX_RAW_SIZE) if "size" in m else None,
+            content_type=r.string(m["content_type"], join(field, "content_type")) if "content_type" in m else "application/json",
+        )
+
     def request(self, node: Node, field: str, fields: Sequence[str] = REQUEST_FIELDS) -> RequestSpec:
         r = self.r
         m = r.mapping(node, field, fields)
@@ -273,6 +374,9 @@ class CaseReader:
         headers: dict[str, str] = {}
         for key, _, value_node in r.items(m.get("headers", _null()), join(field, "headers")):
             headers[key] = str(r.scalar(value_node, join(field, f"headers.{key}")))
+        raw = self.raw(m["raw"], join(field, "raw")) if "raw" in m else None
+        if raw is not None and "body" in m:
+            raise r.fail(m["body"], join(field, "body"), "a raw request has no body fields; put everything in raw")
         count = r.integer(m["count"], join(field, "count"), 1, MAX_COUNT) if "count" in m else 1
         concurrency = r.integer(m["concurrency"], join(field, "concurrency"), 1, MAX_COUNT) if "concurrency" in m else 1
         return RequestSpec(
@@ -284,6 +388,8 @@ class CaseReader:
             body=body,
             headers=headers,
             timeout_s=r.number(m["timeout_s"], join(field, "timeout_s"), positive=True) if "timeout_s" in m else 10.0,
+            raw=raw,
+            background=r.string(m["background"], join(field, "background")) if "background" in m else None,
         )
 
     def expect(self, node: Node | None, field: str, names: set[str], request: RequestSpec) -> Expect:
