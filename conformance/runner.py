@@ -12,14 +12,15 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 import trio
 
 from conformance.client import Answer, send_many, send_one
+from conformance.dispatch_counts import settled_routing, worker_view
 from conformance.divergences import Divergence
-from conformance.expect import WorkerView, check_answers, check_workers
+from conformance.expect import check_answers, check_workers
 from conformance.fleet import FAKE_WORKER_COMMAND, Fleet, FleetError, open_fleet
 from conformance.model import (
     AwaitStep,
@@ -39,10 +40,6 @@ Verdict = Literal["pass", "fail", "divergent", "unsupported", "stale", "error"]
 FAILING: frozenset[str] = frozenset({"fail", "stale", "error"})
 HOST = "127.0.0.1"
 CASE_TIMEOUT_S = 180.0
-SETTLE_INTERVAL_S = 0.05
-SETTLE_ROUNDS = 20
-# How many handoffs a fake worker's /debug/routing keeps.
-HANDOFF_HISTORY = 100
 # Signs that a plane on a runner-picked port lost the race for it to another process.
 PORT_TAKEN = re.compile(r"address already in use|os error 98|EADDRINUSE", re.IGNORECASE)
 
@@ -327,50 +324,6 @@ async def poll(step: PollStep, client: httpx.AsyncClient, url: str, model: str) 
         if trio.current_time() >= deadline:
             return [f"not within {step.timeout_s:g}s; last answer: {line}" for line in lines]
         await trio.sleep(step.interval_s)
-
-
-async def settled_routing(fleet: Fleet, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
-    """The fleet's routing counters once they stop moving.
-
-    A plane may answer the client before a leg it started reached its worker (a PD
-    prefill, a hedged request), so one reading right after the answers can miss it.
-    """
-    previous = await fleet.routing(client)
-    for _ in range(SETTLE_ROUNDS):
-        await trio.sleep(SETTLE_INTERVAL_S)
-        current = await fleet.routing(client)
-        if _dispatches(current) == _dispatches(previous):
-            return current
-        previous = current
-    return previous
-
-
-def _dispatches(routing: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-    return {name: int(data.get("dispatches", 0)) for name, data in routing.items()}
-
-
-def worker_view(
-    start: Mapping[str, Mapping[str, Any]],
-    before: Mapping[str, Mapping[str, Any]],
-    after: Mapping[str, Mapping[str, Any]],
-) -> WorkerView:
-    first, low, high = _dispatches(start), _dispatches(before), _dispatches(after)
-    handoffs: dict[str, list[Mapping[str, Any]]] = {}
-    for name, data in after.items():
-        now = list(data.get("handoffs", []))
-        earlier = len(before.get(name, {}).get("handoffs", []))
-        if len(now) < HANDOFF_HISTORY:
-            fresh = now[earlier:]  # nothing dropped yet: the new ones follow the old
-        else:
-            # The list rolled over; each dispatch of the step added at most one handoff.
-            new = high[name] - low.get(name, 0)
-            fresh = now[len(now) - min(new, len(now)) :]
-        handoffs[name] = fresh
-    return WorkerView(
-        delta={name: high[name] - low.get(name, 0) for name in high},
-        total={name: high[name] - first.get(name, 0) for name in high},
-        handoffs=handoffs,
-    )
 
 
 def _join(*parts: str | None) -> str:
