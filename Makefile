@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test,asgi,bench]' smg
+	$(BIN)/python -m pip install --quiet -e '.[test,asgi,bench]' smg vllm-router
 	touch $@
 
 setup: $(VENV)/.installed
@@ -30,8 +30,10 @@ lint: setup
 test: setup system-deps lint
 	$(BIN)/pytest
 
-conformance: setup
-	$(BIN)/conformance run --plane all
+# Every plane, with a published report per plane and version, and the matrix made from them.
+conformance: setup system-deps
+	$(BIN)/conformance run --plane all --report-yaml conformance/reports
+	$(BIN)/conformance parity conformance/reports --out docs/parity.md
 
 bench: setup system-deps
 	$(BIN)/python -m bench
