@@ -27,8 +27,11 @@ lint: setup
 	$(BIN)/ruff check router conformance tests bench
 	$(BIN)/mypy
 
+# CI runs two planes (python, smg); the vllm-router plane runs in `make conformance` (and
+# its whole-suite test under a plain `pytest`): all three took 154 s of wall time (162
+# CPU-s) on a loaded 2-core machine, over the two minutes a CI run may give them.
 test: setup system-deps lint
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not vllm_router"
 
 # Every plane, with a published report per plane and version, and the matrix made from them.
 conformance: setup system-deps
