@@ -143,19 +143,22 @@ async def open_process(
     full_env = {key: value for key, value in merged.items() if value is not None}
     log = OutputLog(name)
     async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            partial(
-                trio.run_process,
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                check=False,
-                env=full_env,
-                start_new_session=True,
-                deliver_cancel=partial(_stop, stop_grace_s),
+        try:
+            process: trio.Process = await nursery.start(
+                partial(
+                    trio.run_process,
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                    env=full_env,
+                    start_new_session=True,
+                    deliver_cancel=partial(_stop, stop_grace_s),
+                )
             )
-        )
+        except OSError as exc:  # a missing binary is the case's problem, not the runner's
+            raise ProcessFailed(f"{name} could not start ({argv[0]}): {exc.strerror or exc}") from None
         assert process.stdout is not None
         nursery.start_soon(_drain, process.stdout, log)
         try:

@@ -139,3 +139,17 @@ def test_an_interrupted_runner_stops_every_process_it_started(tmp_path: Path, si
     assert leftovers == []
     assert runner.returncode == 130, output
     assert "interrupted" in output
+
+
+class MissingSidecar(SidecarStubPlane):
+    async def start_sidecars(self, sidecars, case):  # type: ignore[no-untyped-def]
+        await sidecars.start(["/nonexistent/sidecar-binary"], "missing")
+
+
+async def test_a_sidecar_that_cannot_start_is_an_error_of_its_case_not_a_crash(tmp_path: Path) -> None:
+    root = write_spec(tmp_path)
+    [case] = [c for c in load_cases([root], root).cases if c.id == "stub/passes"]
+    with trio.fail_after(30):
+        [outcome] = await run_suite([case], [MissingSidecar()], {}, RunOptions(jobs=1))
+    assert outcome.verdict == "error"
+    assert "sidecar missing could not start (/nonexistent/sidecar-binary)" in outcome.detail
