@@ -10,7 +10,9 @@ Mapping notes, read from `vllm-router --help` and its defaults, then checked on 
 - `--retry-max-retries` counts total attempts, as in smg; `--cb-*` and `--health-*` are
   smg's flags, in whole seconds;
 - PD is `--vllm-pd-disaggregation` with vLLM's NIXL handoff (`--kv-connector nixl` by
-  default), not SGLang's bootstrap room that the spec's PD cases check;
+  default), not SGLang's bootstrap room that the spec's handoff checks read; the other PD
+  cases run (the fake workers answer both legs whatever the handoff), and it refuses to
+  start with an empty decode pool;
 - DP is one `--intra-node-data-parallel-size` for the whole fleet, and it needs
   `--api-key` (sent to the workers; the fake workers ignore it).
 """
@@ -82,9 +84,7 @@ class VllmRouterPlane(SmgPlane):
         "policy.least_load": "--policy offers random, round_robin, cache_aware, kv_aware, power_of_two, "
         "consistent_hash, sticky_least_loaded: no plain least-load",
         "pd.bootstrap": "--vllm-pd-disaggregation hands off with vLLM's NIXL parameters "
-        "(--kv-connector nixl|mooncake|moriio), not SGLang's bootstrap room; run anyway, "
-        "pd/serves-with-both-legs passes, and an unknown model is dispatched to both legs "
-        "(200, not 404)",
+        "(--kv-connector nixl|mooncake|moriio), not SGLang's bootstrap room the handoff checks read",
         "worker.status": "static workers have no DRAINING state to learn",
         "discovery.etcd": "no etcd discovery (--service-discovery follows Kubernetes Pods)",
     }
@@ -96,6 +96,12 @@ class VllmRouterPlane(SmgPlane):
 
     def check(self, case: Case) -> None:
         super().check(case)
+        roles = {worker.role for worker in case.fleet}
+        if case.is_pd and not {"prefill", "decode"} <= roles:
+            raise Unsupported(
+                "vllm-router will not start a PD fleet without both pools "
+                "(\"PD disaggregation mode requires --decode\")"
+            )
         sizes = {worker.dp_size for worker in case.fleet}
         if len(sizes) > 1:
             raise Unsupported(
