@@ -165,5 +165,5 @@ def test_list_says_what_each_plane_makes_of_a_case(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "breaker/single-probe-under-concurrency" in out
     assert "python: runs; smg: unsupported; vllm-router: unsupported" in out
-    assert "python: runs; smg: divergent; vllm-router: unsupported" in out
+    assert "python: runs; smg: divergent; vllm-router: divergent" in out
     assert out.rstrip().endswith("2 case(s)")
