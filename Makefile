@@ -28,8 +28,9 @@ lint: setup
 	$(BIN)/mypy
 
 # CI runs two planes (python, smg); the vllm-router plane runs in `make conformance` (and
-# its whole-suite test under a plain `pytest`): all three took 154-186 s of wall time
-# (144-162 CPU-s) on a loaded 2-core machine, over the two minutes a CI run may give them.
+# its whole-suite test under a plain `pytest`): all three (`conformance run --plane all`)
+# took 115-186 s of wall time (144-162 CPU-s) on a shared, loaded 2-core machine, not
+# reliably under the two minutes a CI run may give them.
 test: setup system-deps lint
 	$(BIN)/pytest -m "not vllm_router"
 
