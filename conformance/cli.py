@@ -1,18 +1,22 @@
 """`conformance`: run the YAML spec against data planes, validate it, list it.
 
-    conformance run [--plane python|smg|all|module:Class] [--case GLOB] [--tag T]
-                    [--report-md FILE] [--junit FILE] [--jobs N] [--run-unsupported]
-    conformance validate [PATH ...]
-    conformance list [--case GLOB] [--tag T]
+    conformance run [--plane python|smg|vllm-router|all|module:Class] [--case GLOB] [--tag T]
+                    [--report-md FILE] [--report-yaml DIR] [--junit FILE] [--jobs N]
+                    [--run-unsupported] [--case-timeout-s S]
+    conformance validate [--plane P] [PATH ...]
+    conformance list [--plane P] [--case GLOB] [--tag T]
+    conformance parity [DIR] [--out FILE]
 
 Exit status: 0 when every case passed or is a listed divergence or unsupported; 1 on any
-fail, stale divergence or case that could not run; 2 on bad arguments or an invalid spec.
+fail, stale divergence or case that could not run; 2 on bad arguments or an invalid spec;
+130 when interrupted (SIGINT or SIGTERM: every process the run started is stopped first).
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -20,15 +24,18 @@ from pathlib import Path
 
 import trio
 
+from conformance.capabilities import unknown
 from conformance.divergences import Divergence, load_divergences, unknown_cases
-from conformance.loader import default_spec_root, load_cases, select_cases
+from conformance.loader import default_spec_root, load_cases, select_cases, spec_version
 from conformance.model import Case
 from conformance.nodes import SpecError
 from conformance.planes import PLANES, Plane, resolve_plane
-from conformance.report import RunInfo, junit, markdown
-from conformance.runner import FAILING, Outcome, RunOptions, run_suite
+from conformance.publish import ReportError, load_reports, parity_markdown, write_report
+from conformance.report import RunInfo, junit, markdown, reports
+from conformance.runner import CASE_TIMEOUT_S, FAILING, Outcome, RunOptions, run_suite
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_REPORTS = Path("conformance/reports")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,22 +44,37 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run cases against planes and report parity")
-    run.add_argument("--plane", action="append", default=None,
-                     help=f"{', '.join(PLANES)}, all, or module:Class (repeatable; default all)")
+    _plane_option(run)
     _selection(run)
     run.add_argument("--report-md", type=Path, default=None, help="write the parity matrix as Markdown")
+    run.add_argument("--report-yaml", type=Path, default=None, metavar="DIR",
+                     help="write one publishable report per plane to DIR/<plane>/<version>.yaml")
     run.add_argument("--junit", type=Path, default=None, help="write JUnit XML")
     run.add_argument("--jobs", type=int, default=4, help="(case, plane) pairs run at once (default 4)")
     run.add_argument("--run-unsupported", action="store_true",
                      help="run cases a plane lacks a capability for anyway, to observe it")
+    run.add_argument("--case-timeout-s", type=float, default=CASE_TIMEOUT_S,
+                     help=f"a case still running after this is an error (default {CASE_TIMEOUT_S:g})")
     run.add_argument("-v", "--verbose", action="store_true", help="print every failure line as cases finish")
 
-    validate = commands.add_parser("validate", help="check case files and divergence files")
+    validate = commands.add_parser("validate", help="check case files, divergence files and plane capabilities")
+    _plane_option(validate)
     validate.add_argument("paths", nargs="*", type=Path, help="case files or folders (default: the spec root)")
 
     listing = commands.add_parser("list", help="list cases with their tags and what each plane makes of them")
+    _plane_option(listing)
     _selection(listing)
+
+    parity = commands.add_parser("parity", help="write the parity matrix from published reports")
+    parity.add_argument("reports", nargs="?", type=Path, default=DEFAULT_REPORTS,
+                        help=f"folder of <plane>/<version>.yaml reports (default {DEFAULT_REPORTS})")
+    parity.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
     return parser
+
+
+def _plane_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plane", action="append", default=None,
+                        help=f"{', '.join(PLANES)}, all, or module:Class (repeatable; default all)")
 
 
 def _selection(parser: argparse.ArgumentParser) -> None:
@@ -63,9 +85,16 @@ def _selection(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     root: Path = args.spec or default_spec_root()
+    if args.command == "parity":
+        return parity(args.reports, args.out)
+    try:
+        planes = _planes(args.plane or ["all"])
+    except (ValueError, ImportError) as exc:
+        print(f"conformance: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.command == "validate":
         # Divergence files list cases of the repository's spec; another root has others.
-        return validate(args.paths or [root], root, check_divergence_ids=args.spec is None)
+        return validate(args.paths or [root], root, planes, check_divergence_ids=args.spec is None)
     loaded = load_cases([root], root)
     if loaded.errors:
         for error in loaded.errors:
@@ -76,13 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no case matches the selection", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "list":
-        return list_cases(cases)
+        return list_cases(cases, planes)
     try:
-        planes = _planes(args.plane or ["all"])
-    except (ValueError, ImportError) as exc:
-        print(f"conformance: {exc}", file=sys.stderr)
+        version = spec_version(root)
+    except SpecError as error:
+        print(f"invalid spec: {error}", file=sys.stderr)
         return EXIT_USAGE
-    return run(cases, planes, args, argv)
+    return run(cases, planes, args, argv, version)
 
 
 def _planes(names: Sequence[str]) -> list[Plane]:
@@ -93,19 +122,27 @@ def _planes(names: Sequence[str]) -> list[Plane]:
     return [resolve_plane(name) for name in dict.fromkeys(expanded)]
 
 
-def validate(paths: Sequence[Path], root: Path, check_divergence_ids: bool = True) -> int:
-    """Report every invalid case file and divergence file; 0 when all are valid.
+def validate(paths: Sequence[Path], root: Path, planes: Sequence[Plane], check_divergence_ids: bool = True) -> int:
+    """Report every invalid case file, divergence file and plane capability; 0 when all
+    are valid.
 
     With `check_divergence_ids`, a divergence entry that names no case under `root` is an
-    error too."""
+    error too, and so is a spec root without a VERSION file."""
     loaded = load_cases(paths, root)
-    errors: list[SpecError] = list(loaded.errors)
+    errors: list[SpecError | str] = list(loaded.errors)
     if not loaded.cases and not errors:
         print(f"no case files under {', '.join(map(str, paths))}", file=sys.stderr)
         return EXIT_USAGE
     all_ids = {case.id for case in load_cases([root], root).cases} if check_divergence_ids and root.is_dir() else set()
-    for plane_cls in PLANES.values():
-        path = plane_cls.divergences
+    if check_divergence_ids:
+        try:
+            spec_version(root)
+        except SpecError as error:
+            errors.append(error)
+    for plane in planes:
+        for name in unknown(set(plane.capabilities) | set(plane.missing_notes)):
+            errors.append(f"plane {plane.name}: unknown capability {name!r} (see conformance/capabilities.py)")
+        path = plane.divergences
         if path is None:
             continue
         try:
@@ -121,8 +158,7 @@ def validate(paths: Sequence[Path], root: Path, check_divergence_ids: bool = Tru
     return EXIT_USAGE if errors else EXIT_OK
 
 
-def list_cases(cases: Sequence[Case]) -> int:
-    planes = [cls() for cls in PLANES.values()]
+def list_cases(cases: Sequence[Case], planes: Sequence[Plane]) -> int:
     divergences = {p.name: _divergences(p) for p in planes}
     for case in cases:
         verdicts = []
@@ -145,7 +181,28 @@ def _divergences(plane: Plane) -> dict[str, Divergence]:
     return load_divergences(plane.divergences)
 
 
-def run(cases: Sequence[Case], planes: Sequence[Plane], args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def parity(folder: Path, out: Path | None) -> int:
+    """The parity matrix from the reports under `folder`, to `out` or stdout."""
+    try:
+        found = load_reports(folder)
+    except ReportError as error:
+        print(f"conformance: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if not found:
+        print(f"conformance: no reports under {folder}", file=sys.stderr)
+        return EXIT_USAGE
+    text = parity_markdown(found, f"the reports in `{folder.as_posix()}/`")
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+    return EXIT_OK
+
+
+def run(
+    cases: Sequence[Case], planes: Sequence[Plane], args: argparse.Namespace, argv: Sequence[str] | None, version: str
+) -> int:
     try:
         divergences = {plane.name: _divergences(plane) for plane in planes}
     except SpecError as bad_file:
@@ -168,13 +225,18 @@ def run(cases: Sequence[Case], planes: Sequence[Plane], args: argparse.Namespace
             for line in outcome.plane_log.splitlines():
                 print(f"          | {line}", flush=True)
 
-    options = RunOptions(jobs=args.jobs, run_unsupported=args.run_unsupported, on_outcome=progress)
+    options = RunOptions(
+        jobs=args.jobs, run_unsupported=args.run_unsupported, on_outcome=progress, case_timeout_s=args.case_timeout_s
+    )
     versions = {plane.name: plane.version() for plane in planes}
-    print(f"running {len(cases)} case(s) on {', '.join(f'{n} ({v})' for n, v in versions.items())}, {args.jobs} at a time",
-          flush=True)
+    print(f"running {len(cases)} case(s) of spec version {version} on "
+          f"{', '.join(f'{n} ({v})' for n, v in versions.items())}, {args.jobs} at a time", flush=True)
     started = time.monotonic()
-    outcomes = trio.run(run_suite, cases, planes, divergences, options)
+    outcomes = trio.run(run_until_interrupted, cases, planes, divergences, options)
     seconds = time.monotonic() - started
+    if outcomes is None:
+        print(f"interrupted after {seconds:.1f}s; every process of the run was stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
     command = "conformance " + shlex.join(list(sys.argv[1:] if argv is None else argv))
     info = RunInfo(
         planes=versions,
@@ -182,16 +244,48 @@ def run(cases: Sequence[Case], planes: Sequence[Plane], args: argparse.Namespace
         command=command,
         seconds=seconds,
         jobs=args.jobs,
+        spec_version=version,
     )
     if args.report_md is not None:
         args.report_md.parent.mkdir(parents=True, exist_ok=True)
-        args.report_md.write_text(markdown(cases, outcomes, info), encoding="utf-8")
+        args.report_md.write_text(markdown(outcomes, info), encoding="utf-8")
+    if args.report_yaml is not None:
+        for report in reports(outcomes, info):
+            print(f"report: {write_report(args.report_yaml, report)}")
     if args.junit is not None:
         args.junit.parent.mkdir(parents=True, exist_ok=True)
         args.junit.write_text(junit(outcomes, info), encoding="utf-8")
     counts = {v: sum(1 for o in outcomes if o.verdict == v) for v in ("pass", "divergent", "unsupported", "fail", "stale", "error")}
     print(f"done in {seconds:.1f}s: " + ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count))
     return EXIT_FAILED if any(o.verdict in FAILING for o in outcomes) else EXIT_OK
+
+
+async def run_until_interrupted(
+    cases: Sequence[Case],
+    planes: Sequence[Plane],
+    divergences: dict[str, dict[str, Divergence]],
+    options: RunOptions,
+) -> list[Outcome] | None:
+    """`run_suite`, or None when SIGINT or SIGTERM arrived first. Either signal cancels
+    the suite, which stops every process it started (sidecars, fleets, planes) before
+    this returns."""
+    outcomes: list[Outcome] | None = None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def suite() -> None:
+                nonlocal outcomes
+                outcomes = await run_suite(cases, planes, divergences, options)
+                nursery.cancel_scope.cancel()
+
+            async def watch() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(suite)
+            nursery.start_soon(watch)
+    return outcomes
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ from typing import Any
 import httpx
 import trio
 
-from conformance.model import ROUTES, RequestSpec
+from conformance.model import ROUTES, RawBody, RequestSpec
+
+# The field a `raw.nested` body nests its lists under, and a `raw.size` body pads.
+NESTED_FIELD = "x_nested"
+PADDING_FIELD = "x_padding"
 
 
 @dataclass(slots=True)
@@ -72,6 +76,21 @@ def request_body(request: RequestSpec, default_model: str) -> dict[str, Any]:
     return body
 
 
+def raw_bytes(raw: RawBody, request: RequestSpec, default_model: str) -> bytes:
+    """The bytes a raw request sends: its text, or the default body grown deep or large."""
+    if raw.text is not None:
+        return raw.text.encode("utf-8")
+    body = request_body(request, default_model)
+    text = json.dumps(body, separators=(",", ":"))
+    if raw.nested is not None:
+        # Built as text: a nested Python list this deep would break json.dumps itself.
+        return (text[:-1] + f',"{NESTED_FIELD}":' + "[" * raw.nested + "]" * raw.nested + "}").encode()
+    assert raw.size is not None
+    head = text[:-1] + f',"{PADDING_FIELD}":"'
+    filler = max(0, raw.size - len(head) - 2)
+    return (head + "a" * filler + '"}').encode()
+
+
 async def send_one(
     client: httpx.AsyncClient, base_url: str, request: RequestSpec, default_model: str
 ) -> Answer:
@@ -81,11 +100,17 @@ async def send_one(
     Cancellation: the connection is closed.
     """
     url = base_url + ROUTES[request.route]
-    body = request_body(request, default_model)
+    headers = dict(request.headers)
+    if request.raw is None:
+        content = json.dumps(request_body(request, default_model)).encode()
+        headers.setdefault("content-type", "application/json")
+    else:
+        content = raw_bytes(request.raw, request, default_model)
+        headers["content-type"] = request.raw.content_type
     answer = Answer(status=None)
     try:
         with trio.fail_after(request.timeout_s):
-            async with client.stream("POST", url, json=body, headers=dict(request.headers)) as response:
+            async with client.stream("POST", url, content=content, headers=headers) as response:
                 answer.status = response.status_code
                 answer.headers = {k.lower(): v for k, v in response.headers.items()}
                 chunks = []

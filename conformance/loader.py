@@ -13,6 +13,8 @@ from conformance.nodes import SpecError
 from conformance.schema import CaseReader
 
 SPEC_SUFFIX = ".yaml"
+# The spec's version, in the spec root: bumped when the meaning of a case changes.
+VERSION_FILE = "VERSION"
 
 
 def default_spec_root() -> Path:
@@ -21,6 +23,18 @@ def default_spec_root() -> Path:
     if here.is_dir():
         return here
     return Path(__file__).resolve().parent.parent / "spec"
+
+
+def spec_version(root: Path) -> str:
+    """The first line of `<root>/VERSION`; SpecError when it is missing or empty."""
+    path = root / VERSION_FILE
+    try:
+        lines = path.read_text(encoding="utf-8").split()
+    except OSError as exc:
+        raise SpecError(path, 1, "", f"the spec has no version file: {exc.strerror}") from None
+    if len(lines) != 1:
+        raise SpecError(path, 1, "", "must hold one word, the spec version")
+    return lines[0]
 
 
 def case_files(paths: Iterable[Path]) -> list[Path]:

@@ -23,6 +23,8 @@ POLICIES = ("round_robin", "random", "least_load", "power_of_two", "consistent_h
 ALL_OPEN_MODES = ("dispatch", "reject")
 FAIL_MODES = ("status", "reset", "hang", "garbage", "midstream")
 STREAM_ENDS = ("done", "error", "truncated")
+# Where a case with `discovery` publishes its fleet; the plane must follow it there.
+DISCOVERY_BACKENDS = ("etcd", "kubernetes")
 # The fake worker's live behaviour fields (`POST /debug/behaviour`) and their kinds.
 BEHAVIOUR_FIELDS: Mapping[str, str] = {
     "tokens": "int",
@@ -97,6 +99,7 @@ class RouterSettings:
     attempts: int | None = None
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
+    max_body_bytes: int | None = None  # the largest request body the plane accepts
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,18 @@ class Expect:
 
 
 @dataclass(frozen=True, slots=True)
+class RawBody:
+    """A body sent as bytes, not built from the route's default: exactly one of `text`
+    (sent as UTF-8), `nested` (the default body plus a field nested that many lists deep)
+    or `size` (the default body padded to that many bytes, still valid JSON)."""
+
+    text: str | None = None
+    nested: int | None = None
+    size: int | None = None
+    content_type: str = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
 class RequestSpec:
     """The requests a `send` step makes. `body` keys override the default body; a null
     value removes the key."""
@@ -163,6 +178,9 @@ class RequestSpec:
     body: Mapping[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float = 10.0
+    raw: RawBody | None = None
+    # Started and left running under this name; an `await` step collects the answers.
+    background: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +230,36 @@ class SetBehaviourStep:
         return f"set_behaviour {','.join(self.workers)} (line {self.line})"
 
 
-Step = SendStep | PollStep | WaitStep | SetBehaviourStep
+@dataclass(frozen=True, slots=True)
+class AwaitStep:
+    """Wait for the requests a `send` with `background: name` started, and check them."""
+
+    line: int
+    name: str
+    expect: Expect
+
+    @property
+    def label(self) -> str:
+        return f"await {self.name} (line {self.line})"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetChangeStep:
+    """A change of the fleet as discovery shows it: `set_status` (a worker's own record
+    now says `status`), `remove` (its record is gone) or `add` (its record is back)."""
+
+    line: int
+    action: Literal["set_status", "remove", "add"]
+    workers: tuple[str, ...]
+    status: str | None = None  # set_status only
+
+    @property
+    def label(self) -> str:
+        what = f" {self.status}" if self.status else ""
+        return f"{self.action} {','.join(self.workers)}{what} (line {self.line})"
+
+
+Step = SendStep | PollStep | WaitStep | SetBehaviourStep | AwaitStep | FleetChangeStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +275,7 @@ class Case:
     fleet: tuple[WorkerSpec, ...]
     settings: RouterSettings
     steps: tuple[Step, ...]
+    discovery: str | None = None  # a backend of DISCOVERY_BACKENDS, or None: a static fleet
 
     @property
     def default_model(self) -> str:
@@ -253,8 +301,21 @@ class Case:
                 needed.add("pd.mixed_fleet")
         if any(worker.dp_size > 1 for worker in self.fleet):
             needed.add("dp_rank")
-        if any(worker.status == "draining" for worker in self.fleet):
+        if any(worker.status == "draining" for worker in self.fleet) or any(
+            isinstance(step, FleetChangeStep) and step.status == "draining" for step in self.steps
+        ):
             needed.add("worker.status")
         if self.settings.breaker.all_open is not None:
             needed.add(f"breaker.all_open_{self.settings.breaker.all_open}")
+        s = self.settings
+        for policy in (s.policy, s.prefill_policy, s.decode_policy):
+            if policy is not None:
+                needed.add(f"policy.{policy}")
+        if s.health != HealthSettings():
+            needed.add("health.active")
+        if any(isinstance(step, SendStep) and step.expect.handoffs is not None for step in self.steps):
+            # The handoff checks read SGLang's bootstrap fields as the fake workers got them.
+            needed.add("pd.bootstrap")
+        if self.discovery is not None:
+            needed.add(f"discovery.{self.discovery}")
         return frozenset(needed)

@@ -186,6 +186,12 @@ class NodeReader:
         return repr(self._constructor.construct_object(node, deep=True))
 
     @staticmethod
+    def unknown_word(word: str, known: Collection[str], kind: str) -> str:
+        close = difflib.get_close_matches(word, list(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown {kind} {word!r}{hint}"
+
+    @staticmethod
     def _unknown(key: str, known: Collection[str]) -> str:
         close = difflib.get_close_matches(key, list(known), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

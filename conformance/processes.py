@@ -4,6 +4,10 @@
 stderr into an `OutputLog` (so a chatty process never blocks on a full pipe, and a
 failure report can show its last lines), and stops it when the block exits: SIGTERM,
 then SIGKILL once the grace is over.
+
+Every child leads a process group of its own, and the signals go to the whole group: a
+plane that is a launcher script in front of a binary, or a sidecar that forks, leaves
+nothing behind. Whatever is still in the group once the child has exited is killed too.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import signal
 import socket
 import subprocess
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -83,14 +87,23 @@ class Child:
         return self.process.returncode is not None
 
 
+def _signal_group(process: trio.Process, signum: int) -> None:
+    """Signal the child's process group (its pid: it leads the group it was started in)."""
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 async def _stop(grace_s: float, process: trio.Process) -> None:
-    """trio's `deliver_cancel` hook: SIGTERM, then SIGKILL after `grace_s`."""
+    """trio's `deliver_cancel` hook: SIGTERM to the group, then SIGKILL after `grace_s`."""
     if grace_s > 0:
-        process.send_signal(signal.SIGTERM)
+        _signal_group(process, signal.SIGTERM)
         with trio.move_on_after(grace_s):
             await process.wait()
+            _signal_group(process, signal.SIGKILL)
             return
-    process.kill()
+    _signal_group(process, signal.SIGKILL)
 
 
 async def _drain(stream: trio.abc.ReceiveStream, log: OutputLog) -> None:
@@ -117,34 +130,43 @@ def _clean(raw: bytes) -> str:
 
 @asynccontextmanager
 async def open_process(
-    argv: Sequence[str], name: str, *, stop_grace_s: float = 1.0, env: dict[str, str] | None = None
+    argv: Sequence[str], name: str, *, stop_grace_s: float = 1.0, env: Mapping[str, str | None] | None = None
 ) -> AsyncIterator[Child]:
-    """Run `argv` for the duration of the block.
+    """Run `argv` for the duration of the block, in a process group of its own.
 
-    Leaving the block (or cancellation) stops the process: SIGTERM, SIGKILL after
-    `stop_grace_s` (0: SIGKILL at once), and waits for it to exit.
+    Leaving the block (or cancellation) stops the group: SIGTERM, SIGKILL after
+    `stop_grace_s` (0: SIGKILL at once), and waits for the child to exit. Members of the
+    group still alive after that (grandchildren) get SIGKILL.
     """
-    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    # `env` goes on top of the runner's environment; a None value unsets a variable.
+    merged: dict[str, str | None] = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    full_env = {key: value for key, value in merged.items() if value is not None}
     log = OutputLog(name)
     async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            partial(
-                trio.run_process,
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                check=False,
-                env=full_env,
-                deliver_cancel=partial(_stop, stop_grace_s),
+        try:
+            process: trio.Process = await nursery.start(
+                partial(
+                    trio.run_process,
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                    env=full_env,
+                    start_new_session=True,
+                    deliver_cancel=partial(_stop, stop_grace_s),
+                )
             )
-        )
+        except OSError as exc:  # a missing binary is the case's problem, not the runner's
+            raise ProcessFailed(f"{name} could not start ({argv[0]}): {exc.strerror or exc}") from None
         assert process.stdout is not None
         nursery.start_soon(_drain, process.stdout, log)
         try:
             yield Child(process, log)
         finally:
             nursery.cancel_scope.cancel()
+    # The child has exited and been reaped; its group may still hold grandchildren.
+    _signal_group(process, signal.SIGKILL)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

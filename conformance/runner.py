@@ -12,28 +12,34 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 import trio
 
-from conformance.client import send_many, send_one
+from conformance.client import Answer, send_many, send_one
+from conformance.dispatch_counts import settled_routing, worker_view
 from conformance.divergences import Divergence
-from conformance.expect import WorkerView, check_answers, check_workers
+from conformance.expect import check_answers, check_workers
 from conformance.fleet import FAKE_WORKER_COMMAND, Fleet, FleetError, open_fleet
-from conformance.model import Case, PollStep, SendStep, SetBehaviourStep, WaitStep
+from conformance.model import (
+    AwaitStep,
+    Case,
+    FleetChangeStep,
+    PollStep,
+    SendStep,
+    SetBehaviourStep,
+    WaitStep,
+)
 from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.processes import Child, ProcessFailed, free_port, open_process
+from conformance.sidecars import Sidecars, open_sidecars
 
 Verdict = Literal["pass", "fail", "divergent", "unsupported", "stale", "error"]
 # Verdicts that make the run exit non-zero.
 FAILING: frozenset[str] = frozenset({"fail", "stale", "error"})
 HOST = "127.0.0.1"
 CASE_TIMEOUT_S = 180.0
-SETTLE_INTERVAL_S = 0.05
-SETTLE_ROUNDS = 20
-# How many handoffs a fake worker's /debug/routing keeps.
-HANDOFF_HISTORY = 100
 # Signs that a plane on a runner-picked port lost the race for it to another process.
 PORT_TAKEN = re.compile(r"address already in use|os error 98|EADDRINUSE", re.IGNORECASE)
 
@@ -65,6 +71,7 @@ class RunOptions:
     run_unsupported: bool = False
     fake_worker_command: Sequence[str] = FAKE_WORKER_COMMAND
     on_outcome: Callable[[Outcome], None] | None = None
+    case_timeout_s: float = CASE_TIMEOUT_S
 
 
 # -- one case on one plane ---------------------------------------------------------------
@@ -88,7 +95,7 @@ async def run_case(
         return Outcome(case.id, plane.name, "unsupported", unsupported)
     started = trio.current_time()
     try:
-        with trio.fail_after(CASE_TIMEOUT_S):
+        with trio.fail_after(options.case_timeout_s):
             failures, plane_log = await execute_case(case, plane, options)
     except (CaseError, FleetError, ProcessFailed, Unsupported, trio.TooSlowError, BaseExceptionGroup) as exc:
         problem = known_problem(exc)
@@ -96,7 +103,9 @@ async def run_case(
         if isinstance(problem, Unsupported):
             return Outcome(case.id, plane.name, "unsupported", str(problem), seconds=seconds)
         if isinstance(problem, trio.TooSlowError):
-            return Outcome(case.id, plane.name, "error", f"did not finish within {CASE_TIMEOUT_S:g}s", seconds=seconds)
+            return Outcome(
+                case.id, plane.name, "error", f"did not finish within {options.case_timeout_s:g}s", seconds=seconds
+            )
         verdict: Verdict = "unsupported" if unsupported else "error"
         return Outcome(case.id, plane.name, verdict, _join(unsupported, str(problem)), seconds=seconds)
     seconds = trio.current_time() - started
@@ -146,37 +155,63 @@ def judge(
 
 
 async def execute_case(case: Case, plane: Plane, options: RunOptions) -> tuple[list[str], str]:
-    """Start the fleet and the plane, drive every step, stop everything; the failure
-    lines of every step (empty: the case passed) and the plane's last output lines.
-    Raises CaseError when it cannot run.
+    """Start the plane's sidecars, the fleet and the plane, drive every step, stop
+    everything; the failure lines of every step (empty: the case passed) and the plane's
+    last output lines. Raises CaseError when it cannot run.
 
-    Cancellation: every process of the case is stopped.
+    Cancellation: every process of the case (sidecars included) is stopped.
     """
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)
     with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
         async with (
             httpx.AsyncClient(limits=limits, trust_env=False, timeout=10.0) as client,
-            open_fleet(case, client, options.fake_worker_command) as fleet,
-            open_plane(plane, case, fleet, client, Path(scratch)) as (url, child),
+            open_sidecars(plane.environment(), Path(scratch)) as sidecars,
         ):
-            failures = await drive_steps(case, fleet, url, child, client)
-            return failures, child.output.tail(40)
+            await plane.start_sidecars(sidecars, case)
+            async with open_fleet(case, client, options.fake_worker_command) as fleet:
+                launch = Launch(case, list(fleet), HOST, 0, Path(scratch), sidecars)
+                if case.discovery is not None:
+                    for worker in fleet:
+                        await plane.publish(launch, client, worker, worker.spec.status)
+                async with open_plane(plane, launch, client) as (url, child):
+                    run = CaseRun(case, plane, fleet, launch, client, url, child)
+                    failures = await drive_steps(run)
+                    return failures, child.output.tail(40)
+
+
+@dataclass(slots=True)
+class CaseRun:
+    """Everything the steps of one running case act on."""
+
+    case: Case
+    plane: Plane
+    fleet: Fleet
+    launch: Launch
+    client: httpx.AsyncClient
+    url: str
+    child: Child
+
+    @property
+    def sidecars(self) -> Sidecars:
+        return self.launch.sidecars
 
 
 @asynccontextmanager
 async def open_plane(
-    plane: Plane, case: Case, fleet: Fleet, client: httpx.AsyncClient, workdir: Path
+    plane: Plane, base: Launch, client: httpx.AsyncClient
 ) -> AsyncIterator[tuple[str, Child]]:
-    """Start the plane in front of `fleet` and yield (its URL, its process) once ready.
+    """Start the plane in front of the fleet and yield (its URL, its process) once ready.
 
     A plane that needs a runner-picked port and loses it to another process is started
     again on a new one (twice at most).
     """
     for attempt in range(3):
         port = 0 if plane.listen_pattern is not None else free_port(HOST)
-        launch = Launch(case, list(fleet), HOST, port, workdir)
+        launch = Launch(base.case, base.workers, base.host, port, base.workdir, base.sidecars)
         argv = plane.command(launch)
-        async with open_process(argv, f"plane {plane.name}", stop_grace_s=plane.stop_grace_s) as child:
+        async with open_process(
+            argv, f"plane {plane.name}", stop_grace_s=plane.stop_grace_s, env=dict(plane.environment())
+        ) as child:
             try:
                 url = await _wait_ready(plane, launch, child, client)
             except CaseError:
@@ -221,32 +256,62 @@ async def _wait_ready(plane: Plane, launch: Launch, child: Child, client: httpx.
     raise CaseError(f"plane {plane.name} was not ready within {plane.ready_timeout_s:g}s:\n{child.output.tail()}")
 
 
-async def drive_steps(case: Case, fleet: Fleet, url: str, child: Child, client: httpx.AsyncClient) -> list[str]:
+async def drive_steps(run: CaseRun) -> list[str]:
+    """Every step in order; the failure lines. Background sends run in a nursery of this
+    call, so none outlives the case (the schema makes every one awaited)."""
+    case, fleet, client = run.case, run.fleet, run.client
     failures: list[str] = []
     start = await settled_routing(fleet, client)
     model = case.default_model
-    for index, step in enumerate(case.steps, 1):
-        lines: list[str] = []
-        if isinstance(step, WaitStep):
-            await trio.sleep(step.seconds)
-        elif isinstance(step, SetBehaviourStep):
-            await fleet.set_behaviour(client, step.workers, step.behaviour)
-        elif isinstance(step, SendStep):
-            before = await settled_routing(fleet, client) if step.expect.reads_workers else None
-            answers = await send_many(client, url, step.request, model)
-            lines = check_answers(step.expect, answers)
-            if before is not None:
-                after = await settled_routing(fleet, client)
-                lines += check_workers(step.expect, case, worker_view(start, before, after))
-        elif isinstance(step, PollStep):
-            lines = await poll(step, client, url, model)
-        failures += [f"step {index} {step.label}: {line}" for line in lines]
-        problems = fleet.crashed()
-        if child.exited:
-            problems.append(f"plane exited ({child.process.returncode}):\n{child.output.tail()}")
-        if problems:
-            raise CaseError(f"after step {index}: " + "\n".join(problems))
+    background: dict[str, tuple[trio.Event, list[Answer]]] = {}
+
+    async def collect(step: SendStep, done: trio.Event, into: list[Answer]) -> None:
+        into += await send_many(client, run.url, step.request, model)
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        for index, step in enumerate(case.steps, 1):
+            lines: list[str] = []
+            if isinstance(step, WaitStep):
+                await trio.sleep(step.seconds)
+            elif isinstance(step, SetBehaviourStep):
+                await fleet.set_behaviour(client, step.workers, step.behaviour)
+            elif isinstance(step, FleetChangeStep):
+                await change_fleet(run, step)
+            elif isinstance(step, SendStep) and step.request.background is not None:
+                done, answers = background[step.request.background] = (trio.Event(), [])
+                nursery.start_soon(collect, step, done, answers)
+            elif isinstance(step, SendStep):
+                before = await settled_routing(fleet, client) if step.expect.reads_workers else None
+                answers = await send_many(client, run.url, step.request, model)
+                lines = check_answers(step.expect, answers)
+                if before is not None:
+                    after = await settled_routing(fleet, client)
+                    lines += check_workers(step.expect, case, worker_view(start, before, after))
+            elif isinstance(step, AwaitStep):
+                done, answers = background[step.name]
+                await done.wait()
+                lines = check_answers(step.expect, answers)
+            elif isinstance(step, PollStep):
+                lines = await poll(step, client, run.url, model)
+            failures += [f"step {index} {step.label}: {line}" for line in lines]
+            problems = fleet.crashed() + run.sidecars.crashed()
+            if run.child.exited:
+                problems.append(f"plane exited ({run.child.process.returncode}):\n{run.child.output.tail()}")
+            if problems:
+                raise CaseError(f"after step {index}: " + "\n".join(problems))
     return failures
+
+
+async def change_fleet(run: CaseRun, step: FleetChangeStep) -> None:
+    """Publish or withdraw records through the plane's discovery backend."""
+    for name in step.workers:
+        worker = run.fleet.workers[name]
+        if step.action == "remove":
+            await run.plane.withdraw(run.launch, run.client, worker)
+        else:
+            status = step.status if step.status is not None else "active"
+            await run.plane.publish(run.launch, run.client, worker, status)
 
 
 async def poll(step: PollStep, client: httpx.AsyncClient, url: str, model: str) -> list[str]:
@@ -259,50 +324,6 @@ async def poll(step: PollStep, client: httpx.AsyncClient, url: str, model: str) 
         if trio.current_time() >= deadline:
             return [f"not within {step.timeout_s:g}s; last answer: {line}" for line in lines]
         await trio.sleep(step.interval_s)
-
-
-async def settled_routing(fleet: Fleet, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
-    """The fleet's routing counters once they stop moving.
-
-    A plane may answer the client before a leg it started reached its worker (a PD
-    prefill, a hedged request), so one reading right after the answers can miss it.
-    """
-    previous = await fleet.routing(client)
-    for _ in range(SETTLE_ROUNDS):
-        await trio.sleep(SETTLE_INTERVAL_S)
-        current = await fleet.routing(client)
-        if _dispatches(current) == _dispatches(previous):
-            return current
-        previous = current
-    return previous
-
-
-def _dispatches(routing: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-    return {name: int(data.get("dispatches", 0)) for name, data in routing.items()}
-
-
-def worker_view(
-    start: Mapping[str, Mapping[str, Any]],
-    before: Mapping[str, Mapping[str, Any]],
-    after: Mapping[str, Mapping[str, Any]],
-) -> WorkerView:
-    first, low, high = _dispatches(start), _dispatches(before), _dispatches(after)
-    handoffs: dict[str, list[Mapping[str, Any]]] = {}
-    for name, data in after.items():
-        now = list(data.get("handoffs", []))
-        earlier = len(before.get(name, {}).get("handoffs", []))
-        if len(now) < HANDOFF_HISTORY:
-            fresh = now[earlier:]  # nothing dropped yet: the new ones follow the old
-        else:
-            # The list rolled over; each dispatch of the step added at most one handoff.
-            new = high[name] - low.get(name, 0)
-            fresh = now[len(now) - min(new, len(now)) :]
-        handoffs[name] = fresh
-    return WorkerView(
-        delta={name: high[name] - low.get(name, 0) for name in high},
-        total={name: high[name] - first.get(name, 0) for name in high},
-        handoffs=handoffs,
-    )
 
 
 def _join(*parts: str | None) -> str:

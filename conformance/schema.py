@@ -8,55 +8,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from yaml.nodes import Node, ScalarNode, SequenceNode
+from yaml.nodes import Node
 
+from conformance.capabilities import CAPABILITIES
 from conformance.model import (
     ALL_OPEN_MODES,
     ALL_WORKERS,
     BEHAVIOUR_FIELDS,
     DEFAULT_MODEL,
+    DISCOVERY_BACKENDS,
     FAIL_MODES,
-    NO_STATUS,
     POLICIES,
     ROLES,
-    ROUTES,
     STATUSES,
-    STREAM_ENDS,
+    AwaitStep,
     BreakerSettings,
     Case,
-    Expect,
-    HandoffCheck,
-    HeaderCheck,
+    FleetChangeStep,
     HealthSettings,
     PollStep,
-    Range,
     RequestSpec,
     RouterSettings,
     SendStep,
     SetBehaviourStep,
-    StatusKey,
     Step,
     WaitStep,
     WorkerSpec,
 )
 from conformance.nodes import NodeReader, join, line_of
+from conformance.schema_requests import POLL_FIELDS, RequestReader
 
-CASE_FIELDS = ("name", "description", "tags", "requires", "model", "fleet", "settings", "steps")
+CASE_FIELDS = ("name", "description", "tags", "requires", "model", "discovery", "fleet", "settings", "steps")
 WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
-SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health")
+SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "max_body_bytes")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
 HEALTH_FIELDS = ("interval_s", "failure_threshold", "success_threshold")
-REQUEST_FIELDS = ("count", "concurrency", "model", "route", "stream", "body", "headers", "timeout_s")
-POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "within_s", "interval_s")
-EXPECT_FIELDS = (
-    "status", "error_code", "message_contains", "headers", "dispatches", "dispatches_total",
-    "stream_end", "body_json", "handoffs",
-)
-STEP_ACTIONS = ("send", "poll", "wait", "set_behaviour")
-# Past this a request would hold a fleet longer than any case should take.
-MAX_COUNT = 1000
+STEP_ACTIONS = ("send", "poll", "wait", "set_behaviour", "await", "set_status", "remove", "add")
+FLEET_CHANGES = ("set_status", "remove", "add")
 
 
 class CaseReader:
@@ -66,6 +56,9 @@ class CaseReader:
         self.path = path
         self.case_id = case_id
         self.r = NodeReader(path)
+        self.requests = RequestReader(self.r)
+        # Background sends started so far, by name, while the steps are read in order.
+        self.background: dict[str, RequestSpec] = {}
 
     def read(self, text: str) -> Case:
         r = self.r
@@ -78,18 +71,44 @@ class CaseReader:
         step_nodes = r.sequence(steps_node, "steps")
         if not step_nodes:
             raise r.fail(steps_node, "steps", "needs at least one step")
+        discovery = r.choice(top["discovery"], "discovery", DISCOVERY_BACKENDS) if "discovery" in top else None
         steps = tuple(self.step(node, join("steps", i), names) for i, node in enumerate(step_nodes))
+        self.check_steps(steps, step_nodes, discovery)
+        requires: frozenset[str] = frozenset()
+        if "requires" in top:
+            requires = frozenset(r.strings(top["requires"], "requires"))
+            for name in sorted(requires):
+                if name not in CAPABILITIES:
+                    raise r.fail(top["requires"], "requires", r.unknown_word(name, CAPABILITIES, "capability"))
         return Case(
             id=self.case_id,
             path=self.path,
             name=r.string(top["name"], "name"),
             description=r.string(top["description"], "description").strip(),
             tags=r.strings(top["tags"], "tags") if "tags" in top else (),
-            requires=frozenset(r.strings(top["requires"], "requires")) if "requires" in top else frozenset(),
+            requires=requires,
             fleet=fleet,
             settings=self.settings(top.get("settings")),
             steps=steps,
+            discovery=discovery,
         )
+
+    def check_steps(self, steps: Sequence[Step], nodes: Sequence[Node], discovery: str | None) -> None:
+        """Background sends are awaited exactly once, after they start; fleet changes need
+        a discovery backend to happen in."""
+        r = self.r
+        awaited: set[str] = set()
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            field = join("steps", index)
+            if isinstance(step, FleetChangeStep) and discovery is None:
+                raise r.fail(node, join(field, step.action), "changes the fleet through discovery: set `discovery` on the case")
+            if isinstance(step, AwaitStep):
+                if step.name in awaited:
+                    raise r.fail(node, join(field, "await"), f"{step.name!r} is awaited twice")
+                awaited.add(step.name)
+        never = sorted(set(self.background) - awaited)
+        if never:
+            raise r.fail(nodes[-1], "steps", f"background send(s) never awaited: {', '.join(never)}")
 
     # -- fleet -----------------------------------------------------------------------
 
@@ -168,6 +187,9 @@ class CaseReader:
             attempts=r.integer(m["attempts"], "settings.attempts", 1, 100) if "attempts" in m else None,
             breaker=self.breaker(m["breaker"]) if "breaker" in m else BreakerSettings(),
             health=self.health(m["health"]) if "health" in m else HealthSettings(),
+            max_body_bytes=(
+                r.integer(m["max_body_bytes"], "settings.max_body_bytes", 1024) if "max_body_bytes" in m else None
+            ),
         )
 
     def breaker(self, node: Node) -> BreakerSettings:
@@ -218,21 +240,38 @@ class CaseReader:
         action = actions[0]
         where = join(field, action)
         line = line_of(node)
-        if action in ("wait", "set_behaviour") and "expect" in m:
+        if action in ("wait", "set_behaviour", *FLEET_CHANGES) and "expect" in m:
             raise r.fail(m["expect"], join(field, "expect"), f"a {action} step has no expectations")
         if action == "wait":
             return WaitStep(line, r.number(m["wait"], where, positive=True))
         if action == "set_behaviour":
             return self.set_behaviour(m["set_behaviour"], where, names, line)
+        if action in FLEET_CHANGES:
+            return self.fleet_change(action, m[action], where, names, line)
+        if action == "await":
+            name = r.string(m["await"], where)
+            started = self.background.get(name)
+            if started is None:
+                raise r.fail(m["await"], where, f"no background send {name!r} before this step")
+            expect = self.requests.expect(m.get("expect"), join(field, "expect"), names, started)
+            if expect.reads_workers:
+                raise r.fail(m["expect"], join(field, "expect"), "an await step can only check answers; check dispatches in a send step")
+            return AwaitStep(line, name, expect)
         if action == "send":
-            request = self.request(m["send"], where)
-            expect = self.expect(m.get("expect"), join(field, "expect"), names, request)
+            request = self.requests.request(m["send"], where)
+            expect = self.requests.expect(m.get("expect"), join(field, "expect"), names, request)
+            if request.background is not None:
+                if "expect" in m:
+                    raise r.fail(m["expect"], join(field, "expect"), "a background send is checked by its await step")
+                if request.background in self.background:
+                    raise r.fail(m["send"], join(where, "background"), f"{request.background!r} is started twice")
+                self.background[request.background] = request
             return SendStep(line, request, expect)
         poll = r.mapping(m["poll"], where, POLL_FIELDS)
-        request = self.request(m["poll"], where, fields=POLL_FIELDS)
+        request = self.requests.request(m["poll"], where, fields=POLL_FIELDS)
         if "expect" not in m:
             raise r.fail(node, join(field, "expect"), "a poll step needs the expectation it waits for")
-        expect = self.expect(m["expect"], join(field, "expect"), names, request)
+        expect = self.requests.expect(m["expect"], join(field, "expect"), names, request)
         if expect.reads_workers:
             raise r.fail(
                 m["expect"], join(field, "expect"),
@@ -261,134 +300,24 @@ class CaseReader:
             raise r.fail(m["behaviour"], join(field, "behaviour"), "changes nothing")
         return SetBehaviourStep(line, workers, behaviour)
 
-    def request(self, node: Node, field: str, fields: Sequence[str] = REQUEST_FIELDS) -> RequestSpec:
+    def fleet_change(self, action: str, node: Node, field: str, names: set[str], line: int) -> FleetChangeStep:
         r = self.r
-        m = r.mapping(node, field, fields)
-        body: dict[str, Any] = {}
-        if "body" in m:
-            value = r.value(m["body"], join(field, "body"))
-            if not isinstance(value, dict):
-                raise r.fail(m["body"], join(field, "body"), "must be a mapping of body fields")
-            body = value
-        headers: dict[str, str] = {}
-        for key, _, value_node in r.items(m.get("headers", _null()), join(field, "headers")):
-            headers[key] = str(r.scalar(value_node, join(field, f"headers.{key}")))
-        count = r.integer(m["count"], join(field, "count"), 1, MAX_COUNT) if "count" in m else 1
-        concurrency = r.integer(m["concurrency"], join(field, "concurrency"), 1, MAX_COUNT) if "concurrency" in m else 1
-        return RequestSpec(
-            count=count,
-            concurrency=concurrency,
-            model=r.string(m["model"], join(field, "model")) if "model" in m else None,
-            route=r.choice(m["route"], join(field, "route"), ROUTES) if "route" in m else "chat",
-            stream=r.boolean(m["stream"], join(field, "stream")) if "stream" in m else False,
-            body=body,
-            headers=headers,
-            timeout_s=r.number(m["timeout_s"], join(field, "timeout_s"), positive=True) if "timeout_s" in m else 10.0,
-        )
+        if action == "set_status":
+            m = r.mapping(node, field, ("worker", "status"), required=("worker", "status"))
+            workers = self.worker_names(m["worker"], join(field, "worker"), names)
+            status = r.choice(m["status"], join(field, "status"), STATUSES)
+            return FleetChangeStep(line, "set_status", workers, status)
+        kind: Literal["remove", "add"] = "remove" if action == "remove" else "add"
+        return FleetChangeStep(line, kind, self.worker_names(node, field, names))
 
-    def expect(self, node: Node | None, field: str, names: set[str], request: RequestSpec) -> Expect:
-        if node is None:
-            return Expect()
+    def worker_names(self, node: Node, field: str, names: set[str]) -> tuple[str, ...]:
         r = self.r
-        m = r.mapping(node, field, EXPECT_FIELDS)
-        stream_end = None
-        if "stream_end" in m:
-            stream_end = r.choice(m["stream_end"], join(field, "stream_end"), STREAM_ENDS)
-            if not request.stream:
-                raise r.fail(m["stream_end"], join(field, "stream_end"), "only a streaming request (stream: true) has one")
-        return Expect(
-            status=self.status(m["status"], join(field, "status"), request.count) if "status" in m else None,
-            error_code=r.string(m["error_code"], join(field, "error_code")) if "error_code" in m else None,
-            message_contains=r.strings(m["message_contains"], join(field, "message_contains")) if "message_contains" in m else (),
-            headers=self.headers(m["headers"], join(field, "headers")) if "headers" in m else {},
-            dispatches=self.counts(m["dispatches"], join(field, "dispatches"), names) if "dispatches" in m else {},
-            dispatches_total=(
-                self.counts(m["dispatches_total"], join(field, "dispatches_total"), names)
-                if "dispatches_total" in m
-                else {}
-            ),
-            stream_end=stream_end,
-            body_json=r.boolean(m["body_json"], join(field, "body_json")) if "body_json" in m else False,
-            handoffs=self.handoffs(m["handoffs"], join(field, "handoffs")) if "handoffs" in m else None,
-        )
-
-    def status(self, node: Node, field: str, count: int) -> dict[StatusKey, Range]:
-        r = self.r
-        if isinstance(node, ScalarNode):
-            code = r.integer(node, field, 100, 599)
-            return {code: Range(count, count)}
-        counts: dict[StatusKey, Range] = {}
-        for key, key_node, value in r.items(node, field):
-            status: StatusKey
-            if key == NO_STATUS:
-                status = NO_STATUS
-            elif key.isdigit() and 100 <= int(key) <= 599:
-                status = int(key)
-            else:
-                raise r.fail(key_node, join(field, key), f"must be an HTTP status (100-599) or {NO_STATUS!r}")
-            counts[status] = self.range(value, join(field, key))
-        if sum(c.low for c in counts.values()) > count:
-            raise r.fail(node, field, f"the least counts add up to more than the {count} requests sent")
-        return counts
-
-    def counts(self, node: Node, field: str, names: set[str]) -> dict[str, Range]:
-        r = self.r
-        out: dict[str, Range] = {}
-        for key, key_node, value in r.items(node, field):
-            if key != ALL_WORKERS and key not in names:
-                raise r.fail(key_node, join(field, key), f"no worker {key!r} in the fleet ({', '.join(sorted(names))})")
-            out[key] = self.range(value, join(field, key))
-        return out
-
-    def range(self, node: Node, field: str) -> Range:
-        r = self.r
-        if isinstance(node, SequenceNode):
-            items = r.sequence(node, field)
-            if len(items) != 2:
-                raise r.fail(node, field, "a range is [min, max]")
-            low = r.integer(items[0], join(field, 0), 0)
-            high = r.integer(items[1], join(field, 1), 0)
-            if high < low:
-                raise r.fail(node, field, f"max {high} is below min {low}")
-            return Range(low, high)
-        value = r.scalar(node, field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise r.fail(node, field, f"must be a count (integer >= 0) or [min, max], got {value!r}")
-        return Range(value, value)
-
-    def headers(self, node: Node, field: str) -> dict[str, HeaderCheck]:
-        r = self.r
-        out: dict[str, HeaderCheck] = {}
-        for key, _, value in r.items(node, field):
-            where = join(field, key)
-            if isinstance(value, ScalarNode):
-                word = r.choice(value, where, ("present", "absent"))
-                out[key.lower()] = HeaderCheck(present=word == "present")
-                continue
-            m = r.mapping(value, where, ("equals", "int_min"))
-            if len(m) != 1:
-                raise r.fail(value, where, "needs exactly one of equals, int_min")
-            if "equals" in m:
-                out[key.lower()] = HeaderCheck(equals=str(r.scalar(m["equals"], join(where, "equals"))))
-            else:
-                out[key.lower()] = HeaderCheck(int_min=r.integer(m["int_min"], join(where, "int_min")))
-        return out
-
-    def handoffs(self, node: Node, field: str) -> HandoffCheck:
-        r = self.r
-        m = r.mapping(node, field, ("rooms_match", "room_matches_rank"))
-        check = HandoffCheck(
-            rooms_match=r.boolean(m["rooms_match"], join(field, "rooms_match")) if "rooms_match" in m else False,
-            room_matches_rank=(
-                r.boolean(m["room_matches_rank"], join(field, "room_matches_rank"))
-                if "room_matches_rank" in m
-                else False
-            ),
-        )
-        if not (check.rooms_match or check.room_matches_rank):
-            raise r.fail(node, field, "checks nothing")
-        return check
-
-
-def _null() -> Node:
-    return ScalarNode("tag:yaml.org,2002:null", "")
+        workers = r.strings(node, field)
+        if workers == (ALL_WORKERS,):
+            return tuple(sorted(names))
+        if not workers:
+            raise r.fail(node, field, "names no worker")
+        for name in workers:
+            if name not in names:
+                raise r.fail(node, field, f"no worker {name!r} in the fleet ({', '.join(sorted(names))})")
+        return workers

@@ -8,10 +8,12 @@ import importlib
 from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.planes.python import PythonPlane
 from conformance.planes.smg import SmgPlane
+from conformance.planes.vllm_router import VllmRouterPlane
 
 PLANES: dict[str, type[Plane]] = {
     PythonPlane.name: PythonPlane,
     SmgPlane.name: SmgPlane,
+    VllmRouterPlane.name: VllmRouterPlane,
 }
 
 __all__ = ["PLANES", "Launch", "Plane", "Unsupported", "resolve_plane"]

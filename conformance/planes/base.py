@@ -12,16 +12,25 @@ An adapter is a `Plane` subclass in one module. It says:
   neutral settings mapped to its flags. A setting it cannot express raises `Unsupported`;
 - how it reports its address: `listen_pattern` (it binds port 0 and prints its URL) or
   none (the runner picks a free port and passes it in `launch.port`);
-- `wait_ready`: when it has admitted the fleet (default: `/v1/models` lists every model).
+- `wait_ready`: when it has admitted the fleet (default: `/v1/models` lists every model);
+- `version_argv`: how to ask the plane's own binary or interpreter for its version;
+- `environment`: variables its processes get on top of the runner's;
+- `start_sidecars`: what it needs running before itself (an etcd, a fake Kubernetes API),
+  started through a runner-owned `Sidecars` that stops all of it when the case ends;
+- `publish` / `withdraw`: for a plane with a `discovery.*` capability, how a worker's
+  record appears in (or leaves) the discovery backend it follows.
 
-Adding a third binary is one module with such a subclass, registered in
+Adding a plane is one module with such a subclass, registered in
 `conformance.planes.PLANES` or named on the command line as `--plane module:Class`.
+`docs/adding-a-plane.md` walks through one.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import os
 import re
+import subprocess
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +42,7 @@ import trio
 
 from conformance.fleet import RunningWorker
 from conformance.model import Case
+from conformance.sidecars import Sidecars
 
 
 class Unsupported(Exception):
@@ -48,6 +58,7 @@ class Launch:
     host: str
     port: int  # 0 when the plane has a `listen_pattern`
     workdir: Path  # a private scratch folder for files the plane reads (fleet files, ...)
+    sidecars: Sidecars  # what `start_sidecars` started for this case, and its `values`
 
 
 class Plane(ABC):
@@ -60,17 +71,59 @@ class Plane(ABC):
     listen_pattern: ClassVar[re.Pattern[str] | None] = None
     stop_grace_s: ClassVar[float] = 2.0
     ready_timeout_s: ClassVar[float] = 30.0
-    # The distribution whose version the report shows.
+    # The distribution whose version the default `version_argv` asks the interpreter for.
     distribution: ClassVar[str | None] = None
+    # The interpreter the plane runs under (planes launched as `python -m ...`).
+    interpreter: ClassVar[str] = sys.executable
+
+    def version_argv(self) -> list[str] | None:
+        """The command whose last output line is the plane's version (None: unknown).
+
+        Default: the plane's interpreter reports the installed `distribution`. A binary
+        plane answers `[binary, "--version"]` or the like: the version is asked of what
+        runs, never read from the runner's own environment.
+        """
+        if self.distribution is None:
+            return None
+        code = f"import importlib.metadata as m; print(m.version({self.distribution!r}))"
+        return [self.interpreter, "-c", code]
 
     def version(self) -> str:
-        """`<distribution> <version>` as installed, for the report."""
-        if self.distribution is None:
+        """The plane's version as its own binary or interpreter says it, for reports."""
+        argv = self.version_argv()
+        if argv is None:
             return "unknown"
         try:
-            return f"{self.distribution} {importlib.metadata.version(self.distribution)}"
-        except importlib.metadata.PackageNotFoundError:
-            return f"{self.distribution} (not installed)"
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=30, check=False,
+                env=environment_for(self.environment()), stdin=subprocess.DEVNULL,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"unknown ({type(exc).__name__})"
+        lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+        if done.returncode != 0 or not lines:
+            return f"unknown (exit {done.returncode})"
+        return lines[-1].split()[-1]
+
+    def environment(self) -> Mapping[str, str]:
+        """Variables every process of this plane (sidecars included) gets on top of the
+        runner's environment. Default: none."""
+        return {}
+
+    async def start_sidecars(self, sidecars: Sidecars, case: Case) -> None:
+        """Start what the plane needs before itself, through `sidecars` (which owns and
+        stops it). Runs before the fleet starts. Default: nothing."""
+        return None
+
+    async def publish(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str) -> None:
+        """Make `worker`'s record, with `status` (`active` or `draining`), visible in the
+        discovery backend the case names (`launch.case.discovery`). Only called for cases
+        whose `discovery.*` capability the plane declares."""
+        raise Unsupported(f"plane {self.name} publishes no worker records")
+
+    async def withdraw(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker) -> None:
+        """Remove `worker`'s record from the discovery backend."""
+        raise Unsupported(f"plane {self.name} withdraws no worker records")
 
     def check(self, case: Case) -> None:
         """Raise Unsupported when the case's settings cannot be expressed on this plane.
@@ -100,3 +153,8 @@ class Plane(ABC):
             except (httpx.HTTPError, ValueError):
                 pass
             await trio.sleep(0.05)
+
+
+def environment_for(extra: Mapping[str, str]) -> dict[str, str]:
+    """The runner's environment with a plane's own variables on top."""
+    return {**os.environ, **extra}

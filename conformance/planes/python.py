@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+import httpx
 import yaml
 
+from conformance import etcd_sidecar
 from conformance.fleet import RunningWorker
 from conformance.model import Case
-from conformance.planes.base import Launch, Plane
+from conformance.planes.base import Launch, Plane, Unsupported
+from conformance.sidecars import Sidecars
 
 # `router serve`'s own default, needed to keep an explicit long cooldown valid.
 DEFAULT_MAX_COOLDOWN_S = 60.0
@@ -32,11 +35,32 @@ class PythonPlane(Plane):
             "dp_rank",
             # `--workers-file` records carry `status: DRAINING`, as an etcd record would.
             "worker.status",
+            "health.active",
+            "policy.round_robin",
+            "policy.random",
+            "policy.least_load",
+            "policy.power_of_two",
+            "policy.consistent_hash",
+            "pd.bootstrap",
+            # The plane owns its etcd: a sidecar started for each case that needs one.
+            "discovery.etcd",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
     stop_grace_s = 2.0
     command_prefix: ClassVar[tuple[str, ...]] = (sys.executable, "-m", "router.cli", "serve")
+
+    async def start_sidecars(self, sidecars: Sidecars, case: Case) -> None:
+        if case.discovery == "etcd":
+            await etcd_sidecar.start_etcd(sidecars)
+        elif case.discovery is not None:
+            raise Unsupported(f"discovery {case.discovery} is not built into router serve yet")
+
+    async def publish(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str) -> None:
+        await etcd_sidecar.put_record(client, launch.sidecars, worker, status)
+
+    async def withdraw(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker) -> None:
+        await etcd_sidecar.delete_record(client, launch.sidecars, worker)
 
     def command(self, launch: Launch) -> list[str]:
         argv = [
@@ -51,6 +75,13 @@ class PythonPlane(Plane):
         return argv
 
     def fleet_flags(self, launch: Launch) -> list[str]:
+        if launch.case.discovery == "etcd":
+            values = launch.sidecars.values
+            return [
+                "--discovery", "etcd",
+                "--etcd-endpoint", values[etcd_sidecar.URL_KEY],
+                "--etcd-prefix", values[etcd_sidecar.PREFIX_KEY],
+            ]  # fmt: skip
         if any(worker.spec.status != "active" for worker in launch.workers):
             path = launch.workdir / "workers.yaml"
             path.write_text(yaml.safe_dump({"workers": [_record(w) for w in launch.workers]}))
@@ -93,6 +124,8 @@ class PythonPlane(Plane):
             flags += ["--health-failure-threshold", str(h.failure_threshold)]
         if h.success_threshold is not None:
             flags += ["--health-success-threshold", str(h.success_threshold)]
+        if s.max_body_bytes is not None:
+            flags += ["--max-body-bytes", str(s.max_body_bytes)]
         return flags
 
 

@@ -38,7 +38,16 @@ class SmgPlane(Plane):
     name = "smg"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("smg_divergences.yaml")
     distribution = "smg"
-    capabilities = frozenset({"breaker.all_open_reject", "pd", "dp_rank"})
+    capabilities = frozenset(
+        {
+            "breaker.all_open_reject",
+            "pd",
+            "pd.bootstrap",
+            "dp_rank",
+            "health.active",
+            *(f"policy.{name}" for name in POLICIES),
+        }
+    )
     # Observed with `conformance run --plane smg --run-unsupported -v`.
     missing_notes: ClassVar[Mapping[str, str]] = {
         "breaker.single_probe": "half-open admits every request: 8 concurrent requests just after "
@@ -50,11 +59,15 @@ class SmgPlane(Plane):
         "no flag dispatches instead",
         "worker.status": "static workers have no DRAINING state to learn",
         "pd.mixed_fleet": "--pd-disaggregation takes prefill and decode workers only",
+        "discovery.etcd": "`smg launch --help` offers no etcd discovery (--discovery-provider is kubernetes or file)",
     }
     stop_grace_s = 0.3
     ready_timeout_s = 40.0
     command_prefix: ClassVar[tuple[str, ...]] = (sys.executable, "-m", "smg", "launch")
     log_level: ClassVar[str] = "warn"
+
+    def version_argv(self) -> list[str]:
+        return [self.command_prefix[0], "-m", "smg", "--version"]
 
     def check(self, case: Case) -> None:
         b = case.settings.breaker
@@ -121,6 +134,8 @@ class SmgPlane(Plane):
             flags += ["--health-failure-threshold", str(h.failure_threshold)]
         if h.success_threshold is not None:
             flags += ["--health-success-threshold", str(h.success_threshold)]
+        if s.max_body_bytes is not None:
+            flags += ["--max-payload-size", str(s.max_body_bytes)]
         return flags
 
     async def wait_ready(self, client: httpx.AsyncClient, url: str, launch: Launch) -> None:

@@ -62,6 +62,20 @@ class OtherPolicy(PythonPlane):
         return flags
 
 
+class NoBodyLimit(PythonPlane):
+    """Drops `max_body_bytes`: the router keeps its own 32 MiB limit."""
+
+    name = "python-no-body-limit"
+    divergences = None
+
+    def settings_flags(self, case: Case) -> list[str]:
+        flags = super().settings_flags(case)
+        if "--max-body-bytes" in flags:
+            at = flags.index("--max-body-bytes")
+            del flags[at : at + 2]
+        return flags
+
+
 @pytest.mark.parametrize(
     ("plane", "must_fail", "must_pass"),
     [
@@ -83,8 +97,9 @@ class OtherPolicy(PythonPlane):
              "failover/single-attempt-no-retry"],
             ["classification/unknown-model-404"],
         ),
+        (NoBodyLimit(), ["raw/oversize-is-413"], ["raw/non-json-is-400"]),
     ],
-    ids=["breaker-off", "single-attempt", "other-policy"],
+    ids=["breaker-off", "single-attempt", "other-policy", "no-body-limit"],
 )
 async def test_a_falsely_mapped_setting_fails_the_cases_that_depend_on_it(
     plane: PythonPlane, must_fail: list[str], must_pass: list[str]
@@ -103,3 +118,64 @@ async def test_a_falsely_mapped_setting_fails_the_cases_that_depend_on_it(
     for outcome in outcomes:
         if outcome.verdict == "fail":
             assert outcome.failures and all(line.startswith("step ") for line in outcome.failures)
+
+
+async def test_the_raw_body_cases_fail_on_a_plane_that_answers_500_to_non_json() -> None:
+    """The stub router forwards JSON and answers 500 to anything else: the non-JSON case
+    fails on it for that reason; the deep-JSON case, which it carries, passes."""
+    from tests.conformance.stub_planes import StubPlane
+
+    loaded = load_cases([SPEC], SPEC)
+    cases = select_cases(loaded.cases, ["raw/non-json-is-400", "raw/oversize-is-413", "raw/deep-json-never-500"], [])
+    assert len(cases) == 3
+    with trio.fail_after(120):
+        outcomes = await run_suite(cases, [StubPlane()], {}, RunOptions(jobs=3))
+    by_case = {o.case_id: o for o in outcomes}
+    assert {case_id: o.verdict for case_id, o in by_case.items()} == {
+        "raw/non-json-is-400": "fail",
+        # The stub cannot express a body limit; NoBodyLimit above shows this case failing.
+        "raw/oversize-is-413": "unsupported",
+        "raw/deep-json-never-500": "pass",
+    }, outcomes
+    non_json = by_case["raw/non-json-is-400"].failures
+    assert any("500: expected none, got 2" in line for line in non_json), non_json
+
+
+class NoDraining(PythonPlane):
+    """Publishes every record as ACTIVE: the plane never learns that a worker drains."""
+
+    name = "python-no-draining"
+    divergences = None
+
+    async def publish(self, launch, client, worker, status):  # type: ignore[no-untyped-def]
+        await super().publish(launch, client, worker, "active")
+
+
+class NoWithdraw(PythonPlane):
+    """Never removes a record: a removed worker stays in the fleet with its old state."""
+
+    name = "python-no-withdraw"
+    divergences = None
+
+    async def withdraw(self, launch, client, worker):  # type: ignore[no-untyped-def]
+        return None
+
+
+@pytest.mark.parametrize(
+    ("plane", "must_fail"),
+    [
+        (NoDraining(), "discovery/etcd/draining-worker-finishes-in-flight"),
+        (NoWithdraw(), "discovery/etcd/removed-worker-breaker-forgotten"),
+        (NoWithdraw(), "discovery/etcd/readded-worker-starts-closed"),
+    ],
+    ids=["draining-ignored", "removal-ignored", "removal-ignored-count"],
+)
+async def test_the_discovery_cases_fail_when_the_fleet_change_never_reaches_the_plane(
+    plane: PythonPlane, must_fail: str
+) -> None:
+    loaded = load_cases([SPEC], SPEC)
+    cases = select_cases(loaded.cases, [must_fail], [])
+    with trio.fail_after(120):
+        [outcome] = await run_suite(cases, [plane], {}, RunOptions(jobs=1))
+    assert outcome.verdict == "fail", outcome
+    assert all(line.startswith("step ") for line in outcome.failures)

@@ -9,6 +9,7 @@ import pytest
 
 from conformance.cli import main
 from conformance.loader import load_case
+from tests.conformance.stub_planes import StubPlane
 
 GOOD = """\
 name: a good case
@@ -105,3 +106,88 @@ def test_the_repository_spec_and_divergence_files_are_valid(
     out = capsys.readouterr().out
     count = int(out.split()[0])
     assert count >= 25
+
+
+DISCOVERY = """\
+name: a discovery case
+description: a worker drains while a request is in flight
+discovery: etcd
+fleet:
+  a: {}
+  b: {}
+steps:
+  - send: {count: 1, background: long}
+  - set_status: {worker: a, status: draining}
+  - remove: b
+  - add: [b]
+  - send: {count: 1, raw: {nested: 5}}
+  - await: long
+    expect: {status: 200}
+"""
+
+
+def test_background_sends_raw_bodies_and_fleet_changes_load(tmp_path: Path) -> None:
+    from conformance.model import AwaitStep, FleetChangeStep, SendStep
+
+    case = load_case(write(tmp_path, DISCOVERY), tmp_path)
+    assert case.discovery == "etcd"
+    assert {"discovery.etcd", "worker.status"} <= case.capabilities_needed()
+    kinds = [type(step).__name__ for step in case.steps]
+    assert kinds == ["SendStep", "FleetChangeStep", "FleetChangeStep", "FleetChangeStep", "SendStep", "AwaitStep"]
+    first, change, _, add, raw, wait = case.steps
+    assert isinstance(first, SendStep) and first.request.background == "long"
+    assert isinstance(change, FleetChangeStep) and (change.action, change.workers, change.status) == ("set_status", ("a",), "draining")
+    assert isinstance(add, FleetChangeStep) and add.workers == ("b",)
+    assert isinstance(raw, SendStep) and raw.request.raw is not None and raw.request.raw.nested == 5
+    assert isinstance(wait, AwaitStep) and wait.name == "long"
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "field", "words"),
+    [
+        # A capability nobody declares, with a suggestion.
+        (GOOD.replace("fleet:", "requires: [breaker.single_prob]\nfleet:"), 3, "requires", "did you mean 'breaker.single_probe'"),
+        # A fleet change needs a discovery backend to happen in.
+        (DISCOVERY.replace("discovery: etcd\n", ""), 8, "steps[1].set_status", "set `discovery`"),
+        (DISCOVERY.replace("discovery: etcd", "discovery: consul"), 3, "discovery", "must be one of etcd, kubernetes"),
+        # An await of a name no send started, and a send never awaited.
+        (DISCOVERY.replace("await: long", "await: short"), 13, "steps[5].await", "no background send 'short'"),
+        (DISCOVERY.replace("  - await: long\n    expect: {status: 200}\n", ""), 12, "steps", "never awaited: long"),
+        # A background send is checked by its await, not by itself.
+        (DISCOVERY.replace("background: long}", "background: long}\n    expect: {status: 200}"), 9, "steps[0].expect", "await step"),
+        # A raw body is one thing.
+        (DISCOVERY.replace("raw: {nested: 5}", "raw: {nested: 5, size: 10}"), 12, "steps[4].send.raw", "exactly one of text, nested, size"),
+        (DISCOVERY.replace("raw: {nested: 5}", "raw: {text: 5}"), 12, "steps[4].send.raw.text", "must be a string"),
+        (DISCOVERY.replace("raw: {nested: 5}", "raw: {nested: 5}, body: {n: 2}"), 12, "steps[4].send.body", "no body fields"),
+    ],
+)
+def test_a_bad_new_field_names_file_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, line: int, field: str, words: str
+) -> None:
+    path = write(tmp_path, text)
+    (tmp_path / "VERSION").write_text("1\n")
+    code, err = validate(tmp_path, capsys)
+    assert code == 2
+    assert err.startswith(f"{path}:{line}: {field}: "), err
+    assert words in err
+
+
+def test_validate_checks_a_module_class_plane_and_the_spec_version(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    assert main(["validate", "--plane", "tests.conformance.stub_planes:StubPlane"]) == 0
+    assert main(["list", "--plane", "tests.conformance.stub_planes:StubPlane", "--case", "raw/non-json-is-400"]) == 0
+    assert "raw/non-json-is-400" in capsys.readouterr().out
+    assert main(["validate", "--plane", "tests.conformance.test_validate:TypoPlane"]) == 2
+    assert "plane typo: unknown capability 'breaker.singel_probe'" in capsys.readouterr().err
+    # A spec root without VERSION is invalid.
+    spec = tmp_path / "spec"
+    write(spec, GOOD)
+    assert main(["--spec", str(spec), "run", "--plane", "python"]) == 2
+    assert "the spec has no version file" in capsys.readouterr().err
+
+
+class TypoPlane(StubPlane):
+    name = "typo"
+    capabilities = frozenset({"breaker.singel_probe"})

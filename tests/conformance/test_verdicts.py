@@ -123,16 +123,19 @@ def test_the_report_shows_every_verdict_in_markdown_and_junit() -> None:
     from conformance.report import RunInfo, junit, markdown
     from conformance.runner import Outcome
 
-    cases = [case(WorkerSpec("a"))]
     outcomes = [
         Outcome("x/y", "one", "pass", seconds=1.0),
         Outcome("x/y", "two", "stale", "listed but passes", seconds=2.0),
     ]
-    info = RunInfo({"one": "1.0", "two": "2.0"}, {"one": frozenset({"pd"}), "two": frozenset()}, "conformance run", 3.0, 4)
-    text = markdown(cases, outcomes, info)
+    info = RunInfo(
+        {"one": "1.0", "two": "2.0"}, {"one": frozenset({"pd"}), "two": frozenset()}, "conformance run", 3.0, 4, "7"
+    )
+    text = markdown(outcomes, info)
+    assert "| case | one 1.0 | two 2.0 |" in text
     assert "| `x/y` | pass | **STALE** |" in text
     assert "| `pd` | yes | no |" in text
-    assert "- **two** `x/y` (stale): listed but passes" in text
+    assert "- **two 2.0** `x/y` (stale): listed but passes" in text
+    assert "Spec version 7" in text
     root = ET.fromstring(junit(outcomes, info))
     suites = {s.get("name"): s for s in root.iter("testsuite")}
     assert suites["conformance.one"].get("failures") == "0"
@@ -151,6 +154,7 @@ def test_a_plane_is_named_or_imported_as_module_and_class(capsys: pytest.Capture
         resolve_plane("vllm")
     assert main(["run", "--plane", "vllm"]) == 2
     assert "unknown plane 'vllm'" in capsys.readouterr().err
+    assert resolve_plane("vllm-router").name == "vllm-router"
 
 
 def test_list_says_what_each_plane_makes_of_a_case(capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,6 +163,7 @@ def test_list_says_what_each_plane_makes_of_a_case(capsys: pytest.CaptureFixture
     spec = Path(__file__).resolve().parents[2] / "spec"
     assert main(["--spec", str(spec), "list", "--case", "breaker/single-probe-under-concurrency", "--case", "pd/unknown-model-404"]) == 0
     out = capsys.readouterr().out
-    assert "breaker/single-probe-under-concurrency" in out and "python: runs; smg: unsupported" in out
-    assert "python: runs; smg: divergent" in out
+    assert "breaker/single-probe-under-concurrency" in out
+    assert "python: runs; smg: unsupported; vllm-router: unsupported" in out
+    assert "python: runs; smg: divergent; vllm-router: divergent" in out
     assert out.rstrip().endswith("2 case(s)")

@@ -1,0 +1,44 @@
+"""Every capability a case can need and a plane can declare, with what it means.
+
+A capability is a plain name. A case needs the ones its `requires` lists plus those its
+shape implies (`Case.capabilities_needed`); a plane declares the set it has. A case that
+needs one the plane lacks is reported `unsupported` there, not run.
+
+Adding a capability is one line here (the loader rejects names it does not know, so a
+typo in a case or an adapter cannot make a case silently unsupported everywhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+CAPABILITIES: Mapping[str, str] = {
+    # Breaker
+    "breaker.single_probe": "half-open admits exactly one probe however many requests arrive",
+    "breaker.backoff": "a failed probe doubles the cooldown, up to a cap",
+    "breaker.all_open_dispatch": "with every candidate open, the leg dispatches anyway",
+    "breaker.all_open_reject": "with every candidate open, the leg answers 503",
+    # Health
+    "health.active": "active health checks whose period and thresholds a case can set",
+    # Policies, by their neutral name (`settings.policy` and the per-role policies)
+    "policy.round_robin": "round robin",
+    "policy.random": "uniform random choice",
+    "policy.least_load": "fewest requests in flight",
+    "policy.power_of_two": "two random candidates, the less loaded one",
+    "policy.consistent_hash": "the same session or prompt lands on the same worker",
+    # Prefill/decode disaggregation
+    "pd": "prefill and decode pools, both legs of a request",
+    "pd.mixed_fleet": "mixed workers beside prefill and decode ones",
+    "pd.bootstrap": "SGLang's handoff: bootstrap host, port and room injected into both legs",
+    "pd.nixl": "vLLM's NIXL handoff: prefill first, its kv_transfer_params passed to the decode",
+    "dp_rank": "a rank-multiplexed worker gets a rank per request",
+    # Fleet state
+    "worker.status": "a worker's own record can say DRAINING, and the plane honours it",
+    "discovery.etcd": "the plane follows worker records in etcd",
+    "discovery.kubernetes": "the plane follows Pods through the Kubernetes API",
+}
+
+
+def unknown(names: frozenset[str] | set[str]) -> list[str]:
+    """The names that are not capabilities, sorted."""
+    return sorted(name for name in names if name not in CAPABILITIES)

@@ -1,0 +1,179 @@
+"""The vLLM router (`vllm-router` on PyPI, a Rust fork of the SGLang router), launched as
+its console script `vllm-router`.
+
+Mapping notes, read from `vllm-router --help` and its defaults, then checked on the binary:
+- it binds `--port` (default 30000) and cannot be told port 0, so the runner picks one;
+  its Prometheus exporter listens on 127.0.0.1:29000 unless told, so every instance gets
+  a free `--prometheus-port` (and host 127.0.0.1);
+- `--policy` defaults to cache_aware; round_robin is the neutral default here. There is
+  no least-load policy, and consistent hashing is `consistent_hash`;
+- `--retry-max-retries` counts total attempts, as in smg; `--cb-*` and `--health-*` are
+  smg's flags, in whole seconds;
+- PD is `--vllm-pd-disaggregation` with vLLM's NIXL handoff (`--kv-connector nixl` by
+  default), not SGLang's bootstrap room that the spec's handoff checks read; the other PD
+  cases run (the fake workers answer both legs whatever the handoff), and it refuses to
+  start with an empty decode pool;
+- DP is one `--intra-node-data-parallel-size` for the whole fleet, and it needs
+  `--api-key` (sent to the workers; the fake workers ignore it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import ClassVar
+
+from conformance.model import Case
+from conformance.planes.base import Launch, Unsupported
+from conformance.planes.smg import SmgPlane, _whole_seconds
+from conformance.processes import free_port
+
+POLICIES = {
+    "round_robin": "round_robin",
+    "random": "random",
+    "power_of_two": "power_of_two",
+    "consistent_hash": "consistent_hash",
+}
+BINARY = "vllm-router"
+# What `--api-key` is set to when DP needs one; the fake workers accept any key.
+DP_API_KEY = "conformance"
+
+
+def _binary() -> str:
+    """`vllm-router` beside the running interpreter (a venv's bin), else on PATH."""
+    beside = Path(sys.executable).with_name(BINARY)
+    if beside.exists():
+        return str(beside)
+    return shutil.which(BINARY) or BINARY
+
+
+def _interpreter(binary: str) -> str:
+    """The interpreter of a console script (its `#!` line), to ask for the version."""
+    try:
+        with open(binary, "rb") as script:
+            first = script.readline().decode("utf-8", "replace").strip()
+    except OSError:
+        return sys.executable
+    return first[2:].split()[0] if first.startswith("#!") and first[2:].strip() else sys.executable
+
+
+class VllmRouterPlane(SmgPlane):
+    name = "vllm-router"
+    divergences: ClassVar[Path | None] = Path(__file__).with_name("vllm_router_divergences.yaml")
+    distribution = "vllm-router"
+    capabilities = frozenset(
+        {
+            "breaker.all_open_reject",
+            "pd",
+            "pd.nixl",
+            "dp_rank",
+            "health.active",
+            *(f"policy.{name}" for name in POLICIES),
+        }
+    )
+    # Observed with `conformance run --plane vllm-router --run-unsupported -v`.
+    missing_notes: ClassVar[Mapping[str, str]] = {
+        "breaker.single_probe": "half-open admits every request: 8 concurrent requests just after "
+        "the cooldown sent 4 to the half-open worker",
+        "breaker.backoff": "the cooldown never grows: about 3 s after a failed probe with a 2 s "
+        "cooldown the worker was probed again",
+        "breaker.all_open_dispatch": "with every worker open it answers 503 in plain text (\"No "
+        "available workers (all circuits open or unhealthy)\"), 0 dispatches; no flag dispatches instead",
+        "policy.least_load": "--policy offers random, round_robin, cache_aware, kv_aware, power_of_two, "
+        "consistent_hash, sticky_least_loaded: no plain least-load",
+        "pd.bootstrap": "--vllm-pd-disaggregation hands off with vLLM's NIXL parameters "
+        "(--kv-connector nixl|mooncake|moriio), not SGLang's bootstrap room the handoff checks read",
+        "worker.status": "static workers have no DRAINING state to learn",
+        "discovery.etcd": "no etcd discovery (--service-discovery follows Kubernetes Pods)",
+    }
+    log_level: ClassVar[str] = "warning"
+
+    def version_argv(self) -> list[str]:
+        code = "import vllm_router.version as v; print(v.__version__)"
+        return [_interpreter(_binary()), "-c", code]
+
+    def check(self, case: Case) -> None:
+        super().check(case)
+        roles = {worker.role for worker in case.fleet}
+        if case.is_pd and not {"prefill", "decode"} <= roles:
+            raise Unsupported(
+                "vllm-router will not start a PD fleet without both pools "
+                "(\"PD disaggregation mode requires --decode\")"
+            )
+        sizes = {worker.dp_size for worker in case.fleet}
+        if len(sizes) > 1:
+            raise Unsupported(
+                f"workers of dp_size {', '.join(map(str, sorted(sizes)))}: vllm-router takes one "
+                "--intra-node-data-parallel-size for the whole fleet"
+            )
+
+    def command(self, launch: Launch) -> list[str]:
+        self.check(launch.case)
+        argv = [
+            _binary(),
+            "--host", launch.host,
+            "--port", str(launch.port),
+            "--prometheus-host", launch.host,
+            "--prometheus-port", str(free_port(launch.host)),
+            "--log-level", self.log_level,
+            "--worker-startup-check-interval", "1",
+            "--worker-startup-timeout-secs", "30",
+        ]  # fmt: skip
+        argv += self.fleet_flags(launch)
+        argv += self.settings_flags(launch.case)
+        return argv
+
+    def fleet_flags(self, launch: Launch) -> list[str]:
+        flags: list[str] = []
+        dp_size = max(worker.spec.dp_size for worker in launch.workers)
+        if dp_size > 1:
+            flags += ["--intra-node-data-parallel-size", str(dp_size), "--api-key", DP_API_KEY]
+        if not launch.case.is_pd:
+            return [*flags, "--worker-urls", *(worker.url for worker in launch.workers)]
+        flags.append("--vllm-pd-disaggregation")
+        for worker in launch.workers:
+            if worker.spec.role == "prefill":
+                flags += ["--prefill", worker.url, str(worker.bootstrap_port)]
+            elif worker.spec.role == "decode":
+                flags += ["--decode", worker.url]
+            else:
+                raise Unsupported("vllm-router serves either a PD fleet or mixed workers, not both at once")
+        return flags
+
+    def settings_flags(self, case: Case) -> list[str]:
+        s = case.settings
+        flags = ["--policy", self._policy(s.policy or "round_robin")]
+        if s.prefill_policy is not None:
+            flags += ["--prefill-policy", self._policy(s.prefill_policy)]
+        if s.decode_policy is not None:
+            flags += ["--decode-policy", self._policy(s.decode_policy)]
+        if s.attempts is not None:
+            flags += ["--retry-max-retries", str(s.attempts)]
+        b = s.breaker
+        if b.threshold == 0:
+            flags.append("--disable-circuit-breaker")
+        else:
+            flags += ["--cb-success-threshold", "1"]
+            if b.threshold is not None:
+                flags += ["--cb-failure-threshold", str(b.threshold)]
+            if b.cooldown_s is not None:
+                _whole_seconds(b.cooldown_s, "settings.breaker.cooldown_s")
+                flags += ["--cb-timeout-duration-secs", str(int(b.cooldown_s))]
+        h = s.health
+        if h.interval_s is not None:
+            flags += ["--health-check-interval-secs", str(int(h.interval_s)), "--health-check-timeout-secs", "1"]
+        if h.failure_threshold is not None:
+            flags += ["--health-failure-threshold", str(h.failure_threshold)]
+        if h.success_threshold is not None:
+            flags += ["--health-success-threshold", str(h.success_threshold)]
+        if s.max_body_bytes is not None:
+            flags += ["--max-payload-size", str(s.max_body_bytes)]
+        return flags
+
+    @staticmethod
+    def _policy(name: str) -> str:
+        if name not in POLICIES:
+            raise Unsupported(f"vllm-router has no {name} policy")
+        return POLICIES[name]

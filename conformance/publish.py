@@ -1,0 +1,234 @@
+"""Conformance reports a project can publish: one YAML file per plane and version, and the
+parity matrix generated from those files.
+
+`conformance run --report-yaml DIR` writes `DIR/<plane>/<version>.yaml`:
+
+    plane: smg
+    version: 1.13.0
+    date: 2026-11-30
+    spec_version: "1"
+    command: conformance run --plane smg --report-yaml conformance/reports
+    capabilities: [breaker.all_open_reject, dp_rank, ...]
+    summary: {pass: 28, divergent: 7, unsupported: 7, fail: 0, stale: 0, error: 0}
+    cases:
+      - id: breaker/all-open-dispatch
+        verdict: unsupported
+        observed: "needs breaker.all_open_dispatch (...)"
+      - id: breaker/opens-at-threshold
+        verdict: pass
+
+A case that did not pass carries `observed` (what the plane was seen doing, or why it did
+not run) and, for a failing verdict, its first failure lines. `conformance parity DIR`
+reads every report under DIR and writes the Markdown matrix (`docs/parity.md`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from conformance.runner import FAILING, Outcome
+
+VERDICTS = ("pass", "divergent", "unsupported", "fail", "stale", "error")
+# Upper case for what fails the run, so it stands out in a wide table.
+CELL = {"pass": "pass", "divergent": "divergent", "unsupported": "unsupported", "fail": "**FAIL**",
+        "stale": "**STALE**", "error": "**ERROR**"}
+FAILURE_LINES = 5
+
+
+class ReportError(ValueError):
+    """A report file that cannot be read: the path and what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    id: str
+    verdict: str
+    observed: str = ""
+    failures: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneReport:
+    plane: str
+    version: str
+    date: str
+    spec_version: str
+    command: str
+    capabilities: tuple[str, ...]
+    cases: tuple[CaseResult, ...] = field(default_factory=tuple)
+
+    @property
+    def summary(self) -> dict[str, int]:
+        counts = Counter(case.verdict for case in self.cases)
+        return {verdict: counts.get(verdict, 0) for verdict in VERDICTS}
+
+    def to_data(self) -> dict[str, Any]:
+        cases: list[dict[str, Any]] = []
+        for case in self.cases:
+            entry: dict[str, Any] = {"id": case.id, "verdict": case.verdict}
+            if case.observed:
+                entry["observed"] = case.observed
+            if case.failures:
+                entry["failures"] = list(case.failures)
+            cases.append(entry)
+        return {
+            "plane": self.plane,
+            "version": self.version,
+            "date": self.date,
+            "spec_version": self.spec_version,
+            "command": self.command,
+            "capabilities": list(self.capabilities),
+            "summary": self.summary,
+            "cases": cases,
+        }
+
+
+def build_report(
+    plane: str, version: str, capabilities: Iterable[str], outcomes: Sequence[Outcome], spec_version: str, command: str,
+    date: datetime.date | None = None,
+) -> PlaneReport:
+    """The report of one plane from its outcomes (other planes' outcomes are ignored)."""
+    results = []
+    for o in sorted((o for o in outcomes if o.plane == plane), key=lambda o: o.case_id):
+        failures = tuple(_one_line(line) for line in o.failures[:FAILURE_LINES]) if o.verdict != "pass" else ()
+        results.append(CaseResult(o.case_id, o.verdict, _one_line(o.detail), failures))
+    return PlaneReport(
+        plane=plane,
+        version=version,
+        date=(date or datetime.date.today()).isoformat(),
+        spec_version=spec_version,
+        command=command,
+        capabilities=tuple(sorted(capabilities)),
+        cases=tuple(results),
+    )
+
+
+def report_path(root: Path, report: PlaneReport) -> Path:
+    """`<root>/<plane>/<version>.yaml`, with anything odd in the names made safe."""
+    return root / _safe(report.plane) / f"{_safe(report.version)}.yaml"
+
+
+def write_report(root: Path, report: PlaneReport) -> Path:
+    path = report_path(root, report)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(report.to_data(), sort_keys=False, allow_unicode=True, width=100)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_report(path: Path) -> PlaneReport:
+    """One report file; ReportError naming the file if it is not one."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ReportError(f"{path}: cannot be read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path}: not a report (a mapping of plane, version, cases, ...)")
+    try:
+        cases = tuple(
+            CaseResult(
+                id=str(entry["id"]),
+                verdict=_verdict(entry["verdict"]),
+                observed=str(entry.get("observed", "")),
+                failures=tuple(str(line) for line in entry.get("failures", ())),
+            )
+            for entry in data["cases"]
+        )
+        return PlaneReport(
+            plane=str(data["plane"]),
+            version=str(data["version"]),
+            date=str(data["date"]),
+            spec_version=str(data["spec_version"]),
+            command=str(data.get("command", "")),
+            capabilities=tuple(str(c) for c in data.get("capabilities", ())),
+            cases=cases,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ReportError(f"{path}: not a report: {exc!r}") from None
+
+
+def load_reports(root: Path) -> list[PlaneReport]:
+    """Every `*.yaml` report under `root`, in plane then version order."""
+    reports = [load_report(path) for path in sorted(root.rglob("*.yaml"))]
+    return sorted(reports, key=lambda r: (r.plane, r.version))
+
+
+def _verdict(value: Any) -> str:
+    if value not in VERDICTS:
+        raise ValueError(f"verdict {value!r} is not one of {', '.join(VERDICTS)}")
+    return str(value)
+
+
+# -- the parity matrix ---------------------------------------------------------------------
+
+
+def parity_markdown(reports: Sequence[PlaneReport], source: str, notes: Mapping[str, str] | None = None) -> str:
+    """The parity matrix (cases x planes) of `reports`, with every non-pass explained.
+
+    `source` says where the reports came from (a folder, or a run's command line);
+    `notes` may add a line per plane column.
+    """
+    columns = [f"{r.plane} {r.version}" for r in reports]
+    by_column = {column: {case.id: case for case in r.cases} for column, r in zip(columns, reports, strict=True)}
+    case_ids = sorted({case.id for r in reports for case in r.cases})
+    spec_versions = sorted({r.spec_version for r in reports})
+    lines = [
+        "# Conformance parity matrix",
+        "",
+        f"Generated by `conformance parity` from {source}. Spec version "
+        f"{', '.join(spec_versions) or 'unknown'}; {len(case_ids)} cases. "
+        "See `docs/writing-spec-cases.md` for what the verdicts mean.",
+        "",
+        "| plane | version | date | spec | " + " | ".join(VERDICTS) + " |",
+        "|---|---|---|---|" + "---|" * len(VERDICTS),
+    ]
+    for r in reports:
+        counts = r.summary
+        lines.append(
+            f"| {r.plane} | {r.version} | {r.date} | {r.spec_version} | "
+            + " | ".join(str(counts[v]) for v in VERDICTS) + " |"
+        )
+    for column, text in (notes or {}).items():
+        lines += ["", f"{column}: {text}"]
+    lines += ["", "| case | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for case_id in case_ids:
+        cells = [CELL[by_column[c][case_id].verdict] if case_id in by_column[c] else "" for c in columns]
+        lines.append(f"| `{case_id}` | " + " | ".join(cells) + " |")
+    known = sorted({cap for r in reports for cap in r.capabilities})
+    if known:
+        lines += ["", "## Capabilities", "", "| capability | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+        for capability in known:
+            cells = ["yes" if capability in r.capabilities else "no" for r in reports]
+            lines.append(f"| `{capability}` | " + " | ".join(cells) + " |")
+    for title, verdicts in (("Divergences", ("divergent",)), ("Unsupported", ("unsupported",)), ("Failures", tuple(sorted(FAILING)))):
+        picked = [(column, case) for column in columns for case in by_column[column].values() if case.verdict in verdicts]
+        if not picked:
+            continue
+        lines += ["", f"## {title}", ""]
+        for column, case in sorted(picked, key=lambda pair: (columns.index(pair[0]), pair[1].id)):
+            lines.append(f"- **{column}** `{case.id}` ({case.verdict}): {case.observed or '(no detail recorded)'}")
+            for failure in case.failures if case.verdict in FAILING else ():
+                lines.append(f"  - {failure}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+def _safe(name: str) -> str:
+    cleaned = _UNSAFE.sub("_", name).strip("._")
+    return cleaned or "unknown"
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit] + "..."
