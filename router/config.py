@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from router.workers import InvalidWorkerRecord, Role, WorkerRecord
+from router.workers import InvalidWorkerRecord, WorkerRecord
 
 ENV_PREFIX = "ROUTER_"
 WORKERS_ENV = ENV_PREFIX + "WORKERS"
@@ -340,8 +340,7 @@ def _record(data: Any, source: str) -> WorkerRecord:
         record = WorkerRecord.from_json(data)
     except InvalidWorkerRecord as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    if record.role is Role.PREFILL and record.bootstrap_addr is None:
-        raise ConfigError(f"{source}: a prefill worker needs bootstrap_port (or disagg_meta.params.bootstrap_addr)")
+    # A prefill without a bootstrap port learns it from its engine (router.engine_facts).
     return record
 
 

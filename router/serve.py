@@ -26,6 +26,7 @@ from router.breaker import BreakerSettings, BreakerState, make_breaker
 from router.config import ConfigError, Settings, add_arguments, load_settings
 from router.discovery import DiscoveryHealth
 from router.discovery.static import serve_static_discovery
+from router.engine_facts import FactsSettings, serve_engine_facts
 from router.health import serve_health_checks
 from router.http.pool import PoolSettings, open_upstream_pool
 from router.http.server import serve_http
@@ -127,6 +128,10 @@ async def run_router(
         httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
         trio.open_nursery() as nursery,
     ):
+        # Before discovery, so a worker named without its facts is asked at once.
+        await nursery.start(
+            partial(serve_engine_facts, fleet, http, FactsSettings(timeout_s=settings.health_timeout_s))
+        )
         discovery: DiscoveryHealth = await nursery.start(
             partial(serve_discovery, settings, fleet, http, metrics)
         )
