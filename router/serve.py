@@ -25,6 +25,9 @@ from router.app import RouterApp
 from router.breaker import BreakerSettings, BreakerState, make_breaker
 from router.config import ConfigError, Settings, add_arguments, load_settings
 from router.discovery import DiscoveryHealth
+from router.discovery.kube_config import KubeConfigError
+from router.discovery.kube_pods import pod_sources
+from router.discovery.kubernetes import KubeDiscoverySettings
 from router.discovery.static import serve_static_discovery
 from router.engine_facts import FactsSettings, serve_engine_facts
 from router.health import serve_health_checks
@@ -174,8 +177,21 @@ async def serve_discovery(
         from router.discovery.etcd import serve_etcd_discovery
 
         await serve_etcd_discovery(settings, fleet, metrics, task_status=task_status)
+    elif settings.discovery == "kubernetes":
+        from router.discovery.kubernetes import serve_kubernetes_discovery
+
+        await serve_kubernetes_discovery(kube_settings(settings), fleet, metrics, task_status=task_status)
     else:
         await serve_static_discovery(fleet, settings.workers, http, task_status=task_status)
+
+
+def kube_settings(settings: Settings) -> KubeDiscoverySettings:
+    return KubeDiscoverySettings(
+        sources=pod_sources(settings.k8s_selector, settings.k8s_prefill_selector, settings.k8s_decode_selector),
+        namespace=settings.k8s_namespace or None,
+        port=settings.k8s_port,
+        kubeconfig=settings.k8s_kubeconfig or None,
+    )
 
 
 async def _main(settings: Settings) -> None:
@@ -241,6 +257,9 @@ def main(argv: Sequence[str]) -> int:
     except* CannotListen as group:
         print(f"router serve: {_first_leaf(group)}", file=sys.stderr)
         exit_code = EXIT_BIND_FAILED
+    except* KubeConfigError as group:
+        print(f"router serve: {_first_leaf(group)}", file=sys.stderr)
+        exit_code = EXIT_BAD_SETTINGS
     return exit_code
 
 

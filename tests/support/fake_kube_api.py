@@ -116,11 +116,14 @@ class FakeKubeApi:
     requests: list[tuple[str, str]] = field(default_factory=list)
     """(method, path?query) of every request, for tests that count calls."""
     watches_open: int = 0
+    unauthorized: int = 0
+    """Requests answered 401."""
     _history: list[_Change] = field(default_factory=list)
     _oldest: int = 100
     _changed: trio.Event = field(default_factory=trio.Event)
     _scope: trio.CancelScope | None = None
     _bookmarks: int = 0
+    _watch_epoch: int = 0
 
     # ---- state changes, as the control plane and kubelet would make them ----
 
@@ -269,6 +272,7 @@ class FakeKubeApi:
         self.requests.append((method, target))
         headers = {name.lower(): value for name, value in request.headers}
         if headers.get(b"authorization") != f"Bearer {self.token}".encode():
+            self.unauthorized += 1
             await self._respond(stream, conn, 401, _status(401, "Unauthorized", "Unauthorized"))
             return True
         split = urlsplit(target)
@@ -375,7 +379,8 @@ class FakeKubeApi:
                     start = self.version
                 seen = start
                 bookmarks_sent = self._bookmarks
-                while True:
+                epoch = self._watch_epoch
+                while epoch == self._watch_epoch:
                     # Taken in one synchronous step: a change made while the lines are
                     # being sent is newer than `seen` and sets `changed`.
                     changed = self._changed
@@ -395,6 +400,12 @@ class FakeKubeApi:
             return
         finally:
             self.watches_open -= 1
+
+    def end_watches(self) -> None:
+        """End every open watch cleanly, as the server does when `timeoutSeconds` is up."""
+        self._watch_epoch += 1
+        self._changed.set()
+        self._changed = trio.Event()
 
     def bookmark(self) -> None:
         """Send a BOOKMARK at the current version on every watch that asked for them."""
