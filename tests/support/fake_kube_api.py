@@ -20,7 +20,6 @@ the server away (`go_away`) and bring it back on the same port (`serve` again).
 from __future__ import annotations
 
 import copy
-import datetime
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,16 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 import orjson
 import trio
+
+from tests.support.kube_objects import (
+    make_pod,
+    matches_selector,
+    now_rfc3339,
+    parse_selector,
+    status_object,
+)
+
+__all__ = ["FakeKubeApi", "make_pod"]
 
 MAX_HEAD = 64 * 1024
 
@@ -39,67 +48,6 @@ class _Change:
     kind: str  # ADDED, MODIFIED, DELETED
     before: dict[str, Any] | None
     after: dict[str, Any]
-
-
-def _now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def make_pod(
-    name: str,
-    *,
-    ip: str | None = "127.0.0.1",
-    labels: dict[str, str] | None = None,
-    annotations: dict[str, str] | None = None,
-    ready: bool = True,
-    phase: str = "Running",
-    namespace: str = "default",
-) -> dict[str, Any]:
-    """A Pod object with what discovery reads: labels, annotations, phase, IP, Ready."""
-    status: dict[str, Any] = {
-        "phase": phase,
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-    }
-    if ip is not None:
-        status["podIP"] = ip
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "uid": f"uid-{namespace}-{name}",
-            "labels": dict(labels or {}),
-            "annotations": dict(annotations or {}),
-            "creationTimestamp": _now_rfc3339(),
-        },
-        "spec": {"containers": [{"name": "engine", "image": "engine:fake"}]},
-        "status": status,
-    }
-
-
-def _matches(pod: dict[str, Any] | None, selector: dict[str, str]) -> bool:
-    if pod is None:
-        return False
-    labels = pod["metadata"].get("labels") or {}
-    return all(labels.get(key) == value for key, value in selector.items())
-
-
-def _parse_selector(raw: str) -> dict[str, str]:
-    terms: dict[str, str] = {}
-    for term in filter(None, (part.strip() for part in raw.split(","))):
-        key, sep, value = term.partition("=")
-        if not sep:
-            raise ValueError(f"unsupported selector term {term!r}")
-        terms[key.strip()] = value.lstrip("=").strip()
-    return terms
-
-
-def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "kind": "Status", "apiVersion": "v1", "metadata": {},
-        "status": "Failure", "message": message, "reason": reason, "code": code,
-    }  # fmt: skip
 
 
 @dataclass
@@ -163,7 +111,7 @@ class FakeKubeApi:
         """Graceful deletion's first step: `deletionTimestamp` is set (MODIFIED)."""
         before = self.pods[(namespace, name)]
         after = copy.deepcopy(before)
-        after["metadata"]["deletionTimestamp"] = _now_rfc3339()
+        after["metadata"]["deletionTimestamp"] = now_rfc3339()
         after["metadata"]["deletionGracePeriodSeconds"] = grace_s
         return self._record("MODIFIED", before, after)
 
@@ -273,21 +221,21 @@ class FakeKubeApi:
         headers = {name.lower(): value for name, value in request.headers}
         if headers.get(b"authorization") != f"Bearer {self.token}".encode():
             self.unauthorized += 1
-            await self._respond(stream, conn, 401, _status(401, "Unauthorized", "Unauthorized"))
+            await self._respond(stream, conn, 401, status_object(401, "Unauthorized", "Unauthorized"))
             return True
         split = urlsplit(target)
         query = {key: values[-1] for key, values in parse_qs(split.query).items()}
         parts = split.path.strip("/").split("/")
         if len(parts) < 5 or parts[:3] != ["api", "v1", "namespaces"] or parts[4] != "pods":
-            await self._respond(stream, conn, 404, _status(404, "NotFound", f"the server could not find {split.path}"))
+            await self._respond(stream, conn, 404, status_object(404, "NotFound", f"the server could not find {split.path}"))
             return True
         namespace = parts[3]
         name = parts[5] if len(parts) > 5 else None
         if name is None and method == "GET":
             try:
-                selector = _parse_selector(query.get("labelSelector", ""))
+                selector = parse_selector(query.get("labelSelector", ""))
             except ValueError as exc:
-                await self._respond(stream, conn, 400, _status(400, "BadRequest", str(exc)))
+                await self._respond(stream, conn, 400, status_object(400, "BadRequest", str(exc)))
                 return True
             if query.get("watch") in ("1", "true"):
                 await self._watch(stream, conn, namespace, selector, query)
@@ -296,7 +244,7 @@ class FakeKubeApi:
             return True
         pod = self.pods.get((namespace, name or ""))
         if pod is None:
-            await self._respond(stream, conn, 404, _status(404, "NotFound", f'pods "{name}" not found'))
+            await self._respond(stream, conn, 404, status_object(404, "NotFound", f'pods "{name}" not found'))
             return True
         if method == "GET":
             await self._respond(stream, conn, 200, pod)
@@ -308,7 +256,7 @@ class FakeKubeApi:
                 nursery.start_soon(self._delete_after, namespace, name or "", grace)
             await self._respond(stream, conn, 200, pod)
         else:
-            await self._respond(stream, conn, 405, _status(405, "MethodNotAllowed", method))
+            await self._respond(stream, conn, 405, status_object(405, "MethodNotAllowed", method))
         return True
 
     async def _delete_after(self, namespace: str, name: str, grace_s: int) -> None:
@@ -317,7 +265,7 @@ class FakeKubeApi:
 
     def _list(self, namespace: str, selector: dict[str, str]) -> dict[str, Any]:
         items = [
-            pod for (ns, _), pod in sorted(self.pods.items()) if ns == namespace and _matches(pod, selector)
+            pod for (ns, _), pod in sorted(self.pods.items()) if ns == namespace and matches_selector(pod, selector)
         ]
         return {
             "kind": "PodList", "apiVersion": "v1",
@@ -333,7 +281,7 @@ class FakeKubeApi:
         for change in self._history:
             if change.version <= version or change.after["metadata"]["namespace"] != namespace:
                 continue
-            was, now = _matches(change.before, selector), _matches(change.after, selector)
+            was, now = matches_selector(change.before, selector), matches_selector(change.after, selector)
             if change.kind == "DELETED":
                 if was:
                     yield "DELETED", change.after
@@ -353,7 +301,7 @@ class FakeKubeApi:
         timeout_s = float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else None
         start = int(raw_version) if raw_version not in ("", "0") else None
         if start is not None and start < self._oldest:
-            gone = _status(410, "Expired", f"too old resource version: {start} ({self._oldest})")
+            gone = status_object(410, "Expired", f"too old resource version: {start} ({self._oldest})")
             if self.gone_as_http:
                 await self._respond(stream, conn, 410, gone)
                 return
@@ -374,7 +322,7 @@ class FakeKubeApi:
                     return
                 if start is None:  # "from now": the current state as ADDED events first
                     for (ns, _), pod in sorted(self.pods.items()):
-                        if ns == namespace and _matches(pod, selector):
+                        if ns == namespace and matches_selector(pod, selector):
                             await line("ADDED", pod)
                     start = self.version
                 seen = start
