@@ -26,7 +26,7 @@ from router.discovery import DiscoveryHealth
 from router.discovery.backoff import Backoff
 from router.discovery.kube_config import KubeConfigError, KubeConnection, load_kube_connection
 from router.discovery.kube_pods import PodMirror, PodSource
-from router.discovery.streams import close_stream
+from router.discovery.streams import StreamTooLarge, close_stream, read_capped
 from router.metrics import RouterMetrics
 from router.workers import Fleet
 
@@ -34,6 +34,7 @@ log = logging.getLogger("router.discovery.kubernetes")
 
 MAX_LIST_BYTES = 64 * 1024 * 1024
 MAX_EVENT_BYTES = 4 * 1024 * 1024
+MAX_STATUS_BYTES = 64 * 1024
 
 
 class KubeUnavailable(Exception):
@@ -92,15 +93,17 @@ class PodsApi:
         """The Pods matching `source` and the version the listing was taken at."""
         params = {"labelSelector": str(source.selector)}
         try:
-            response = await self._http.get(self._path, params=params)
+            async with self._http.stream("GET", self._path, params=params) as response:
+                limit = MAX_LIST_BYTES if response.status_code == 200 else MAX_STATUS_BYTES
+                body = await read_capped(response, limit)
         except httpx.HTTPError as exc:
             raise KubeUnavailable(f"list pods: {type(exc).__name__}: {exc}") from exc
+        except StreamTooLarge as exc:
+            raise KubeUnavailable(f"list pods: {exc}") from None
         if response.status_code != 200:
-            raise KubeUnavailable(f"list pods: HTTP {response.status_code} {_status_text(response.content)}")
-        if len(response.content) > MAX_LIST_BYTES:
-            raise KubeUnavailable(f"list pods: answer larger than {MAX_LIST_BYTES} bytes")
+            raise KubeUnavailable(f"list pods: HTTP {response.status_code} {_status_text(body)}")
         try:
-            listing = orjson.loads(response.content)
+            listing = orjson.loads(body)
             items, version = listing["items"] or [], listing["metadata"]["resourceVersion"]
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             raise KubeUnavailable(f"list pods: not a PodList ({exc!r})") from None
@@ -129,38 +132,48 @@ class PodsApi:
             response = await self._http.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise KubeUnavailable(f"watch pods: {type(exc).__name__}: {exc}") from exc
-        lines = response.aiter_lines()
+        chunks = response.aiter_bytes()
         try:
             if response.status_code != 200:
                 try:
-                    body = await response.aread()
-                except httpx.HTTPError:
+                    body = await read_capped(response, MAX_STATUS_BYTES)
+                except (httpx.HTTPError, StreamTooLarge):
                     body = b""
                 if response.status_code == 410:
                     raise KubeGone(_status_text(body))
                 raise KubeUnavailable(f"watch pods: HTTP {response.status_code} {_status_text(body)}")
-            yield self._events(lines)
+            yield self._events(chunks)
         finally:
-            await close_stream(response, lines)
+            await close_stream(response, chunks)
 
-    async def _events(self, lines: AsyncIterator[str]) -> AsyncGenerator[dict[str, Any], None]:
+    async def _events(self, chunks: AsyncIterator[bytes]) -> AsyncGenerator[dict[str, Any], None]:
+        """One event per line; a line longer than MAX_EVENT_BYTES is refused before it is
+        all held (httpx's own line reader has no bound)."""
+        pending = bytearray()
+        lines: list[bytearray] = []
         while True:
-            try:
-                line = await anext(lines)
-            except StopAsyncIteration:
-                return
-            except httpx.HTTPError as exc:
-                raise KubeUnavailable(f"watch pods: {type(exc).__name__}: {exc}") from exc
+            if not lines:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    return
+                except httpx.HTTPError as exc:
+                    raise KubeUnavailable(f"watch pods: {type(exc).__name__}: {exc}") from exc
+                pending += chunk
+                *lines, rest = pending.split(b"\n")
+                pending = bytearray(rest)
+                if len(pending) > MAX_EVENT_BYTES:
+                    raise KubeUnavailable(f"watch pods: an event larger than {MAX_EVENT_BYTES} bytes")
+                continue
+            line = lines.pop(0)
             if not line.strip():
                 continue
-            if len(line) > MAX_EVENT_BYTES:
-                raise KubeUnavailable(f"watch pods: an event larger than {MAX_EVENT_BYTES} bytes")
             try:
                 event = orjson.loads(line)
             except orjson.JSONDecodeError:
-                raise KubeUnavailable(f"watch pods: a line that is not JSON: {line[:100]!r}") from None
+                raise KubeUnavailable(f"watch pods: a line that is not JSON: {bytes(line[:100])!r}") from None
             if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
-                raise KubeUnavailable(f"watch pods: not a watch event: {line[:100]!r}")
+                raise KubeUnavailable(f"watch pods: not a watch event: {bytes(line[:100])!r}")
             if event.get("type") == "ERROR":
                 status = event["object"]
                 text = f"{status.get('reason', '')}: {status.get('message', '')}"
@@ -313,7 +326,8 @@ class _Follower:
                     async for event in events:
                         count += 1
                         kind, obj = event.get("type"), event["object"]
-                        version = (obj.get("metadata") or {}).get("resourceVersion")
+                        meta = obj.get("metadata")
+                        version = meta.get("resourceVersion") if isinstance(meta, dict) else None
                         if kind == "BOOKMARK":
                             self._metrics.discovery_events.labels("bookmark").inc()
                         elif kind in ("ADDED", "MODIFIED", "DELETED"):

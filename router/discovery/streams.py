@@ -30,3 +30,22 @@ async def close_stream(response: httpx.Response, iterator: AsyncIterator[Any]) -
                 pass
         except (httpx.HTTPError, httpx.StreamError):
             pass  # the expected end of a closed stream
+
+
+class StreamTooLarge(Exception):
+    """A response body went past the bound its reader set."""
+
+
+async def read_capped(response: httpx.Response, limit: int) -> bytes:
+    """The body of a streamed `response`, refused (StreamTooLarge) past `limit` bytes
+    before more is held; the stream is closed either way."""
+    body = bytearray()
+    chunks = response.aiter_bytes()
+    try:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > limit:
+                raise StreamTooLarge(f"answer larger than {limit} bytes")
+    finally:
+        await close_stream(response, chunks)
+    return bytes(body)
