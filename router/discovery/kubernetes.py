@@ -307,6 +307,9 @@ class _Follower:
             except KubeGone as exc:
                 log.warning("watch of %s from version %s is gone (%s): relisting", self._source.selector, self.version, exc)
                 self.version = None
+                # Short the first time; a server that answers 410 to every watch is not
+                # relisted in a tight loop.
+                await trio.sleep(self._backoff.failure())
             except (KubeUnavailable, KubeConfigError) as exc:
                 self._link.down(self._source, str(exc))
                 if not reported:
