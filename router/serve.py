@@ -27,7 +27,7 @@ from router.config import ConfigError, Settings, add_arguments, load_settings
 from router.discovery import DiscoveryHealth
 from router.discovery.kube_config import KubeConfigError
 from router.discovery.kube_pods import pod_sources
-from router.discovery.kubernetes import KubeDiscoverySettings
+from router.discovery.kubernetes import KubeDiscoverySettings, serve_kubernetes_discovery
 from router.discovery.static import serve_static_discovery
 from router.engine_facts import FactsSettings, serve_engine_facts
 from router.health import serve_health_checks
@@ -178,8 +178,6 @@ async def serve_discovery(
 
         await serve_etcd_discovery(settings, fleet, metrics, task_status=task_status)
     elif settings.discovery == "kubernetes":
-        from router.discovery.kubernetes import serve_kubernetes_discovery
-
         await serve_kubernetes_discovery(kube_settings(settings), fleet, metrics, task_status=task_status)
     else:
         await serve_static_discovery(fleet, settings.workers, http, task_status=task_status)
