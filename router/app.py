@@ -114,4 +114,9 @@ class RouterApp:
             else:
                 entry["breaker"] = None
             listing.append(entry)
+        for pending in self.fleet.pending.values():
+            # Named by discovery, not admitted: its engine has not stated what it needs.
+            entry = pending.record.to_json()
+            entry.update(status="PENDING", admitted=False, reason=pending.reason)
+            listing.append(entry)
         return 200, b"application/json", orjson.dumps({"workers": listing})

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from router.workers import InvalidWorkerRecord, Role, WorkerRecord
+from router.discovery.kube_pods import BadSelector, pod_sources
+from router.workers import InvalidWorkerRecord, WorkerRecord
 
 ENV_PREFIX = "ROUTER_"
 WORKERS_ENV = ENV_PREFIX + "WORKERS"
@@ -59,7 +60,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", str, "round_robin", "policy for mixed workers", POLICY_NAMES),
     Option("prefill_policy", str, "round_robin", "policy for the prefill pool", POLICY_NAMES),
     Option("decode_policy", str, "round_robin", "policy for the decode pool", POLICY_NAMES),
-    Option("discovery", str, "static", "where the fleet comes from", ("static", "etcd")),
+    Option("discovery", str, "static", "where the fleet comes from", ("static", "etcd", "kubernetes")),
     Option("etcd_endpoint", str, "http://127.0.0.1:2379", "etcd client URL (v3 JSON gateway)"),
     Option("etcd_prefix", str, "/router/workers/", "etcd key prefix of worker records"),
     Option("health_interval_s", float, 5.0, "seconds between active health checks", minimum=0.05),
@@ -85,6 +86,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
     Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
+    Option("k8s_namespace", str, "", "namespace of the worker Pods (empty: the router's own Pod's in a cluster, or the kubeconfig context's, else default)"),
+    Option("k8s_selector", str, "", "label selector k=v[,k=v] of mixed worker Pods"),
+    Option("k8s_prefill_selector", str, "", "label selector of prefill worker Pods"),
+    Option("k8s_decode_selector", str, "", "label selector of decode worker Pods"),
+    Option("k8s_port", int, 8000, "port of a worker Pod's engine (annotation trio-router/port wins)", minimum=1, maximum=65535),
+    Option("k8s_kubeconfig", str, "", "kubeconfig file (empty: in-cluster service account, else KUBECONFIG, else ~/.kube/config)"),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -125,6 +132,12 @@ class Settings:
     server: str = "native"
     processes: int = 1
     reuse_port: bool = False
+    k8s_namespace: str = ""
+    k8s_selector: str = ""
+    k8s_prefill_selector: str = ""
+    k8s_decode_selector: str = ""
+    k8s_port: int = 8000
+    k8s_kubeconfig: str = ""
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
@@ -224,6 +237,11 @@ def _validated(values: dict[str, Any]) -> Settings:
             "breaker_cooldown_s must not exceed breaker_max_cooldown_s "
             f"({values['breaker_cooldown_s']} > {values['breaker_max_cooldown_s']})"
         )
+    if values["discovery"] == "kubernetes":
+        try:
+            pod_sources(values["k8s_selector"], values["k8s_prefill_selector"], values["k8s_decode_selector"])
+        except BadSelector as exc:
+            raise ConfigError(str(exc)) from None
     ids = [record.id for record in values.get("workers", ())]
     duplicates = sorted({worker_id for worker_id in ids if ids.count(worker_id) > 1})
     if duplicates:
@@ -340,8 +358,7 @@ def _record(data: Any, source: str) -> WorkerRecord:
         record = WorkerRecord.from_json(data)
     except InvalidWorkerRecord as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    if record.role is Role.PREFILL and record.bootstrap_addr is None:
-        raise ConfigError(f"{source}: a prefill worker needs bootstrap_port (or disagg_meta.params.bootstrap_addr)")
+    # A prefill without a bootstrap port learns it from its engine (router.engine_facts).
     return record
 
 

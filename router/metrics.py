@@ -103,6 +103,10 @@ class _FleetCollector(Collector):
         for (model, role, status), count in sorted(by_group.items()):
             workers.add_metric([model, role, status], count)
         yield workers
+        yield GaugeMetricFamily(
+            "router_workers_pending", "Workers named by discovery but not admitted: their engine has not stated their facts yet",
+            value=len(self._fleet.pending),
+        )
         yield inflight
         yield healthy
         yield state

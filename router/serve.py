@@ -25,7 +25,11 @@ from router.app import RouterApp
 from router.breaker import BreakerSettings, BreakerState, make_breaker
 from router.config import ConfigError, Settings, add_arguments, load_settings
 from router.discovery import DiscoveryHealth
+from router.discovery.kube_config import KubeConfigError
+from router.discovery.kube_pods import pod_sources
+from router.discovery.kubernetes import KubeDiscoverySettings, serve_kubernetes_discovery
 from router.discovery.static import serve_static_discovery
+from router.engine_facts import FactsSettings, serve_engine_facts
 from router.health import serve_health_checks
 from router.http.pool import PoolSettings, open_upstream_pool
 from router.http.server import serve_http
@@ -129,6 +133,10 @@ async def run_router(
         trio.open_nursery() as nursery,
     ):
         metrics.registry.register(RuntimeCollector(pool))
+        # Before discovery, so a worker named without its facts is asked at once.
+        await nursery.start(
+            partial(serve_engine_facts, fleet, http, FactsSettings(timeout_s=settings.health_timeout_s))
+        )
         discovery: DiscoveryHealth = await nursery.start(
             partial(serve_discovery, settings, fleet, http, metrics)
         )
@@ -171,8 +179,19 @@ async def serve_discovery(
         from router.discovery.etcd import serve_etcd_discovery
 
         await serve_etcd_discovery(settings, fleet, metrics, task_status=task_status)
+    elif settings.discovery == "kubernetes":
+        await serve_kubernetes_discovery(kube_settings(settings), fleet, metrics, task_status=task_status)
     else:
         await serve_static_discovery(fleet, settings.workers, http, task_status=task_status)
+
+
+def kube_settings(settings: Settings) -> KubeDiscoverySettings:
+    return KubeDiscoverySettings(
+        sources=pod_sources(settings.k8s_selector, settings.k8s_prefill_selector, settings.k8s_decode_selector),
+        namespace=settings.k8s_namespace or None,
+        port=settings.k8s_port,
+        kubeconfig=settings.k8s_kubeconfig or None,
+    )
 
 
 async def _main(settings: Settings) -> None:
@@ -238,6 +257,9 @@ def main(argv: Sequence[str]) -> int:
     except* CannotListen as group:
         print(f"router serve: {_first_leaf(group)}", file=sys.stderr)
         exit_code = EXIT_BIND_FAILED
+    except* KubeConfigError as group:
+        print(f"router serve: {_first_leaf(group)}", file=sys.stderr)
+        exit_code = EXIT_BAD_SETTINGS
     return exit_code
 
 

@@ -8,6 +8,7 @@ counts and breaker. Only discovery replaces a record; only the health checker wr
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class WorkerRecord:
     dp_rank: int | None = None
     disagg_meta: dict[str, Any] | None = None
     status: Status = Status.ACTIVE
+    unknown_facts: frozenset[str] = frozenset()
+    """Facts the record leaves to the engine (`FACTS`): the worker joins the fleet once
+    they are learned (router.engine_facts); until then it is pending."""
 
     @property
     def rank_multiplexed(self) -> bool:
@@ -92,6 +96,12 @@ class WorkerRecord:
         meta = data.get("disagg_meta")
         if meta is not None and not isinstance(meta, dict):
             raise InvalidWorkerRecord(f"'disagg_meta' must be an object, got {meta!r}")
+        unknown: frozenset[str] = frozenset()
+        params = (meta or {}).get("params")
+        if role is Role.PREFILL and not (isinstance(params, dict) and isinstance(params.get("bootstrap_addr"), str)):
+            # The engine knows its bootstrap port; its DP size comes with the same answer
+            # unless the record gives one.
+            unknown = frozenset({"bootstrap_port"} if "dp_size" in data else {"bootstrap_port", "dp_size"})
         return cls(
             id=worker_id,
             url=url,
@@ -102,6 +112,7 @@ class WorkerRecord:
             dp_rank=dp_rank,
             disagg_meta=meta,
             status=status,
+            unknown_facts=unknown,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -120,6 +131,32 @@ class WorkerRecord:
         if self.status is not Status.ACTIVE:
             data["status"] = self.status.value
         return data
+
+
+FACTS = ("bootstrap_port", "dp_size", "models")
+"""What a record may leave to the engine: a prefill's bootstrap port and the DP size
+(`/get_server_info`), the served models (`/v1/models`)."""
+
+
+def fill_facts(record: WorkerRecord, learned: WorkerRecord) -> WorkerRecord:
+    """`record` with each fact it leaves open taken from `learned` (a complete record of
+    the same worker); every value `record` gives explicitly stays."""
+    changes: dict[str, Any] = {}
+    if "bootstrap_port" in record.unknown_facts:
+        changes["disagg_meta"] = learned.disagg_meta
+    if "dp_size" in record.unknown_facts:
+        changes["dp_size"] = learned.dp_size
+    if "models" in record.unknown_facts:
+        changes["models"] = learned.models
+    return dataclasses.replace(record, unknown_facts=frozenset(), **changes)
+
+
+@dataclass(slots=True)
+class PendingWorker:
+    """A worker discovery named whose facts are not learned yet, and why not."""
+
+    record: WorkerRecord
+    reason: str = "waiting for the engine to state its facts"
 
 
 def _enum_field(kind: type[_E], value: Any, name: str) -> _E:
@@ -194,6 +231,11 @@ class Fleet:
         self._by_model: dict[str, list[Worker]] = {}
         self.generation = 0
         """Bumped on every change, so caches keyed on the fleet know when to refresh."""
+        self.pending: dict[str, PendingWorker] = {}
+        """Workers held out of the fleet until their facts are learned, by id."""
+        self.on_pending: Callable[[], None] | None = None
+        """Called when a worker starts waiting for its facts (the facts service listens)."""
+        self._learned: dict[str, WorkerRecord] = {}
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -211,8 +253,20 @@ class Fleet:
         """Workers of every role and status registered for `model` (empty when none)."""
         return self._by_model.get(model, [])
 
-    def upsert(self, record: WorkerRecord) -> Worker:
-        """Add a worker or replace its record, keeping live state (load, breaker, health)."""
+    def upsert(self, record: WorkerRecord) -> Worker | None:
+        """Add a worker or replace its record, keeping live state (load, breaker, health).
+
+        A record that leaves facts to the engine takes those learned for the same worker
+        at the same URL; when there are none yet, the worker waits in `pending` (out of
+        routing) and None is returned.
+        """
+        if record.unknown_facts:
+            learned = self._learned.get(record.id)
+            if learned is None or learned.url != record.url:
+                self._hold(record)
+                return None
+            record = fill_facts(record, learned)
+        self.pending.pop(record.id, None)
         worker = self._workers.get(record.id)
         if worker is None:
             worker = Worker(record=record, breaker=self._breaker_factory(record.id))
@@ -226,7 +280,29 @@ class Fleet:
         self._reindex()
         return worker
 
+    def admit(self, offered: WorkerRecord, learned: WorkerRecord) -> Worker | None:
+        """The facts service learned `offered`'s facts (`learned` is complete): the worker
+        joins, unless discovery replaced or removed `offered` meanwhile (None then)."""
+        pending = self.pending.get(offered.id)
+        if pending is None or pending.record != offered:
+            return None
+        self._learned[offered.id] = learned
+        return self.upsert(offered)
+
+    def _hold(self, record: WorkerRecord) -> None:
+        previous = self.pending.get(record.id)
+        if previous is None or previous.record.url != record.url:
+            self.pending[record.id] = PendingWorker(record)
+        else:
+            previous.record = record
+        if self._workers.pop(record.id, None) is not None:
+            self._reindex()
+        if self.on_pending is not None:
+            self.on_pending()
+
     def remove(self, worker_id: str) -> Worker | None:
+        self.pending.pop(worker_id, None)
+        self._learned.pop(worker_id, None)
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self._reindex()
@@ -238,6 +314,9 @@ class Fleet:
         keep = {record.id for record in records}
         for worker_id in [wid for wid in self._workers if wid not in keep]:
             del self._workers[worker_id]
+        for table in (self.pending, self._learned):
+            for worker_id in [wid for wid in table if wid not in keep]:
+                del table[worker_id]
         for record in records:
             self.upsert(record)
         self._reindex()

@@ -159,7 +159,6 @@ def test_spec_options() -> None:
         ("http://a:1,role", "expected key=value, got 'role'"),
         ("http://a:1,dp_size=two", "dp_size must be an integer, got 'two'"),
         ("http://a:1,role=teacher", "'role' must be one of mixed, prefill, decode"),
-        ("http://a:1,role=prefill", "a prefill worker needs bootstrap_port"),
         ("http://a:1,dp_size=2,dp_rank=2", "'dp_rank' 2 must be below 'dp_size' 2"),
     ],
 )
@@ -168,6 +167,18 @@ def test_bad_specs_name_the_spec_and_the_problem(spec: str, message: str) -> Non
         parse_worker_spec(spec)
     assert message in str(caught.value)
     assert repr(spec) in str(caught.value)
+
+
+def test_a_prefill_without_bootstrap_port_is_accepted_and_leaves_it_to_its_engine() -> None:
+    # `router serve --worker http://p:30000,role=prefill` used to refuse to start.
+    record = parse_worker_spec("http://p:30000,role=prefill")
+    assert record.bootstrap_addr is None
+    assert record.unknown_facts == {"bootstrap_port", "dp_size"}
+    explicit = parse_worker_spec("http://p:30000,role=prefill,dp_size=2")
+    assert (explicit.unknown_facts, explicit.dp_size) == ({"bootstrap_port"}, 2)
+    given = parse_worker_spec("http://p:30000,role=prefill,bootstrap_port=8998")
+    assert given.unknown_facts == frozenset() and given.bootstrap_addr == "p:8998"
+    assert parse_worker_spec("http://d:30000,role=decode").unknown_facts == frozenset()
 
 
 def test_worker_flags_beat_the_workers_env() -> None:

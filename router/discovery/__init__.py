@@ -1,4 +1,4 @@
-"""Where the fleet comes from: static flags and files, or etcd."""
+"""Where the fleet comes from: static flags and files, etcd, or Kubernetes Pods."""
 
 from __future__ import annotations
 
