@@ -85,6 +85,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
     Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
+    Option("max_n", int, 128, "largest n (choices per request) and PD batch size; 400 beyond", minimum=1, maximum=1_000_000),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -125,6 +126,7 @@ class Settings:
     server: str = "native"
     processes: int = 1
     reuse_port: bool = False
+    max_n: int = 128
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
