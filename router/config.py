@@ -86,6 +86,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
     Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
     Option("max_n", int, 128, "largest n (choices per request) and PD batch size; 400 beyond", minimum=1, maximum=1_000_000),
+    Option("model_memory_s", float, 300.0, "a model served within this long is known: 503, not 404, while it has no worker", minimum=0),
+    Option("discovery_silence_s", float, 15.0, "etcd silence (no event, progress notification or answered probe) before discovery is reported down", minimum=0.1),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -127,6 +129,8 @@ class Settings:
     processes: int = 1
     reuse_port: bool = False
     max_n: int = 128
+    model_memory_s: float = 300.0
+    discovery_silence_s: float = 15.0
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

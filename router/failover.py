@@ -157,6 +157,7 @@ class GenerationService:
                 plan = plan_request(
                     generation.model, self.fleet.for_model(generation.model), now,
                     self.all_open, self.settings.retry_after_s,
+                    self.fleet.last_served_at(generation.model), self.settings.model_memory_s,
                 )
             except RouterError:
                 if attempt == 0:
@@ -219,6 +220,7 @@ class GenerationService:
             lease.judge(Outcome.NEUTRAL)
         finally:
             lease.worker.end(lease.rank)
+            self.fleet.lease_ended(lease.worker)
 
     def release_all(self, leases: list[Lease]) -> None:
         """Release every lease, each even when releasing another one raised."""

@@ -65,6 +65,14 @@ class RouterMetrics:
     def count_retry(self, reason: str) -> None:
         self.child(self.retries, reason).inc()  # type: ignore[attr-defined]
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop the labelled series of a worker that left the fleet (the fleet-shaped
+        gauges are read from the fleet at scrape time and need nothing)."""
+        try:
+            self.breaker_trips.remove(worker_id)
+        except KeyError:
+            pass  # it never tripped
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
