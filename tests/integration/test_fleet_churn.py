@@ -15,41 +15,20 @@ import trio
 
 from router.discovery.etcd import FleetMirror
 from router.discovery.etcd_client import KeyValue, WatchEvent
-from tests.support.raw_upstream import Exchange, open_raw_upstream
+from tests.support.churn import answer_by_path, worker_series
+from tests.support.raw_upstream import open_raw_upstream
 from tests.support.router_instance import open_router
 
 WORKERS = 1000
 STAYING = 5
-OK = orjson.dumps({"choices": [{"message": {"content": "hello"}}]})
-
-
-async def answer(exchange: Exchange) -> None:
-    """200 for even workers, 500 (a fault: trips a threshold-1 breaker) for odd ones."""
-    index = int(exchange.request.target.split(b"/")[1][1:])
-    await exchange.respond(500 if index % 2 else 200, [(b"content-type", b"application/json")], OK)
-
-
 def put(key: str, value: dict[str, object], revision: int) -> WatchEvent:
     return WatchEvent("PUT", key, orjson.dumps(value), revision)
-
-
-def series(text: str, metric: str) -> set[str]:
-    """The `worker` label of every sample of `metric` in a scrape."""
-    found = set()
-    for line in text.splitlines():
-        if line.startswith(metric + "{"):
-            labels = line[len(metric) + 1 : line.index("}")]
-            for pair in labels.split(","):
-                name, _, value = pair.partition("=")
-                if name == "worker":
-                    found.add(value.strip('"'))
-    return found
 
 
 async def test_state_and_series_are_held_only_for_workers_present() -> None:
     with trio.fail_after(300):
         async with (
-            open_raw_upstream(answer) as upstream,
+            open_raw_upstream(answer_by_path) as upstream,
             open_router(breaker_failure_threshold=1, max_attempts=1) as router,
             httpx.AsyncClient(base_url=router.url, timeout=30) as client,
         ):
@@ -92,8 +71,8 @@ async def test_state_and_series_are_held_only_for_workers_present() -> None:
             scrape = (await client.get("/metrics")).text
             for metric in ("router_worker_breaker_trips_total", "router_worker_inflight", "router_worker_healthy",
                            "router_worker_breaker_state"):
-                assert series(scrape, metric) <= present_ids, metric
-            assert series(scrape, "router_worker_breaker_trips_total")  # the odd ones still present
+                assert worker_series(scrape, metric) <= present_ids, metric
+            assert worker_series(scrape, "router_worker_breaker_trips_total")  # the odd ones still present
             workers = (await client.get("/v1/workers")).json()["workers"]
             assert sorted(entry["id"] for entry in workers) == sorted(present_ids)
             assert all(entry["inflight"] == 0 for entry in workers)
