@@ -33,6 +33,7 @@ from router.discovery.etcd_client import (
     WatchEvent,
     open_etcd_client,
 )
+from router.discovery.liveness import SilenceWatch
 from router.metrics import RouterMetrics
 from router.workers import Fleet, InvalidWorkerRecord, WorkerRecord
 
@@ -247,63 +248,30 @@ class _Follower:
         """The revision the fleet reflects; None until the prefix is listed."""
         self._confirmed = False
         """etcd answered a unary call since the last failure."""
-        self._last_heard = trio.current_time()
-        self._silent = False
-        self._voice = trio.Event()
-        """Set when etcd is heard again after the silence watchdog reported it down."""
+        self._silence = SilenceWatch(
+            timing.silence_s,
+            lambda: client.get_prefix(prefix + _PROBE_SUFFIX),
+            (EtcdError,),
+            self._went_silent,
+            self._spoke_again,
+        )
 
     async def run(self, task_status: trio.TaskStatus[DiscoveryHealth]) -> None:
-        """Follow etcd, with the silence watchdog and its probe beside the watch.
+        """Follow etcd, with the silence watch (and its probe) beside the watch.
 
         Cancellation: the watch and any probe in flight are closed; the fleet stays.
         """
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._report_silence)
-            nursery.start_soon(self._probe_when_quiet)
+            nursery.start_soon(self._silence.serve)
             await self._follow(task_status)
 
-    def _heard(self) -> None:
-        """etcd showed a sign of life: an event, a progress notification, an answer."""
-        self._last_heard = trio.current_time()
-        if self._silent:
-            self._silent = False
-            self._voice.set()
-            if self._link.lost:
-                self._link.up(f"watching {self._prefix} after revision {self.revision}")
+    def _went_silent(self, quiet_s: float) -> None:
+        if not self._link.lost:  # an unreachable etcd already says so, more precisely
+            self._link.silent(quiet_s)
 
-    async def _report_silence(self) -> None:
-        """Discovery is down once etcd has said nothing for `silence_s`."""
-        silence_s = self._timing.silence_s
-        while True:
-            await trio.sleep_until(self._last_heard + silence_s)
-            quiet_s = trio.current_time() - self._last_heard
-            if quiet_s < silence_s:
-                continue  # heard meanwhile
-            self._silent = True
-            if not self._link.lost:  # an unreachable etcd already says so, more precisely
-                self._link.silent(quiet_s)
-            self._voice = trio.Event()
-            await self._voice.wait()
-
-    async def _probe_when_quiet(self) -> None:
-        """After half the silence window without a sign of life, ask etcd the cheapest
-        read: on a quiet fleet with etcd's default progress interval (10 minutes) the
-        watch itself says nothing, and an answer proves etcd is alive. At most one probe
-        per half window, each bounded by it."""
-        half_s = self._timing.silence_s / 2
-        while True:
-            await trio.sleep_until(self._last_heard + half_s)
-            started = trio.current_time()
-            if started - self._last_heard < half_s:
-                continue
-            with trio.move_on_after(half_s):
-                try:
-                    await self._client.get_prefix(self._prefix + _PROBE_SUFFIX)
-                except EtcdError:
-                    pass  # the silence watchdog and the watch loop judge
-                else:
-                    self._heard()
-            await trio.sleep_until(started + half_s)
+    def _spoke_again(self) -> None:
+        if self._link.lost:
+            self._link.up(f"watching {self._prefix} after revision {self.revision}")
 
     async def _follow(self, task_status: trio.TaskStatus[DiscoveryHealth]) -> None:
         reported = False
@@ -356,7 +324,7 @@ class _Follower:
         elif not self._confirmed:
             await self._client.get_prefix(self._prefix + _PROBE_SUFFIX)
         self._confirmed = True
-        self._heard()
+        self._silence.heard()
         self._link.up(f"watching {self._prefix} after revision {self.revision}")
 
     async def _watch(self) -> None:
@@ -364,7 +332,7 @@ class _Follower:
         assert self.revision is not None
         watch = self._client.watch_prefix(
             self._prefix, self.revision + 1, idle_timeout_s=self._timing.watch_idle_timeout_s,
-            on_alive=self._heard,
+            on_alive=self._silence.heard,
         )
         async with aclosing(watch):
             async for batch in watch:
