@@ -110,7 +110,13 @@ class _FleetCollector(Collector):
         workers = GaugeMetricFamily("router_workers", "Known workers by model, role and status", labels=["model", "role", "status"])
         for (model, role, status), count in sorted(by_group.items()):
             workers.add_metric([model, role, status], count)
+        remembered = GaugeMetricFamily(
+            "router_models_remembered",
+            "Models with no worker left that are still answered 503, not 404 (--model-memory-s)",
+        )
+        remembered.add_metric([], self._fleet.remembered_models(now))
         yield workers
+        yield remembered
         yield inflight
         yield healthy
         yield state

@@ -254,8 +254,10 @@ class Fleet:
         a model never served, forgotten, or served now (then `for_model` is not empty)."""
         return self._models_gone_at.get(model)
 
-    def remembered_models(self) -> int:
-        return len(self._models_gone_at)
+    def remembered_models(self, now: float) -> int:
+        """Models with no worker that are still known (503, not 404) at `now`."""
+        oldest_kept = now - self._model_memory_s
+        return sum(1 for gone_at in self._models_gone_at.values() if gone_at > oldest_kept)
 
     def upsert(self, record: WorkerRecord) -> Worker:
         """Add a worker or replace its record, keeping live state (load, breaker, health)."""

@@ -63,11 +63,13 @@ async def test_the_fleet_remembers_when_a_model_lost_its_last_worker(
     assert fleet.last_served_at("m") is None  # served again
     fleet.replace_all([])
     assert fleet.last_served_at("m") == 15.0
+    assert fleet.remembered_models(15.0 + MEMORY_S - 0.001) == 1
+    assert fleet.remembered_models(15.0 + MEMORY_S) == 0
     # A later change prunes what the memory no longer covers: the dict stays bounded.
     await trio.sleep(MEMORY_S)
     fleet.upsert(record("x", model="other"))
     assert fleet.last_served_at("m") is None
-    assert fleet.remembered_models() == 0
+    assert fleet.remembered_models(trio.current_time()) == 0
 
 
 class Writer:

@@ -40,7 +40,9 @@ async def test_a_briefly_empty_fleet_is_503_then_404_after_the_memory(etcd: Etcd
             assert response.json()["error"]["code"] == "no_available_workers"
             assert response.headers["retry-after"] == "1"
             assert asked_at - gone_at < MEMORY_S  # else the 503 above proves nothing
+            assert "router_models_remembered 1.0" in (await client.get("/metrics")).text
             await trio.sleep_until(gone_at + MEMORY_S)  # the memory's end, on the router's clock
             response = await client.post("/v1/chat/completions", json=CHAT)
             assert response.status_code == 404
             assert response.json()["error"]["code"] == "model_not_found"
+            assert "router_models_remembered 0.0" in (await client.get("/metrics")).text
