@@ -201,3 +201,16 @@ async def test_unreadable_bodies_are_400_and_reach_no_worker(pd: bool, body: byt
             assert response.json()["error"]["code"] == "invalid_request"
             assert [stub.bodies for stub in setup.stubs] == [[] for _ in setup.stubs]
             await setup.assert_clean()
+
+
+async def test_a_body_the_handoff_cannot_be_spliced_into_is_a_400_that_says_why() -> None:
+    """A client handoff key makes the router scan the body; nesting that orjson accepts
+    (1,000 deep) but the scanner will not is the client's problem, told, never a 500."""
+    body = chat(bootstrap_room=1)[:-1] + b',"x":' + b"[" * 1000 + b"]" * 1000 + b"}"
+    with trio.fail_after(30):
+        async with layout(pd=True) as setup:
+            response = await setup.post(body)
+            assert response.status_code == 400, response.text
+            assert b"cannot carry the prefill/decode handoff" in response.content
+            assert [stub.bodies for stub in setup.stubs] == [[], []]
+            await setup.assert_clean()
