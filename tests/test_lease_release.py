@@ -20,9 +20,16 @@ import pytest
 import trio
 import trio.testing
 
-from router.breaker import BreakerSettings, BreakerState, Outcome, make_breaker
+from router.breaker import (
+    BreakerSettings,
+    BreakerState,
+    CircuitBreaker,
+    Outcome,
+    Permit,
+    make_breaker,
+)
 from router.config import Settings
-from router.failover import GenerationService
+from router.failover import GenerationService, Lease
 from router.http.messages import ClientDisconnected, Headers, Request
 from router.http.pool import UpstreamConnectError, UpstreamPool
 from router.metrics import RouterMetrics
@@ -227,3 +234,29 @@ async def test_a_batch_beyond_max_n_takes_no_lease_and_sends_nothing(
         assert worker.inflight == 0
         assert worker.breaker is not None
         assert worker.breaker.state(trio.current_time()) is BreakerState.HALF_OPEN
+
+
+class BrokenBreaker:
+    """A deliberately broken breaker: it grants permits and raises on every verdict."""
+
+    def acquire(self, now: float, *, force: bool = False) -> Permit:
+        return Permit(probe=False, forced=False)
+
+    def record(self, permit: Permit, outcome: Outcome, now: float) -> None:
+        raise RuntimeError("the verdict failed")
+
+
+async def test_a_verdict_that_raises_still_ends_every_lease(autojump_clock: trio.testing.MockClock) -> None:
+    service, _ = service_over(PD, dict.fromkeys(PD, 200))
+    workers = service.fleet.workers()
+    for worker in workers:
+        worker.breaker = cast(CircuitBreaker, BrokenBreaker())
+    leases: list[Lease] = []
+    for worker in workers:
+        service.take(worker, False, trio.current_time(), 1, leases)
+    assert [worker.inflight for worker in workers] == [1, 1]
+    with pytest.raises(RuntimeError, match="the verdict failed"):
+        service.release_all(leases)
+    assert [worker.inflight for worker in workers] == [0, 0]
+    assert [worker.rank_inflight for worker in workers] == [[0, 0], [0, 0]]
+    assert leases == []
