@@ -147,6 +147,8 @@ async def run_router(
             )
         )
         app = RouterApp(settings, fleet, pool, metrics, discovery)
+        # Attached once the app exists: a worker that left before it (during the first
+        # listing) had no request, so no pool endpoint, rank state or series to prune.
         fleet.add_listener(DepartedWorkerPruner(pool, app.generation.pd.ranks, metrics))
 
         serve = serve_http

@@ -22,7 +22,7 @@ import trio
 from router.breaker import BreakerState
 from router.serve import RunningRouter
 from tests.support.http_client import RawClient
-from tests.support.raw_upstream import Exchange, RawUpstream, open_raw_upstream
+from tests.support.raw_upstream import Exchange, open_raw_upstream
 from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
@@ -66,7 +66,6 @@ class Setup:
     port: int
     client: httpx.AsyncClient
     stubs: list[Stub]
-    upstreams: list[RawUpstream]
 
     async def workers(self) -> list[dict[str, Any]]:
         return (await self.client.get("/v1/workers")).json()["workers"]  # type: ignore[no-any-return]
@@ -110,15 +109,13 @@ async def setup(pd: bool, **overrides: Any) -> AsyncIterator[Setup]:
     ):
         if pd:
             specs = [f"{first.url},role=prefill,model={MODEL},bootstrap_port=8998", f"{second.url},role=decode,model={MODEL}"]
-            upstreams = [first, second]
         else:
             specs = [f"{first.url},model={MODEL}"]
-            upstreams = [first]
         async with (
             open_router(specs, max_attempts=1, **overrides) as router,
             httpx.AsyncClient(base_url=router.url, timeout=30) as client,
         ):
-            yield Setup(router, router.port, client, stubs, upstreams)
+            yield Setup(router, router.port, client, stubs)
 
 
 LAYOUTS = pytest.mark.parametrize("pd", [False, True], ids=["mixed", "pd"])

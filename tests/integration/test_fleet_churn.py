@@ -16,8 +16,9 @@ import trio
 from router.discovery.etcd import FleetMirror
 from router.discovery.etcd_client import KeyValue, WatchEvent
 from tests.support.churn import answer_by_path, worker_series
-from tests.support.raw_upstream import open_raw_upstream
+from tests.support.raw_upstream import Exchange, open_raw_upstream
 from tests.support.router_instance import open_router
+from tests.support.waiting import wait_until
 
 WORKERS = 1000
 STAYING = 5
@@ -76,3 +77,42 @@ async def test_state_and_series_are_held_only_for_workers_present() -> None:
             workers = (await client.get("/v1/workers")).json()["workers"]
             assert sorted(entry["id"] for entry in workers) == sorted(present_ids)
             assert all(entry["inflight"] == 0 for entry in workers)
+
+
+async def test_a_worker_whose_last_request_fails_after_it_left_gets_no_series_back() -> None:
+    """Its breaker trips after the fleet let go of it: no trips series is created again,
+    and its URL is dropped from the pool once that request ends."""
+    release = trio.Event()
+    arrived = trio.Event()
+
+    async def slow_failure(exchange: Exchange) -> None:
+        arrived.set()
+        await release.wait()
+        await exchange.respond(500, [(b"content-type", b"application/json")], b"{}")
+
+    with trio.fail_after(30):
+        async with (
+            open_raw_upstream(slow_failure) as upstream,
+            open_router(breaker_failure_threshold=1, max_attempts=1) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+            trio.open_nursery() as nursery,
+        ):
+            mirror = FleetMirror(router.fleet, router.metrics)
+            mirror.apply(put("/w/0", {"id": "w0", "url": upstream.url, "model": "m"}, 2))
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            statuses: list[int] = []
+
+            async def send() -> None:
+                statuses.append((await client.post("/v1/chat/completions", json=body)).status_code)
+
+            nursery.start_soon(send)
+            await arrived.wait()
+            mirror.apply(WatchEvent("DELETE", "/w/0", b"", 3))
+            assert router.fleet.get("w0") is None
+            release.set()
+            await wait_until(lambda: statuses == [500])
+            scrape = (await client.get("/metrics")).text
+            assert worker_series(scrape, "router_worker_breaker_trips_total") == set()
+            pool = router.app.generation.pool
+            assert pool.statistics().idle_total == 0
+            assert not pool.forget(upstream.url)  # already dropped when the request ended
