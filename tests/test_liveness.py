@@ -44,9 +44,11 @@ async def test_a_frozen_source_is_reported_at_the_window_and_probed_each_half(
     async with trio.open_nursery() as nursery:
         watch = watch_for(source)
         nursery.start_soon(watch.serve)
-        await trio.sleep(SILENCE_S - 0.001)
+        await trio.sleep_until(SILENCE_S - 0.001)
+        await trio.testing.wait_all_tasks_blocked()
         assert source.events == [] and not watch.silent
-        await trio.sleep(0.001)
+        await trio.sleep_until(SILENCE_S)
+        await trio.testing.wait_all_tasks_blocked()  # the watch runs at the same instant
         assert source.events == [("silent", SILENCE_S)] and watch.silent
         await trio.sleep(3 * SILENCE_S - 1)
         # One probe per half window, each given up after it; silence reported once.
