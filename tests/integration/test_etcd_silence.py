@@ -56,7 +56,7 @@ async def test_a_frozen_etcd_is_reported_down_within_the_silence_window_and_up_a
                     assert "silent" in health.detail and "1 worker(s)" in health.detail
                     # Before the silence bound, a freeze was only seen when the watch's 30 s
                     # idle timeout fired; the margin here is for a loaded machine.
-                    assert SILENCE_S * 0.5 <= took_s < SILENCE_S + 10, took_s
+                    assert took_s < SILENCE_S + 10, took_s
                     # The last fleet stays and serves.
                     assert [w.id for w in router.fleet.workers()] == ["w0"]
                     response = await client.post("/v1/chat/completions", json=CHAT)
