@@ -37,11 +37,15 @@ def plan_request(
     now: float,
     all_open: AllOpenMode,
     default_retry_after_s: float = 1.0,
+    last_served_at: float | None = None,
+    model_memory_s: float = 0.0,
 ) -> Plan:
     """Decide how a request for `model` is served, from that model's workers only.
 
     `workers` is every worker registered for `model`, of any role and status. None at
-    all raises `ModelNotFound`. The prefill/decode pair serves when both its pools can
+    all raises `ModelNotFound`, unless the model lost its last worker at `last_served_at`
+    less than `model_memory_s` before `now`: a fleet that empties for a moment (etcd
+    leases expiring, a rolling restart) is a 503 `NoAvailableWorkers` with Retry-After. The prefill/decode pair serves when both its pools can
     take the request; otherwise the mixed pool does (mixed workers beside half a PD fleet
     keep a rolling upgrade serving). A pair that would only run on breaker-open workers
     gives way to a mixed pool that has a closed one. When neither can serve, raises
@@ -52,6 +56,12 @@ def plan_request(
     for worker in workers:
         by_role.setdefault(worker.role, []).append(worker)
     if not by_role:
+        if last_served_at is not None and now - last_served_at < model_memory_s:
+            raise NoAvailableWorkers(
+                f"model '{model}' has no worker right now (its last one left "
+                f"{now - last_served_at:.1f}s ago)",
+                max(1.0, default_retry_after_s),
+            )
         raise ModelNotFound(f"model '{model}' is not served by any worker")
 
     def pool(role: Role) -> LegPool:

@@ -92,6 +92,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("k8s_decode_selector", str, "", "label selector of decode worker Pods"),
     Option("k8s_port", int, 8000, "port of a worker Pod's engine (annotation trio-router/port wins)", minimum=1, maximum=65535),
     Option("k8s_kubeconfig", str, "", "kubeconfig file (empty: in-cluster service account, else KUBECONFIG, else ~/.kube/config)"),
+    Option("max_n", int, 128, "largest n (choices per request) and PD batch size; 400 beyond", minimum=1, maximum=1_000_000),
+    Option("model_memory_s", float, 300.0, "a model served within this long is known: 503, not 404, while it has no worker", minimum=0),
+    Option("discovery_silence_s", float, 15.0, "etcd silence (no event, progress notification or answered probe) before discovery is reported down", minimum=0.1),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -138,6 +141,9 @@ class Settings:
     k8s_decode_selector: str = ""
     k8s_port: int = 8000
     k8s_kubeconfig: str = ""
+    max_n: int = 128
+    model_memory_s: float = 300.0
+    discovery_silence_s: float = 15.0
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

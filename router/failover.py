@@ -129,7 +129,9 @@ class GenerationService:
         model_label = "-"
         status = 500
         try:
-            generation = parse_generation_request(request.path, request.body, self.fleet.models())
+            generation = parse_generation_request(
+                request.path, request.body, self.fleet.models(), self.settings.max_n
+            )
             if self.fleet.for_model(generation.model):
                 model_label = generation.model
             status = await self._serve(generation, request, writer, started)
@@ -155,6 +157,7 @@ class GenerationService:
                 plan = plan_request(
                     generation.model, self.fleet.for_model(generation.model), now,
                     self.all_open, self.settings.retry_after_s,
+                    self.fleet.last_served_at(generation.model), self.settings.model_memory_s,
                 )
             except RouterError:
                 if attempt == 0:
@@ -186,11 +189,15 @@ class GenerationService:
             return delivered
         return await self._give_up(generation, writer, attempts)
 
-    def take(self, worker: Worker, forced: bool, now: float) -> Lease:
-        """Take `worker` for one attempt: its breaker permit now, at dispatch, and a DP rank.
+    def take(
+        self, worker: Worker, forced: bool, now: float, rank: int | None, leases: list[Lease]
+    ) -> Lease:
+        """Take `worker` for one attempt on DP `rank`: its breaker permit now, at dispatch.
 
-        The permit is acquired here and not when candidates are listed, so the half-open
-        probe slot is only ever held by a request that is really sent to that worker.
+        The lease is appended to `leases` the moment it exists, so the caller's `finally:
+        release_all(leases)` releases it whatever happens next. The permit is acquired
+        here and not when candidates are listed, so the half-open probe slot is only ever
+        held by a request that is really sent to that worker.
         """
         permit: Permit | None = None
         if worker.breaker is not None:
@@ -199,15 +206,30 @@ class GenerationService:
                 # Only reachable if selection and dispatch disagree; dispatch forced rather
                 # than drop a request the plan admitted.
                 permit = worker.breaker.acquire(now, force=True)
-            if permit is not None and permit.probe:
-                log.info("probing %s: its breaker cooldown is over", worker.id)
-        rank = self.pd.ranks.choose(worker)
+        lease = Lease(worker, permit, rank)
         worker.begin(rank)
-        return Lease(worker, permit, rank)
+        leases.append(lease)
+        if permit is not None and permit.probe:
+            log.info("probing %s: its breaker cooldown is over", worker.id)
+        return lease
 
     def release(self, lease: Lease) -> None:
-        lease.judge(Outcome.NEUTRAL)
-        lease.worker.end(lease.rank)
+        """End the lease: a neutral verdict unless one was recorded (which frees a probe
+        slot), and the in-flight counts drop, even when the verdict raises."""
+        try:
+            lease.judge(Outcome.NEUTRAL)
+        finally:
+            lease.worker.end(lease.rank)
+            self.fleet.lease_ended(lease.worker)
+
+    def release_all(self, leases: list[Lease]) -> None:
+        """Release every lease, each even when releasing another one raised."""
+        if leases:
+            lease = leases.pop()
+            try:
+                self.release(lease)
+            finally:
+                self.release_all(leases)
 
     def pick(self, plan: Plan, role: Role, model: str, key_bytes: bytes | None, attempts: AttemptLog) -> Worker | None:
         pool = plan.legs[role]
@@ -223,11 +245,13 @@ class GenerationService:
         if worker is None:
             return None
         attempts.tried[Role.MIXED].add(worker.id)
-        lease = self.take(worker, plan.legs[Role.MIXED].forced, trio.current_time())
+        rank = self.pd.ranks.choose(worker)
+        leases: list[Lease] = []
         try:
+            lease = self.take(worker, plan.legs[Role.MIXED].forced, trio.current_time(), rank, leases)
             return await self.exchange(lease, generation.raw, generation, request, writer, started)
         finally:
-            self.release(lease)
+            self.release_all(leases)
 
     async def exchange(
         self, lease: Lease, body: bytes, generation: GenerationRequest, request: Request,

@@ -33,11 +33,17 @@ class GenerationRequest:
     raw: bytes
 
 
-def parse_generation_request(path: str, raw: bytes, served_models: Sequence[str]) -> GenerationRequest:
+DEFAULT_MAX_N = 128
+
+
+def parse_generation_request(
+    path: str, raw: bytes, served_models: Sequence[str], max_n: int = DEFAULT_MAX_N
+) -> GenerationRequest:
     """Check the body's shape and resolve its model.
 
     A missing `model` is filled in only when the fleet serves exactly one model.
-    Raises BadRequest (400) for anything malformed.
+    Raises BadRequest (400) for anything malformed, and for `n` (or `sampling_params.n`)
+    above `max_n`: a client's number never sizes what the router builds unchecked.
     """
     route = GENERATION_ROUTES[path]
     try:
@@ -63,6 +69,7 @@ def parse_generation_request(path: str, raw: bytes, served_models: Sequence[str]
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be a boolean, got {_json_type(stream)}")
     _check_route_fields(route, body)
+    _check_choices(body, max_n)
     return GenerationRequest(route=route, path=path, model=model, stream=stream, body=body, raw=raw)
 
 
@@ -114,6 +121,17 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise BadRequest(f"'{name}' must be a number, got {_json_type(value)}")
+
+
+def _check_choices(body: dict[str, Any], max_n: int) -> None:
+    sampling = body.get("sampling_params")
+    for name, value in (("n", body.get("n")), ("sampling_params.n", sampling.get("n") if isinstance(sampling, dict) else None)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"'{name}' must be a positive integer, got {value!r}"[:200])
+        if value > max_n:
+            raise BadRequest(f"'{name}' is {value}; the limit is {max_n} (--max-n)"[:200])
 
 
 def _is_token_ids(value: Any) -> bool:

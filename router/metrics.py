@@ -65,6 +65,14 @@ class RouterMetrics:
     def count_retry(self, reason: str) -> None:
         self.child(self.retries, reason).inc()  # type: ignore[attr-defined]
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop the labelled series of a worker that left the fleet (the fleet-shaped
+        gauges are read from the fleet at scrape time and need nothing)."""
+        try:
+            self.breaker_trips.remove(worker_id)
+        except KeyError:
+            pass  # it never tripped
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -102,7 +110,13 @@ class _FleetCollector(Collector):
         workers = GaugeMetricFamily("router_workers", "Known workers by model, role and status", labels=["model", "role", "status"])
         for (model, role, status), count in sorted(by_group.items()):
             workers.add_metric([model, role, status], count)
+        remembered = GaugeMetricFamily(
+            "router_models_remembered",
+            "Models with no worker left that are still answered 503, not 404 (--model-memory-s)",
+        )
+        remembered.add_metric([], self._fleet.remembered_models(now))
         yield workers
+        yield remembered
         yield GaugeMetricFamily(
             "router_workers_pending", "Workers named by discovery but not admitted: their engine has not stated their facts yet",
             value=len(self._fleet.pending),

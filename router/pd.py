@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import orjson
 import trio
 
 from router.breaker import Outcome
@@ -24,7 +23,9 @@ from router.dispatch import (
     read_answer,
     upstream_headers,
 )
+from router.errors import BadRequest
 from router.generation import GenerationRequest
+from router.handoff_body import UnspliceableBody, splice_handoff
 from router.http.messages import Request, ResponseWriter
 from router.workers import Role, Worker
 
@@ -137,8 +138,16 @@ class RankChooser:
     __slots__ = ("_start",)
 
     def __init__(self) -> None:
-        # Keyed by worker id: one small int per worker ever seen, never scanned.
+        # Keyed by worker id: one small int per rank-multiplexed worker in the fleet,
+        # never scanned; `forget` drops a worker that left.
         self._start: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def forget(self, worker_id: str) -> None:
+        """Drop the rotation state of a worker that left the fleet."""
+        self._start.pop(worker_id, None)
 
     def choose(self, worker: Worker) -> int | None:
         """A rank for `worker`, or None when the worker picks its own (one rank, or a
@@ -155,6 +164,25 @@ class RankChooser:
             if loads[rank] < loads[best]:
                 best = rank
         return best
+
+
+def check_batch(generation: GenerationRequest, max_n: int) -> None:
+    """Refuse (400) a request that would need more than `max_n` rooms, before any list is built."""
+    size = batch_size(generation)
+    if size is not None and size > max_n:
+        raise BadRequest(
+            f"this request needs {size} prefill/decode handoffs (one per prompt or choice); "
+            f"the limit is {max_n} (--max-n)"
+        )
+
+
+def pd_body(generation: GenerationRequest, fields: dict[str, Any]) -> bytes:
+    """Both legs' body: the client's bytes with `fields` spliced in (see router.handoff_body).
+    A body that cannot be spliced is the client's: 400, never 500."""
+    try:
+        return splice_handoff(generation.raw, generation.body, fields)
+    except UnspliceableBody as exc:
+        raise BadRequest(f"request body cannot carry the prefill/decode handoff: {exc}") from None
 
 
 class PDDispatcher:
@@ -175,21 +203,26 @@ class PDDispatcher:
         only the failing worker records the fault and joins its leg's tried set, so the
         next attempt pairs a new worker for that leg with any partner, including this one.
         Cancellation (client gone): both upstream connections close, both permits are
-        released without a verdict, both in-flight counts drop.
+        released without a verdict, both in-flight counts drop. Raises BadRequest, before
+        any lease is taken, for a batch beyond `--max-n` or a body the handoff cannot be
+        spliced into. Every lease taken is released on every path.
         """
         service = self.service
+        check_batch(generation, service.settings.max_n)
         prefill = service.pick(plan, Role.PREFILL, generation.model, key_bytes, attempts)
         decode = service.pick(plan, Role.DECODE, generation.model, key_bytes, attempts)
         if prefill is None or decode is None:
             return None
+        # Everything that can fail on the client's input runs before a lease is taken.
+        prefill_rank = self.ranks.choose(prefill)
+        decode_rank = self.ranks.choose(decode)
+        raw = pd_body(generation, handoff_fields(generation, prefill, prefill_rank, self.rng))
         now = trio.current_time()
-        prefill_lease = service.take(prefill, plan.legs[Role.PREFILL].forced, now)
-        decode_lease = service.take(decode, plan.legs[Role.DECODE].forced, now)
-        body = dict(generation.body)
-        body.update(handoff_fields(generation, prefill, prefill_lease.rank, self.rng))
-        raw = orjson.dumps(body)
+        leases: list[Lease] = []
         status: int | None = None
         try:
+            prefill_lease = service.take(prefill, plan.legs[Role.PREFILL].forced, now, prefill_rank, leases)
+            decode_lease = service.take(decode, plan.legs[Role.DECODE].forced, now, decode_rank, leases)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._prefill_leg, prefill_lease, decode_lease, raw, generation, request, attempts)
                 try:
@@ -200,8 +233,7 @@ class PDDispatcher:
         except BaseExceptionGroup as group:
             raise _one_exception(group) from None
         finally:
-            service.release(prefill_lease)
-            service.release(decode_lease)
+            service.release_all(leases)
         return status
 
     async def _prefill_leg(

@@ -30,6 +30,7 @@ from router.discovery.kube_pods import pod_sources
 from router.discovery.kubernetes import KubeDiscoverySettings, serve_kubernetes_discovery
 from router.discovery.static import serve_static_discovery
 from router.engine_facts import FactsSettings, serve_engine_facts
+from router.fleet_pruning import DepartedWorkerPruner
 from router.health import serve_health_checks
 from router.http.pool import PoolSettings, open_upstream_pool
 from router.http.server import serve_http
@@ -69,7 +70,7 @@ class RunningRouter:
         return self.app.metrics
 
 
-def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics]) -> BreakerFactory:
+def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics], fleet_ref: list[Fleet]) -> BreakerFactory:
     breaker_settings = BreakerSettings(
         failure_threshold=settings.breaker_failure_threshold,
         cooldown_s=settings.breaker_cooldown_s,
@@ -80,7 +81,8 @@ def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics]) -> Br
         if new is BreakerState.OPEN:
             # A trip is an outage beginning (closed -> open), as `/v1/workers` counts it; a
             # failed probe extends the outage and shows in the state gauge and the log.
-            if old is BreakerState.CLOSED:
+            # A worker that already left (its last request failing) gets no new series.
+            if old is BreakerState.CLOSED and fleet_ref[0].get(name) is not None:
                 metrics_ref[0].breaker_trips.labels(name).inc()
             log.warning("breaker of %s opened (was %s)", name, old.name.lower())
         elif new is BreakerState.HALF_OPEN:
@@ -120,7 +122,12 @@ async def run_router(
     """
     shutdown = shutdown if shutdown is not None else trio.Event()
     metrics_ref: list[RouterMetrics] = []
-    fleet = Fleet(_breaker_factory(settings, metrics_ref))
+    fleet_ref: list[Fleet] = []
+    fleet = Fleet(
+        _breaker_factory(settings, metrics_ref, fleet_ref),
+        model_memory_s=settings.model_memory_s, clock=trio.current_time,
+    )
+    fleet_ref.append(fleet)
     metrics = RouterMetrics(fleet, registry)
     metrics_ref.append(metrics)
     pool_settings = PoolSettings(
@@ -150,6 +157,9 @@ async def run_router(
             )
         )
         app = RouterApp(settings, fleet, pool, metrics, discovery)
+        # Attached once the app exists: a worker that left before it (during the first
+        # listing) had no request, so no pool endpoint, rank state or series to prune.
+        fleet.add_listener(DepartedWorkerPruner(pool, app.generation.pd.ranks, metrics))
 
         serve = serve_http
         if settings.server == "hypercorn":

@@ -12,12 +12,15 @@ import dataclasses
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from router.breaker import CircuitBreaker
 
 _E = TypeVar("_E", bound=enum.StrEnum)
+
+MAX_DP_SIZE = 4096
+"""Largest `dp_size` a record may claim: the router keeps one counter per rank."""
 
 
 class Role(enum.StrEnum):
@@ -89,6 +92,8 @@ class WorkerRecord:
         if not isinstance(engine, str):
             raise InvalidWorkerRecord(f"'engine' must be a string, got {engine!r}")
         dp_size = _int_field(data.get("dp_size", 1), "dp_size", minimum=1)
+        if dp_size > MAX_DP_SIZE:
+            raise InvalidWorkerRecord(f"'dp_size' must be at most {MAX_DP_SIZE}, got {dp_size}")
         raw_rank = data.get("dp_rank")
         dp_rank = None if raw_rank is None else _int_field(raw_rank, "dp_rank", minimum=0)
         if dp_rank is not None and dp_rank >= dp_size:
@@ -182,6 +187,8 @@ class Worker:
     healthy: bool = True
     inflight: int = 0
     rank_inflight: list[int] = field(default_factory=list)
+    departed: bool = False
+    """It left the fleet; requests already in flight to it finish."""
 
     def __post_init__(self) -> None:
         if not self.rank_inflight:
@@ -218,17 +225,45 @@ class Worker:
 BreakerFactory = Callable[[str], "CircuitBreaker | None"]
 
 
+class FleetListener(Protocol):
+    """Told when the fleet lets go of something, so per-worker state elsewhere can go too."""
+
+    def worker_left(self, worker: Worker) -> None:
+        """`worker` left the fleet (it may have requests in flight still)."""
+
+    def url_dropped(self, url: str) -> None:
+        """No worker in the fleet has `url` any more, and no request is in flight to it."""
+
+
 class Fleet:
     """Every known worker by id, with an index by model kept current on each change.
 
     Changes (discovery events) are rare and requests are many, so the per-model lists are
     rebuilt on change and read without any scan per request.
+
+    With a `clock`, the fleet remembers for `model_memory_s` when each model lost its last
+    worker (`last_served_at`), so a briefly empty fleet is not mistaken for an unknown
+    model. Listeners hear of departures (`FleetListener`); a URL is reported dropped only
+    once the last request in flight to it has ended (`lease_ended`).
     """
 
-    def __init__(self, breaker_factory: BreakerFactory | None = None) -> None:
+    def __init__(
+        self,
+        breaker_factory: BreakerFactory | None = None,
+        *,
+        model_memory_s: float = 0.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self._breaker_factory = breaker_factory or (lambda _worker_id: None)
         self._workers: dict[str, Worker] = {}
         self._by_model: dict[str, list[Worker]] = {}
+        self._urls: set[str] = set()
+        self._model_memory_s = model_memory_s
+        self._clock = clock
+        self._models_gone_at: dict[str, float] = {}
+        self._listeners: list[FleetListener] = []
+        self._url_holders: dict[str, Worker] = {}
+        """URLs no worker has any more, each with the worker whose requests still use it."""
         self.generation = 0
         """Bumped on every change, so caches keyed on the fleet know when to refresh."""
         self.pending: dict[str, PendingWorker] = {}
@@ -239,6 +274,9 @@ class Fleet:
 
     def __len__(self) -> int:
         return len(self._workers)
+
+    def add_listener(self, listener: FleetListener) -> None:
+        self._listeners.append(listener)
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
@@ -252,6 +290,16 @@ class Fleet:
     def for_model(self, model: str) -> list[Worker]:
         """Workers of every role and status registered for `model` (empty when none)."""
         return self._by_model.get(model, [])
+
+    def last_served_at(self, model: str) -> float | None:
+        """When `model` lost its last worker, if that was within `model_memory_s`; None for
+        a model never served, forgotten, or served now (then `for_model` is not empty)."""
+        return self._models_gone_at.get(model)
+
+    def remembered_models(self, now: float) -> int:
+        """Models with no worker that are still known (503, not 404) at `now`."""
+        oldest_kept = now - self._model_memory_s
+        return sum(1 for gone_at in self._models_gone_at.values() if gone_at > oldest_kept)
 
     def upsert(self, record: WorkerRecord) -> Worker | None:
         """Add a worker or replace its record, keeping live state (load, breaker, health).
@@ -268,6 +316,7 @@ class Fleet:
             record = fill_facts(record, learned)
         self.pending.pop(record.id, None)
         worker = self._workers.get(record.id)
+        old_url: str | None = None
         if worker is None:
             worker = Worker(record=record, breaker=self._breaker_factory(record.id))
             self._workers[record.id] = worker
@@ -276,8 +325,12 @@ class Fleet:
                 # Requests in flight keep their rank's count until they end (see `end`).
                 kept = worker.rank_inflight[: record.dp_size]
                 worker.rank_inflight = kept + [0] * (record.dp_size - len(kept))
+            if record.url != worker.record.url:
+                old_url = worker.record.url
             worker.record = record
         self._reindex()
+        if old_url is not None:
+            self._drop_url(old_url, worker)
         return worker
 
     def admit(self, offered: WorkerRecord, learned: WorkerRecord) -> Worker | None:
@@ -295,8 +348,11 @@ class Fleet:
             self.pending[record.id] = PendingWorker(record)
         else:
             previous.record = record
-        if self._workers.pop(record.id, None) is not None:
+        held_back = self._workers.pop(record.id, None)
+        if held_back is not None:
+            # Out of routing until its new facts are known: what it left elsewhere goes.
             self._reindex()
+            self._departed([held_back])
         if self.on_pending is not None:
             self.on_pending()
 
@@ -306,25 +362,70 @@ class Fleet:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self._reindex()
+            self._departed([worker])
         return worker
 
     def replace_all(self, records: Iterable[WorkerRecord]) -> None:
         """Make the fleet exactly `records` (a relist), keeping live state of survivors."""
         records = list(records)
         keep = {record.id for record in records}
-        for worker_id in [wid for wid in self._workers if wid not in keep]:
-            del self._workers[worker_id]
+        gone = [worker for worker_id, worker in self._workers.items() if worker_id not in keep]
+        for worker in gone:
+            del self._workers[worker.id]
         for table in (self.pending, self._learned):
             for worker_id in [wid for wid in table if wid not in keep]:
                 del table[worker_id]
         for record in records:
             self.upsert(record)
         self._reindex()
+        self._departed(gone)
+
+    def lease_ended(self, worker: Worker) -> None:
+        """A request to `worker` ended: if it was the last one on a URL the fleet dropped,
+        report that URL now. O(1) unless URLs are waiting for their requests to end."""
+        if worker.inflight or not self._url_holders:
+            return
+        for url in [url for url, holder in self._url_holders.items() if holder is worker]:
+            del self._url_holders[url]
+            if url not in self._urls:
+                for listener in self._listeners:
+                    listener.url_dropped(url)
+
+    def _departed(self, workers: list[Worker]) -> None:
+        for worker in workers:
+            worker.departed = True
+            for listener in self._listeners:
+                listener.worker_left(worker)
+            self._drop_url(worker.url, worker)
+
+    def _drop_url(self, url: str, holder: Worker) -> None:
+        if url in self._urls:
+            return  # another worker (or this one again) still has it
+        if holder.inflight:
+            self._url_holders[url] = holder
+            return
+        for listener in self._listeners:
+            listener.url_dropped(url)
 
     def _reindex(self) -> None:
         by_model: dict[str, list[Worker]] = {}
         for worker in self._workers.values():
             for model in worker.record.models:
                 by_model.setdefault(model, []).append(worker)
+        self._remember_models(self._by_model, by_model)
         self._by_model = by_model
+        self._urls = {worker.url for worker in self._workers.values()}
         self.generation += 1
+
+    def _remember_models(self, before: dict[str, list[Worker]], after: dict[str, list[Worker]]) -> None:
+        if self._clock is None or self._model_memory_s <= 0:
+            return
+        now = self._clock()
+        for model in before.keys() - after.keys():
+            self._models_gone_at[model] = now
+        if self._models_gone_at:
+            oldest_kept = now - self._model_memory_s
+            self._models_gone_at = {
+                model: gone_at for model, gone_at in self._models_gone_at.items()
+                if model not in after and gone_at > oldest_kept
+            }

@@ -160,6 +160,8 @@ def test_spec_options() -> None:
         ("http://a:1,dp_size=two", "dp_size must be an integer, got 'two'"),
         ("http://a:1,role=teacher", "'role' must be one of mixed, prefill, decode"),
         ("http://a:1,dp_size=2,dp_rank=2", "'dp_rank' 2 must be below 'dp_size' 2"),
+        # One in-flight counter per rank: a record's number must not size memory unchecked.
+        ("http://a:1,dp_size=1000000000", "'dp_size' must be at most 4096"),
     ],
 )
 def test_bad_specs_name_the_spec_and_the_problem(spec: str, message: str) -> None:

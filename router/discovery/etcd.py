@@ -4,11 +4,16 @@ The router lists the prefix, then watches it from the next revision. A watch tha
 resumes from the last revision seen, so a blip costs one small request, not a relist; a
 watch whose revision was compacted away relists. While etcd does not answer, the router
 keeps routing to the last fleet it knew and says so on `/health` and in
-`router_discovery_up`: an unreachable etcd never empties the fleet.
+`router_discovery_up`: an unreachable etcd never empties the fleet. A frozen etcd (the
+connection open, nothing answering) is caught by silence: every message on the watch
+(events, progress notifications) and every answered call is a sign of life, a probe is sent
+after half of `--discovery-silence-s` without one, and the whole window without one
+reports discovery down until etcd is heard again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from contextlib import aclosing
@@ -28,6 +33,7 @@ from router.discovery.etcd_client import (
     WatchEvent,
     open_etcd_client,
 )
+from router.discovery.liveness import SilenceWatch
 from router.metrics import RouterMetrics
 from router.workers import Fleet, InvalidWorkerRecord, WorkerRecord
 
@@ -50,6 +56,9 @@ class EtcdDiscoveryTiming:
     backoff_max_s: float = 5.0
     watch_idle_timeout_s: float = 30.0
     request_timeout_s: float = 5.0
+    silence_s: float = 15.0
+    """No sign of life for this long (watch message, progress notification, answered
+    call) reports discovery down; half of it without one sends a probe."""
 
 
 def parse_record(value: bytes) -> WorkerRecord:
@@ -156,6 +165,23 @@ class _Link:
         self.health.detail = detail
         self._metrics.discovery_up.set(1)
 
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    def silent(self, quiet_s: float) -> None:
+        """etcd said nothing for `quiet_s`: a frozen etcd or a half-open connection."""
+        detail = (
+            f"etcd silent for {quiet_s:.1f}s (no watch event, progress notification or "
+            f"answered probe); routing to the last known fleet of {len(self._fleet)} worker(s)"
+        )
+        if not self._lost:
+            log.warning("%s", detail)
+        self._lost = True
+        self.health.up = False
+        self.health.detail = detail
+        self._metrics.discovery_up.set(0)
+
     def down(self, reason: str, retry_in_s: float) -> None:
         detail = (
             f"etcd unreachable ({reason}); routing to the last known fleet of "
@@ -190,6 +216,7 @@ async def serve_etcd_discovery(
     Cancellation: the watch stream is closed; the fleet keeps its last state.
     """
     endpoint = settings.etcd_endpoint
+    timing = dataclasses.replace(timing, silence_s=settings.discovery_silence_s)
     health = DiscoveryHealth(source="etcd", up=False, detail=f"connecting to {endpoint}")
     metrics.discovery_up.set(0)
     async with open_etcd_client(endpoint, timeout_s=timing.request_timeout_s) as client:
@@ -221,8 +248,32 @@ class _Follower:
         """The revision the fleet reflects; None until the prefix is listed."""
         self._confirmed = False
         """etcd answered a unary call since the last failure."""
+        self._silence = SilenceWatch(
+            timing.silence_s,
+            lambda: client.get_prefix(prefix + _PROBE_SUFFIX),
+            (EtcdError,),
+            self._went_silent,
+            self._spoke_again,
+        )
 
     async def run(self, task_status: trio.TaskStatus[DiscoveryHealth]) -> None:
+        """Follow etcd, with the silence watch (and its probe) beside the watch.
+
+        Cancellation: the watch and any probe in flight are closed; the fleet stays.
+        """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._silence.serve)
+            await self._follow(task_status)
+
+    def _went_silent(self, quiet_s: float) -> None:
+        if not self._link.lost:  # an unreachable etcd already says so, more precisely
+            self._link.silent(quiet_s)
+
+    def _spoke_again(self) -> None:
+        if self._link.lost:
+            self._link.up(f"watching {self._prefix} after revision {self.revision}")
+
+    async def _follow(self, task_status: trio.TaskStatus[DiscoveryHealth]) -> None:
         reported = False
         while True:
             watch_opened: float | None = None
@@ -273,13 +324,15 @@ class _Follower:
         elif not self._confirmed:
             await self._client.get_prefix(self._prefix + _PROBE_SUFFIX)
         self._confirmed = True
+        self._silence.heard()
         self._link.up(f"watching {self._prefix} after revision {self.revision}")
 
     async def _watch(self) -> None:
         """Apply events after `self.revision`, advancing it, until the watch fails."""
         assert self.revision is not None
         watch = self._client.watch_prefix(
-            self._prefix, self.revision + 1, idle_timeout_s=self._timing.watch_idle_timeout_s
+            self._prefix, self.revision + 1, idle_timeout_s=self._timing.watch_idle_timeout_s,
+            on_alive=self._silence.heard,
         )
         async with aclosing(watch):
             async for batch in watch:

@@ -14,7 +14,7 @@ expired lease's keepalive answer has no `TTL`), and streaming answers are newlin
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -271,6 +271,7 @@ class EtcdClient:
         *,
         progress_notify: bool = True,
         idle_timeout_s: float = 30.0,
+        on_alive: Callable[[], None] | None = None,
     ) -> AsyncGenerator[list[WatchEvent], None]:
         """Batches of changes under `prefix` from `start_revision` on, in revision order.
 
@@ -278,7 +279,9 @@ class EtcdClient:
         connection error or `idle_timeout_s` without a single byte (a half-open
         connection; progress notifications keep a quiet watch talking) raise
         `EtcdUnavailable`, and the caller resumes from the last revision it saw. A
-        compacted start revision raises `WatchCompacted`.
+        compacted start revision raises `WatchCompacted`. `on_alive` is called for every
+        message etcd sends on the stream (events, the `created` answer, progress
+        notifications): each proves etcd is alive, quiet fleet or not.
 
         Use it under `contextlib.aclosing` so the stream is closed when the caller stops
         early. Cancellation or close: the HTTP stream is closed, which ends the watch on
@@ -324,6 +327,8 @@ class EtcdClient:
                 if "error" in body:
                     message, _ = _error_text(line.encode(), 200)
                     raise EtcdUnavailable(f"etcd {path}: {message}")
+                if on_alive is not None:
+                    on_alive()
                 result = body.get("result", {})
                 if result.get("canceled"):
                     compact_revision = int(result.get("compact_revision", 0))

@@ -351,6 +351,19 @@ class UpstreamPool:
             stale_retries=self._stale_retries,
         )
 
+    def forget(self, base_url: str) -> bool:
+        """Drop the endpoint of a worker that left the fleet and close its idle connections.
+
+        Call it once no request to `base_url` is in flight: a connection in use would come
+        back to the dropped endpoint. Returns whether the pool held anything for it.
+        """
+        endpoint = self._endpoints.pop(base_url, None)
+        if endpoint is None:
+            return False
+        while endpoint.idle:
+            self._close(endpoint.idle.pop())
+        return True
+
     def close_idle(self) -> None:
         """Closes every idle connection and stops pooling: connections still in use are
         closed when their request ends."""

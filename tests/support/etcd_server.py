@@ -153,6 +153,16 @@ class EtcdServer:
         process.kill()
         await process.wait()
 
+    def freeze(self) -> None:
+        """SIGSTOP: the member keeps every connection open and answers nothing."""
+        assert self._process is not None and self._process.returncode is None
+        self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after `freeze`."""
+        if self._process is not None and self._process.returncode is None:
+            self._process.send_signal(signal.SIGCONT)
+
     async def restart(self) -> None:
         await self.stop()
         await self.start()
