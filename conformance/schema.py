@@ -17,6 +17,7 @@ from conformance.model import (
     ALL_WORKERS,
     BEHAVIOUR_FIELDS,
     DEFAULT_MODEL,
+    ERROR_SHAPES,
     FAIL_MODES,
     NO_STATUS,
     POLICIES,
@@ -52,7 +53,7 @@ REQUEST_FIELDS = ("count", "concurrency", "model", "route", "stream", "body", "h
 POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "within_s", "interval_s")
 EXPECT_FIELDS = (
     "status", "error_code", "message_contains", "headers", "dispatches", "dispatches_total",
-    "stream_end", "body_json", "handoffs",
+    "stream_end", "body_json", "handoffs", "error_shape",
 )
 STEP_ACTIONS = ("send", "poll", "wait", "set_behaviour")
 # Past this a request would hold a fleet longer than any case should take.
@@ -308,6 +309,7 @@ class CaseReader:
                 else {}
             ),
             stream_end=stream_end,
+            error_shape=r.choice(m["error_shape"], join(field, "error_shape"), ERROR_SHAPES) if "error_shape" in m else None,
             body_json=r.boolean(m["body_json"], join(field, "body_json")) if "body_json" in m else False,
             handoffs=self.handoffs(m["handoffs"], join(field, "handoffs")) if "handoffs" in m else None,
         )
