@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
-        "--fail-first", type=int, default=0, help="first N generation requests fail; -1 = all"
+        "--fail-first", type=int, default=0, help="first N requests of any model route fail; -1 = all"
     )
     fail.add_argument("--fail-status", type=int, default=503, help="status for --fail-mode status")
     fail.add_argument("--fail-mode", choices=[m.value for m in FailMode], default="status")
