@@ -62,6 +62,12 @@ def default_body(route: str, model: str, stream: bool) -> dict[str, Any]:
         return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream}
     if route == "completions":
         return {"model": model, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    if route == "responses":
+        return {"model": model, "input": "hello", "max_output_tokens": 4, "stream": stream}
+    if route == "messages":
+        return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream}
+    if route == "embeddings":
+        return {"model": model, "input": "hello"}
     return {"model": model, "text": "hello", "sampling_params": {"max_new_tokens": 4}, "stream": stream}
 
 
@@ -164,13 +170,20 @@ def sse_events(body: bytes) -> list[Mapping[str, str]]:
     return events
 
 
+# The last event of a whole stream in APIs that send no `[DONE]`: Anthropic Messages,
+# OpenAI Responses.
+FINAL_EVENTS = ("message_stop", "response.completed", "response.incomplete")
+
+
 def stream_end(answer: Answer) -> str:
-    """How a stream ended: `done` ([DONE] last), `error` (an error event last, as an
+    """How a stream ended: `done` ([DONE] or an API's final event last), `error` (an error event last, as an
     `event: error` or a data payload with an `error` key) or `truncated` (neither)."""
     events = sse_events(answer.body)
     if not events:
         return "truncated"
     last = events[-1]
+    if last.get("event") in FINAL_EVENTS:
+        return "done"
     data = last.get("data", "")
     if data.strip() == "[DONE]":
         # A plane may report the error and still close the stream with [DONE].
@@ -180,8 +193,32 @@ def stream_end(answer: Answer) -> str:
     return "error" if _is_error(last) else "truncated"
 
 
+def error_shape(answer: Answer) -> str | None:
+    """How the answer writes its error down: `anthropic` (`{"type": "error", "error":
+    {"type", "message"}}`), `openai` (`{"error": {...}}`), or None (no error, or neither).
+    The body of an error status; for a 200 stream, its last error event."""
+    if answer.status is not None and answer.status >= 400:
+        return _shape(answer.json())
+    errors = [event for event in sse_events(answer.body) if _is_error(event)]
+    if not errors:
+        return None
+    try:
+        return _shape(json.loads(errors[-1].get("data", "")))
+    except ValueError:
+        return None
+
+
+def _shape(data: Any) -> str | None:
+    if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
+        return None
+    error = data["error"]
+    if data.get("type") == "error" and isinstance(error.get("type"), str) and isinstance(error.get("message"), str):
+        return "anthropic"
+    return "openai" if isinstance(error.get("message"), str) else None
+
+
 def _is_error(event: Mapping[str, str]) -> bool:
-    if event.get("event") == "error":
+    if event.get("event") in ("error", "response.failed"):
         return True
     try:
         payload = json.loads(event.get("data", ""))

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.client import Answer, stream_end
+from conformance.client import Answer, error_shape, stream_end
 from conformance.model import (
     ALL_WORKERS,
     NO_STATUS,
@@ -71,6 +71,12 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
                 f"headers[{name}]: expected {check} on every answer, {len(bad_values)} of {len(answers)} "
                 f"had {_counts(Counter(map(repr, bad_values)))}"
             )
+    if expect.error_shape is not None:
+        shapes: Counter[str] = Counter(str(error_shape(a)) for a in answers if a.status is None or a.status >= 400 or stream_end(a) == "error")
+        if not shapes:
+            failures.append(f"error_shape: expected {expect.error_shape} errors, but no answer was an error")
+        elif set(shapes) - {expect.error_shape}:
+            failures.append(f"error_shape: expected {expect.error_shape} on every error, got {_counts(shapes)}{_first_body(answers)}")
     if expect.body_json:
         garbled = [a for a in answers if a.json() is None]
         if garbled:

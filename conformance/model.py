@@ -18,7 +18,13 @@ ROUTES = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "generate": "/generate",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+    "embeddings": "/v1/embeddings",
 }
+# How an error is written down: OpenAI's `{"error": {...}}` or Anthropic's
+# `{"type": "error", "error": {"type", "message"}}` (bodies and a stream's error event).
+ERROR_SHAPES = ("openai", "anthropic")
 POLICIES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash")
 ALL_OPEN_MODES = ("dispatch", "reject")
 FAIL_MODES = ("status", "reset", "hang", "garbage", "midstream")
@@ -133,7 +139,7 @@ class Expect:
     """What must hold after a step. Every field is optional; unset fields are not checked.
 
     `status` counts are strict: a status that is not listed must not occur. `dispatches`
-    counts generation requests each worker received during the step; `dispatches_total`
+    counts model requests (any route) each worker received during the step; `dispatches_total`
     counts them since the case began. `error_code`, `message_contains`, `headers`,
     `stream_end` and `body_json` apply to every response of the step.
     """
@@ -145,6 +151,7 @@ class Expect:
     dispatches: Mapping[str, Range] = field(default_factory=dict)
     dispatches_total: Mapping[str, Range] = field(default_factory=dict)
     stream_end: str | None = None
+    error_shape: str | None = None  # every error answer, and every stream's error event, has it
     body_json: bool = False  # every answer's body is one JSON document
     handoffs: HandoffCheck | None = None
 

@@ -13,6 +13,7 @@ from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from conformance.model import (
     ALL_WORKERS,
+    ERROR_SHAPES,
     NO_STATUS,
     ROUTES,
     STREAM_ENDS,
@@ -33,7 +34,7 @@ POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "with
 RAW_FIELDS = ("text", "nested", "size", "content_type")
 EXPECT_FIELDS = (
     "status", "error_code", "message_contains", "headers", "dispatches", "dispatches_total",
-    "stream_end", "body_json", "handoffs",
+    "stream_end", "body_json", "handoffs", "error_shape",
 )
 # Past this a request would hold a fleet longer than any case should take.
 MAX_COUNT = 1000
@@ -119,6 +120,7 @@ class RequestReader:
                 else {}
             ),
             stream_end=stream_end,
+            error_shape=r.choice(m["error_shape"], join(field, "error_shape"), ERROR_SHAPES) if "error_shape" in m else None,
             body_json=r.boolean(m["body_json"], join(field, "body_json")) if "body_json" in m else False,
             handoffs=self.handoffs(m["handoffs"], join(field, "handoffs")) if "handoffs" in m else None,
         )

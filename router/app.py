@@ -8,12 +8,13 @@ import trio
 from router.config import Settings
 from router.discovery import DiscoveryHealth
 from router.dispatch import JSON_HEADERS
+from router.error_shapes import error_body
 from router.errors import MethodNotAllowed, NotFound, RouterError
 from router.failover import GenerationService
-from router.generation import GENERATION_ROUTES
 from router.http.messages import Request, ResponseWriter
 from router.http.pool import UpstreamPool
 from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.routes import ROUTES, Dialect
 from router.workers import Fleet, Worker
 
 _POST = b"POST"
@@ -40,8 +41,9 @@ class RouterApp:
 
     async def handle(self, request: Request, writer: ResponseWriter) -> None:
         path = request.path
+        model_route = ROUTES.get(path)
         try:
-            if path in GENERATION_ROUTES:
+            if model_route is not None:
                 if request.method != "POST":
                     raise MethodNotAllowed(f"{path} accepts POST, not {request.method}", _POST)
                 await self.generation.handle(request, writer)
@@ -54,7 +56,8 @@ class RouterApp:
             status, content_type, body = route()
             await writer.respond(status, [(b"content-type", content_type)], body)
         except RouterError as error:
-            await writer.respond(error.status, JSON_HEADERS + error.headers(), error.body())
+            dialect = Dialect.OPENAI if model_route is None else model_route.dialect
+            await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, dialect))
 
     def _models(self) -> tuple[int, bytes, bytes]:
         data = [{"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()]

@@ -39,18 +39,23 @@ def plan_request(
     default_retry_after_s: float = 1.0,
     last_served_at: float | None = None,
     model_memory_s: float = 0.0,
+    generation: bool = True,
 ) -> Plan:
     """Decide how a request for `model` is served, from that model's workers only.
 
     `workers` is every worker registered for `model`, of any role and status. None at
     all raises `ModelNotFound`, unless the model lost its last worker at `last_served_at`
     less than `model_memory_s` before `now`: a fleet that empties for a moment (etcd
-    leases expiring, a rolling restart) is a 503 `NoAvailableWorkers` with Retry-After. The prefill/decode pair serves when both its pools can
-    take the request; otherwise the mixed pool does (mixed workers beside half a PD fleet
+    leases expiring, a rolling restart) is a 503 `NoAvailableWorkers` with Retry-After.
+    The prefill/decode pair serves when both its pools can take the request; otherwise the mixed pool does (mixed workers beside half a PD fleet
     keep a rolling upgrade serving). A pair that would only run on breaker-open workers
     gives way to a mixed pool that has a closed one. When neither can serve, raises
     `NoAvailableWorkers` naming only the blocking leg(s), with the smallest of their
     `retry_after_s` (at least 1).
+
+    A non-generation request (`generation=False`: embeddings, rerank, tokenize, ...) is
+    served by the mixed pool only; a model served by prefill/decode workers alone is a 503
+    that says so.
     """
     by_role: dict[Role, list[Worker]] = {}
     for worker in workers:
@@ -67,6 +72,15 @@ def plan_request(
     def pool(role: Role) -> LegPool:
         return filter_leg(by_role.get(role, ()), role, now, all_open, default_retry_after_s)
 
+    if not generation:
+        if Role.MIXED not in by_role:
+            raise _pd_only(model, by_role, default_retry_after_s)
+        mixed_only = pool(Role.MIXED)
+        if mixed_only.verdict == "ok":
+            return Plan(Mode.MIXED, {Role.MIXED: mixed_only})
+        label = "mixed" if _has_pd(by_role) else ""
+        phrase = _blocked_phrase(model, mixed_only, label)
+        raise NoAvailableWorkers(phrase, max(1.0, mixed_only.retry_after_s))
     pair = (pool(Role.PREFILL), pool(Role.DECODE)) if _has_pd(by_role) else None
     mixed = pool(Role.MIXED) if Role.MIXED in by_role else None
     pair_ok = pair is not None and all(leg.verdict == "ok" for leg in pair)
@@ -83,6 +97,15 @@ def plan_request(
 
 def _has_pd(by_role: dict[Role, list[Worker]]) -> bool:
     return Role.PREFILL in by_role or Role.DECODE in by_role
+
+
+def _pd_only(model: str, by_role: dict[Role, list[Worker]], retry_after_s: float) -> NoAvailableWorkers:
+    count = sum(len(workers) for workers in by_role.values())
+    return NoAvailableWorkers(
+        f"model '{model}' is served only by prefill/decode workers ({_count(count, 'worker')}), "
+        "and PD workers serve generation only: this route needs a mixed worker",
+        max(1.0, retry_after_s),
+    )
 
 
 def _unavailable(

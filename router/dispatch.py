@@ -7,7 +7,7 @@ with or without a worker's answer) so the attempt loop sees one vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -195,13 +195,15 @@ def stream_error_event(message: str, code: str) -> bytes:
 
 
 async def relay_stream(
-    response: UpstreamResponse, first: bytes, writer: ResponseWriter, url: str, idle_s: float
+    response: UpstreamResponse, first: bytes, writer: ResponseWriter, url: str, idle_s: float,
+    error_event: Callable[[str, str], bytes] = stream_error_event,
 ) -> int:
     """Relay SSE bytes as they arrive; returns the number of body bytes relayed.
 
     Whole events only go out when the worker breaks mid-event: bytes after the last event
     boundary are held back until their event completes, so a broken stream ends with a
-    well-formed `error` event and never with half an event. `ClientDisconnected` from the
+    well-formed error event (`error_event(message, code)`: the route's dialect) and never
+    with half an event. `ClientDisconnected` from the
     writer propagates (the caller's scope closes the upstream connection).
     """
     relayed = 0
@@ -228,7 +230,7 @@ async def relay_stream(
             try:
                 chunk = await response.receive_some()
             except UpstreamError:
-                error = stream_error_event(f"worker {url} broke the stream", "stream_interrupted")
+                error = error_event(f"worker {url} broke the stream", "stream_interrupted")
                 break
             idle.deadline = math.inf
             if not chunk:
@@ -237,7 +239,7 @@ async def relay_stream(
                     relayed += len(pending)
                 break
     if idle.cancelled_caught:
-        error = stream_error_event(f"worker {url} stalled for {idle_s:g}s mid-stream", "stream_idle_timeout")
+        error = error_event(f"worker {url} stalled for {idle_s:g}s mid-stream", "stream_idle_timeout")
     if error is not None:
         await writer.write(error)
     await writer.finish()

@@ -29,12 +29,14 @@ from router.dispatch import (
     relay_stream,
     upstream_headers,
 )
+from router.error_shapes import STREAM_ERROR_EVENTS, error_body
 from router.errors import RouterError, WorkerUnreachable
-from router.generation import GENERATION_ROUTES, GenerationRequest, parse_generation_request
+from router.generation import GenerationRequest, parse_generation_request
 from router.http.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.pool import UpstreamPool
 from router.metrics import RouterMetrics
 from router.pd import PDDispatcher
+from router.routes import ROUTES
 from router.selection import AllOpenMode, PolicyKey, make_policy, pick_excluding, routing_key
 from router.workers import Fleet, Role, Worker
 
@@ -98,7 +100,8 @@ def _untried_left(plan: Plan, attempts: AttemptLog) -> bool:
 
 
 class GenerationService:
-    """Serves the generation routes: resolve, select, dispatch, fail over."""
+    """Serves the model-keyed routes (`router.routes.ROUTES`): resolve, select, dispatch,
+    fail over. Non-generation routes take the same path on a mixed worker."""
 
     def __init__(self, settings: Settings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics) -> None:
         self.settings = settings
@@ -125,7 +128,8 @@ class GenerationService:
         closed, every breaker permit is released without a verdict, in-flight counts drop.
         """
         started = trio.current_time()
-        route = GENERATION_ROUTES[request.path]
+        spec = ROUTES[request.path]
+        route = spec.label
         model_label = "-"
         status = 500
         try:
@@ -137,7 +141,7 @@ class GenerationService:
             status = await self._serve(generation, request, writer, started)
         except RouterError as error:
             status = error.status
-            await writer.respond(error.status, JSON_HEADERS + error.headers(), error.body())
+            await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, spec.dialect))
         except ClientDisconnected:
             status = CLIENT_LEFT
         finally:
@@ -158,6 +162,7 @@ class GenerationService:
                     generation.model, self.fleet.for_model(generation.model), now,
                     self.all_open, self.settings.retry_after_s,
                     self.fleet.last_served_at(generation.model), self.settings.model_memory_s,
+                    generation.spec.generation,
                 )
             except RouterError:
                 if attempt == 0:
@@ -170,7 +175,7 @@ class GenerationService:
                 # request is no retry, whatever its reason.
                 self.metrics.count_retry(retry_reason)
                 retry_reason = None
-            if attempt == 0:
+            if attempt == 0 and generation.spec.generation:
                 # A request counts once, under the mode it was first planned in.
                 self.metrics.child(self.metrics.pd_requests, plan.mode.value).inc()  # type: ignore[attr-defined]
             try:
@@ -273,7 +278,9 @@ class GenerationService:
                     await lease.commit()
                     await writer.start(200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())])
                     self.metrics.observe_ttfb(generation.route, trio.current_time() - started)
-                    await relay_stream(response, first, writer, worker.url, idle_s)
+                    await relay_stream(
+                        response, first, writer, worker.url, idle_s, STREAM_ERROR_EVENTS[generation.spec.dialect]
+                    )
                     return 200
                 answer = await read_answer(response, worker.url, idle_s)
             # The upstream connection is back in the pool before a slow client is written to.

@@ -1,8 +1,10 @@
-"""The resolve stage: parse and check a generation request body, and name its model.
+"""The resolve stage: parse and check a model-keyed request body, and name its model.
 
 Runs before any worker is chosen, so a malformed request is answered 400 here and never
 reaches a worker. The body is parsed once (orjson); the original bytes are what gets
-forwarded unless something must be injected.
+forwarded unless something must be injected. Generation routes have their fields checked;
+the other routes only their `model` (the engine judges the rest, and its 4xx goes back
+verbatim).
 """
 
 from __future__ import annotations
@@ -14,13 +16,7 @@ from typing import Any
 import orjson
 
 from router.errors import BadRequest, NoAvailableWorkers
-
-# path -> route label (metrics, logs)
-GENERATION_ROUTES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/generate": "generate",
-}
+from router.routes import ROUTES, Route
 
 
 @dataclass(slots=True)
@@ -31,6 +27,7 @@ class GenerationRequest:
     stream: bool
     body: dict[str, Any]
     raw: bytes
+    spec: Route
 
 
 DEFAULT_MAX_N = 128
@@ -45,7 +42,8 @@ def parse_generation_request(
     Raises BadRequest (400) for anything malformed, and for `n` (or `sampling_params.n`)
     above `max_n`: a client's number never sizes what the router builds unchecked.
     """
-    route = GENERATION_ROUTES[path]
+    spec = ROUTES[path]
+    route = spec.label
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -65,16 +63,18 @@ def parse_generation_request(
             )
     elif not isinstance(model, str) or not model:
         raise BadRequest(f"'model' must be a non-empty string, got {_json_type(model)}")
+    if not spec.streams:
+        return GenerationRequest(route=route, path=path, model=model, stream=False, body=body, raw=raw, spec=spec)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be a boolean, got {_json_type(stream)}")
     _check_route_fields(route, body)
     _check_choices(body, max_n)
-    return GenerationRequest(route=route, path=path, model=model, stream=stream, body=body, raw=raw)
+    return GenerationRequest(route=route, path=path, model=model, stream=stream, body=body, raw=raw, spec=spec)
 
 
 def _check_route_fields(route: str, body: dict[str, Any]) -> None:
-    if route == "chat":
+    if route in ("chat", "messages"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list of message objects")
@@ -96,7 +96,7 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
                 "'prompt' must be a string, or a non-empty list of strings, of token ids or of "
                 "token id lists"
             )
-    else:
+    elif route == "generate":
         text, input_ids = body.get("text"), body.get("input_ids")
         if text is None and input_ids is None:
             raise BadRequest("'text' or 'input_ids' is required")

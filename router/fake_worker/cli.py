@@ -57,9 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     pace.add_argument("--tokens", type=int, default=16, help="tokens when a request sets none")
     pace.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
     pace.add_argument("--token-latency-ms", type=float, default=0.0, help="time between tokens")
+    pace.add_argument(
+        "--embedding-dim", type=int, default=16, help="floats per vector of /v1/embeddings and /pooling"
+    )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
-        "--fail-first", type=int, default=0, help="first N generation requests fail; -1 = all"
+        "--fail-first", type=int, default=0, help="first N requests of any model route fail; -1 = all"
     )
     fail.add_argument("--fail-status", type=int, default=503, help="status for --fail-mode status")
     fail.add_argument("--fail-mode", choices=[m.value for m in FailMode], default="status")

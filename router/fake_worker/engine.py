@@ -1,20 +1,29 @@
 """A fake inference engine: the HTTP handler of one fake worker and the task that serves it.
 
-`FakeWorker(settings).handler` speaks the engine API (OpenAI chat/completions, SGLang
-`/generate` and info endpoints, `/metrics`) plus the `/debug/*` endpoints tests drive it
-with. Generation produces `tok0 tok1 ...` at the scripted pace; scripted failures
-replace the answer of the first `fail_first` generation requests.
+`FakeWorker(settings).handler` speaks the engine API (OpenAI chat/completions, the
+Responses API, Anthropic Messages, SGLang `/generate`, embeddings and the other pooling
+routes, info endpoints, `/metrics`) plus the `/debug/*` endpoints tests drive it with.
+Generation produces `tok0 tok1 ...` at the scripted pace; scripted failures replace the
+answer of the first `fail_first` requests of any model route.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import orjson
 import trio
 
 from router.fake_worker import info
+from router.fake_worker.apis import (
+    GENERATION_PATHS,
+    REQUEST_ID_PREFIX,
+    paced_events,
+    parse_request,
+    render_unary,
+    stream_frames,
+)
 from router.fake_worker.behaviour import Behaviour, FailMode, InvalidBehaviour
 from router.fake_worker.failures import (
     JSON_HEADERS,
@@ -22,17 +31,13 @@ from router.fake_worker.failures import (
     break_stream,
     break_unary,
     error_body,
+    error_body_for,
     serve_failure,
 )
-from router.fake_worker.formats import (
-    Api,
-    BadGenerationRequest,
-    Generation,
-    StreamFrames,
-    parse_generation,
-    unary_body,
-)
+from router.fake_worker.formats import Api, BadGenerationRequest, Generation
 from router.fake_worker.metrics import render_metrics
+from router.fake_worker.pooling import POOLING_ROUTES
+from router.fake_worker.pooling_server import PoolingService
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RankLoad, RoutingStats
 from router.http.messages import ClientDisconnected, Headers, Request, ResponseWriter
@@ -41,11 +46,6 @@ from router.http.server import ServerSettings, serve_http
 TEXT_HEADERS: Headers = ((b"content-type", b"text/plain; charset=utf-8"),)
 METRICS_HEADERS: Headers = ((b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),)
 RANK_HEADER = b"x-data-parallel-rank"
-_GENERATION_PATHS = {
-    "/v1/chat/completions": Api.CHAT,
-    "/v1/completions": Api.COMPLETIONS,
-    "/generate": Api.GENERATE,
-}
 
 Route = Callable[[Request, ResponseWriter], Awaitable[None]]
 
@@ -54,8 +54,8 @@ async def _respond_json(writer: ResponseWriter, status: int, payload: object) ->
     await writer.respond(status, JSON_HEADERS, orjson.dumps(payload))
 
 
-async def _bad_request(writer: ResponseWriter, message: str) -> None:
-    await writer.respond(400, JSON_HEADERS, error_body(message, "invalid_request_error", 400))
+async def _bad_request(writer: ResponseWriter, message: str, path: str = "") -> None:
+    await writer.respond(400, JSON_HEADERS, error_body_for(path, message, "invalid_request_error", 400))
 
 
 class FakeWorker:
@@ -79,8 +79,11 @@ class FakeWorker:
         self._model_info_body = orjson.dumps(info.model_info(settings))
         self._routes: dict[str, tuple[frozenset[str], Route]] = {}
         get, post = frozenset({"GET", "HEAD"}), frozenset({"POST", "PUT"})
-        for path in _GENERATION_PATHS:
+        for path in GENERATION_PATHS:
             self._routes[path] = (post, self._generate)
+        pooling = PoolingService(settings, self.behaviour, self.routing)
+        for path in POOLING_ROUTES:
+            self._routes[path] = (post, pooling.serve)
         for path, route in (
             ("/health", self._health),
             ("/health_generate", self._health),
@@ -169,7 +172,7 @@ class FakeWorker:
             await self._fail(request, writer, streaming)
             return
         if body is None:
-            await _bad_request(writer, "the request body is not valid JSON")
+            await _bad_request(writer, "the request body is not valid JSON", request.path)
             return
         rank = self._rank(rank_text)
         if rank is None:
@@ -177,13 +180,14 @@ class FakeWorker:
                 writer,
                 f"X-Data-Parallel-Rank must be an integer in [0, {self.settings.dp_size}), "
                 f"got {rank_text!r}",
+                request.path,
             )
             return
-        api = _GENERATION_PATHS[request.path]
+        api = GENERATION_PATHS[request.path]
         try:
-            gen = parse_generation(api, body, behaviour.tokens, self.settings.model)
+            gen = parse_request(api, body, behaviour.tokens, self.settings.model)
         except BadGenerationRequest as exc:
-            await _bad_request(writer, str(exc))
+            await _bad_request(writer, str(exc), request.path)
             return
         load = self.routing.loads[rank]
         limiter = self._limiter
@@ -217,25 +221,24 @@ class FakeWorker:
 
     def _request_id(self, api: Api) -> str:
         self._next_id += 1
-        prefix = {Api.CHAT: "chatcmpl-fake-", Api.COMPLETIONS: "cmpl-fake-", Api.GENERATE: "fake-"}
-        return f"{prefix[api]}{self._next_id}"
+        return f"{REQUEST_ID_PREFIX[api]}{self._next_id}"
 
     async def _unary(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
         behaviour = self.behaviour
         delay_ms = behaviour.ttft_ms + behaviour.token_latency_ms * max(0, gen.tokens - 1)
         if delay_ms > 0:
             await trio.sleep(delay_ms / 1000)
-        body = unary_body(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
+        body = render_unary(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
         load.generation_tokens += gen.completion_tokens
         await writer.respond(200, JSON_HEADERS, body)
 
     async def _stream(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
         """Stream the events, sleeping between tokens; events between two sleeps go out in
         one write. Cancellation: stops at once; nothing is left behind."""
-        frames = StreamFrames(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
+        frames = stream_frames(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
         await writer.start(200, SSE_HEADERS)
         pending: list[bytes] = []
-        for item in _paced_events(frames, self.behaviour, load):
+        for item in paced_events(frames, self.behaviour, load):
             if isinstance(item, float):
                 if pending:
                     await writer.write(b"".join(pending))
@@ -256,7 +259,7 @@ class FakeWorker:
             await serve_failure(behaviour, request, writer, streaming)
             return
         gen = Generation(
-            api=_GENERATION_PATHS[request.path],
+            api=GENERATION_PATHS[request.path],
             model=self.settings.model,
             stream=streaming,
             tokens=behaviour.tokens,
@@ -267,11 +270,11 @@ class FakeWorker:
         )
         request_id, created = self._request_id(gen.api), int(time.time())  # wall-clock: `created`
         if streaming:
-            frames = StreamFrames(gen, request_id, created)
-            events = _paced_events(frames, behaviour, RankLoad())
+            frames = stream_frames(gen, request_id, created)
+            events = paced_events(frames, behaviour, RankLoad())
             await break_stream(request, writer, events, behaviour.fail_after_chunks)
         else:
-            await break_unary(request, writer, unary_body(gen, request_id, created))
+            await break_unary(request, writer, render_unary(gen, request_id, created))
 
     # -- engine info --------------------------------------------------------------------
 
@@ -335,27 +338,6 @@ class FakeWorker:
                 await _bad_request(writer, str(exc))
                 return
         await _respond_json(writer, 200, self.behaviour.to_json())
-
-
-def _paced_events(
-    frames: StreamFrames, behaviour: Behaviour, load: RankLoad
-) -> Iterator[bytes | float]:
-    """The stream's events in order, with a float (seconds to sleep) wherever the pace needs a
-    pause: the time to first token, then the latency between tokens. Counts the tokens into
-    `load` as they are taken."""
-    gen = frames.gen
-    ttft_s = behaviour.ttft_ms / 1000
-    between_s = behaviour.token_latency_ms / 1000
-    if ttft_s > 0:
-        yield ttft_s
-    yield from frames.head()
-    for i in range(gen.tokens):
-        if i and between_s > 0:
-            yield between_s
-        for choice in range(gen.n):
-            yield frames.token(i, choice)
-        load.generation_tokens += gen.n
-    yield from frames.tail()
 
 
 class _ReportUrl:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import orjson
 import trio
 
+from router.fake_worker.anthropic_api import anthropic_error_body
 from router.fake_worker.behaviour import Behaviour, FailMode
 from router.fake_worker.formats import DONE
 from router.http.messages import Headers, Request, ResponseWriter
@@ -20,6 +21,13 @@ GARBAGE_BODY = b"<html>fake worker: this body is deliberately not JSON"
 def error_body(message: str, type_: str, code: str | int) -> bytes:
     """An OpenAI-shaped error: {"error": {"message", "type", "code"}}."""
     return orjson.dumps({"error": {"message": message, "type": type_, "code": code}})
+
+
+def error_body_for(path: str, message: str, type_: str, status: int) -> bytes:
+    """An error in the shape of the API at `path`: Anthropic's on `/v1/messages`, else OpenAI's."""
+    if path == "/v1/messages":
+        return anthropic_error_body(message, status)
+    return error_body(message, type_, status)
 
 
 async def serve_failure(
@@ -43,7 +51,7 @@ async def serve_failure(
         else:
             kind = "invalid_request_error"
         message = f"scripted failure: fake worker answers {status}"
-        await writer.respond(status, headers, error_body(message, kind, status))
+        await writer.respond(status, headers, error_body_for(request.path, message, kind, status))
     elif mode is FailMode.RESET:
         await drop_connection(request, writer, reset=True)
     elif mode is FailMode.HANG:

@@ -42,6 +42,8 @@ class Api(enum.Enum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     GENERATE = "generate"
+    RESPONSES = "responses"  # router/fake_worker/responses_api.py
+    MESSAGES = "messages"  # router/fake_worker/anthropic_api.py
 
 
 class BadGenerationRequest(ValueError):

@@ -40,6 +40,7 @@ class FakeWorkerSettings:
     fail_status: int = 503
     fail_mode: FailMode = FailMode.STATUS
     fail_after_chunks: int = 0
+    embedding_dim: int = 16
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -58,6 +59,8 @@ class FakeWorkerSettings:
             raise ValueError(f"startup_delay_s must be >= 0, got {self.startup_delay_s}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not 1 <= self.embedding_dim <= 65536:
+            raise ValueError(f"embedding_dim must be between 1 and 65536, got {self.embedding_dim}")
         if not self.model:
             raise ValueError("model must not be empty")
         # Fails early, with the same messages as POST /debug/behaviour.

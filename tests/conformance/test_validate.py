@@ -94,7 +94,7 @@ def test_every_bad_file_is_reported_and_good_ones_still_count(
     out, err = capsys.readouterr()
     assert code == 2
     assert f"{first}:7: steps[0].send.count: must be >= 1" in err
-    assert f"{second}:7: steps[0].send.route: must be one of chat, completions, generate" in err
+    assert f"{second}:7: steps[0].send.route: must be one of chat, completions, generate, responses, messages, embeddings" in err
     assert "1 valid case(s), 2 error(s)" in out
 
 

@@ -166,7 +166,7 @@ async def test_unknown_path_is_404_not_found() -> None:
     with trio.fail_after(20):
         async with open_fake_fleet(1) as fleet, open_router([fleet[0].url]) as router:
             async with httpx.AsyncClient(base_url=router.url) as client:
-                response = await client.post("/v1/embeddings", json=CHAT)
+                response = await client.post("/v1/no-such-route", json=CHAT)
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
     assert fleet[0].worker.routing.dispatches == 0
