@@ -31,6 +31,8 @@ class GenerationRequest:
     stream: bool
     body: dict[str, Any]
     raw: bytes
+    routing_text: str | None = None
+    """The whole prompt, rendered once per request when a policy reads it (`router.routing_text`)."""
 
 
 def parse_generation_request(path: str, raw: bytes, served_models: Sequence[str]) -> GenerationRequest:

@@ -178,8 +178,8 @@ class PDDispatcher:
         released without a verdict, both in-flight counts drop.
         """
         service = self.service
-        prefill = service.pick(plan, Role.PREFILL, generation.model, key_bytes, attempts)
-        decode = service.pick(plan, Role.DECODE, generation.model, key_bytes, attempts)
+        prefill = service.pick(plan, Role.PREFILL, generation.model, key_bytes, attempts, generation.routing_text)
+        decode = service.pick(plan, Role.DECODE, generation.model, key_bytes, attempts, generation.routing_text)
         if prefill is None or decode is None:
             return None
         now = trio.current_time()

@@ -192,6 +192,7 @@ class Fleet:
         self._breaker_factory = breaker_factory or (lambda _worker_id: None)
         self._workers: dict[str, Worker] = {}
         self._by_model: dict[str, list[Worker]] = {}
+        self._removal_listeners: list[Callable[[str], None]] = []
         self.generation = 0
         """Bumped on every change, so caches keyed on the fleet know when to refresh."""
 
@@ -226,10 +227,15 @@ class Fleet:
         self._reindex()
         return worker
 
+    def on_remove(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(worker_id)` whenever a worker leaves the fleet (pure, quick, no I/O)."""
+        self._removal_listeners.append(listener)
+
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self._reindex()
+            self._removed(worker_id)
         return worker
 
     def replace_all(self, records: Iterable[WorkerRecord]) -> None:
@@ -238,9 +244,14 @@ class Fleet:
         keep = {record.id for record in records}
         for worker_id in [wid for wid in self._workers if wid not in keep]:
             del self._workers[worker_id]
+            self._removed(worker_id)
         for record in records:
             self.upsert(record)
         self._reindex()
+
+    def _removed(self, worker_id: str) -> None:
+        for listener in self._removal_listeners:
+            listener(worker_id)
 
     def _reindex(self) -> None:
         by_model: dict[str, list[Worker]] = {}
