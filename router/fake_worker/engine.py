@@ -8,8 +8,9 @@ replace the answer of the first `fail_first` generation requests.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import orjson
 import trio
@@ -33,6 +34,8 @@ from router.fake_worker.formats import (
     unary_body,
 )
 from router.fake_worker.metrics import render_metrics
+from router.fake_worker.pacing import paced_events
+from router.fake_worker.prefix_cache import PrefixCache, tokenize
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RankLoad, RoutingStats
 from router.http.messages import ClientDisconnected, Headers, Request, ResponseWriter
@@ -75,6 +78,7 @@ class FakeWorker:
             trio.Semaphore(settings.max_concurrency) if settings.max_concurrency > 0 else None
         )
         self._next_id = 0
+        self.prefix_cache = PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
         self._models_body = orjson.dumps(info.models(settings))
         self._model_info_body = orjson.dumps(info.model_info(settings))
         self._routes: dict[str, tuple[frozenset[str], Route]] = {}
@@ -185,6 +189,7 @@ class FakeWorker:
         except BadGenerationRequest as exc:
             await _bad_request(writer, str(exc))
             return
+        gen = self._prefill(api, body, gen)
         load = self.routing.loads[rank]
         limiter = self._limiter
         if limiter is not None:
@@ -195,6 +200,7 @@ class FakeWorker:
                 load.queued -= 1
         load.running += 1
         load.prompt_tokens += gen.prompt_tokens
+        load.cached_tokens += gen.cached_tokens or 0
         try:
             if gen.stream:
                 await self._stream(writer, gen, load)
@@ -204,6 +210,16 @@ class FakeWorker:
             load.running -= 1
             if limiter is not None:
                 limiter.release()
+
+    def _prefill(self, api: Api, body: object, gen: Generation) -> Generation:
+        """The prompt as the prefix cache sees it: its tokens, those cached, the prefill time."""
+        cached = None
+        tokens = gen.prompt_tokens
+        if self.prefix_cache is not None:
+            prompt = tokenize(api.value, body)
+            tokens, cached = prompt.tokens, self.prefix_cache.serve(prompt)
+        prefill_s = (tokens - (cached or 0)) * self.settings.prefill_us_per_token / 1e6
+        return dataclasses.replace(gen, prompt_tokens=tokens, cached_tokens=cached, prefill_s=prefill_s)
 
     def _rank(self, rank_text: str | None) -> int | None:
         """The DP rank a request runs on: its header, else 0; None when the header is bad."""
@@ -222,7 +238,7 @@ class FakeWorker:
 
     async def _unary(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
         behaviour = self.behaviour
-        delay_ms = behaviour.ttft_ms + behaviour.token_latency_ms * max(0, gen.tokens - 1)
+        delay_ms = behaviour.ttft_ms + gen.prefill_s * 1000 + behaviour.token_latency_ms * max(0, gen.tokens - 1)
         if delay_ms > 0:
             await trio.sleep(delay_ms / 1000)
         body = unary_body(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
@@ -235,7 +251,7 @@ class FakeWorker:
         frames = StreamFrames(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
         await writer.start(200, SSE_HEADERS)
         pending: list[bytes] = []
-        for item in _paced_events(frames, self.behaviour, load):
+        for item in paced_events(frames, self.behaviour, load):
             if isinstance(item, float):
                 if pending:
                     await writer.write(b"".join(pending))
@@ -268,7 +284,7 @@ class FakeWorker:
         request_id, created = self._request_id(gen.api), int(time.time())  # wall-clock: `created`
         if streaming:
             frames = StreamFrames(gen, request_id, created)
-            events = _paced_events(frames, behaviour, RankLoad())
+            events = paced_events(frames, behaviour, RankLoad())
             await break_stream(request, writer, events, behaviour.fail_after_chunks)
         else:
             await break_unary(request, writer, unary_body(gen, request_id, created))
@@ -300,6 +316,8 @@ class FakeWorker:
         await _respond_json(writer, 200, info.legacy_load(self.routing.loads))
 
     async def _flush_cache(self, request: Request, writer: ResponseWriter) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         await writer.respond(200, TEXT_HEADERS, b"Cache flushed.\n")
 
     async def _metrics(self, request: Request, writer: ResponseWriter) -> None:
@@ -335,27 +353,6 @@ class FakeWorker:
                 await _bad_request(writer, str(exc))
                 return
         await _respond_json(writer, 200, self.behaviour.to_json())
-
-
-def _paced_events(
-    frames: StreamFrames, behaviour: Behaviour, load: RankLoad
-) -> Iterator[bytes | float]:
-    """The stream's events in order, with a float (seconds to sleep) wherever the pace needs a
-    pause: the time to first token, then the latency between tokens. Counts the tokens into
-    `load` as they are taken."""
-    gen = frames.gen
-    ttft_s = behaviour.ttft_ms / 1000
-    between_s = behaviour.token_latency_ms / 1000
-    if ttft_s > 0:
-        yield ttft_s
-    yield from frames.head()
-    for i in range(gen.tokens):
-        if i and between_s > 0:
-            yield between_s
-        for choice in range(gen.n):
-            yield frames.token(i, choice)
-        load.generation_tokens += gen.n
-    yield from frames.tail()
 
 
 class _ReportUrl:
