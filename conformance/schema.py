@@ -16,6 +16,7 @@ from conformance.model import (
     ALL_OPEN_MODES,
     ALL_WORKERS,
     BEHAVIOUR_FIELDS,
+    BUSIEST_WORKER,
     DEFAULT_MODEL,
     FAIL_MODES,
     NO_STATUS,
@@ -25,6 +26,7 @@ from conformance.model import (
     STATUSES,
     STREAM_ENDS,
     BreakerSettings,
+    CacheAwareSettings,
     Case,
     Expect,
     HandoffCheck,
@@ -45,7 +47,8 @@ from conformance.nodes import NodeReader, join, line_of
 
 CASE_FIELDS = ("name", "description", "tags", "requires", "model", "fleet", "settings", "steps")
 WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
-SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health")
+SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "cache_aware")
+CACHE_AWARE_FIELDS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
 HEALTH_FIELDS = ("interval_s", "failure_threshold", "success_threshold")
 REQUEST_FIELDS = ("count", "concurrency", "model", "route", "stream", "body", "headers", "timeout_s")
@@ -97,8 +100,8 @@ class CaseReader:
         r = self.r
         workers = []
         for name, key_node, value in r.items(node, "fleet"):
-            if name == ALL_WORKERS:
-                raise r.fail(key_node, join("fleet", name), f"{ALL_WORKERS!r} is reserved for the whole fleet")
+            if name in (ALL_WORKERS, BUSIEST_WORKER):
+                raise r.fail(key_node, join("fleet", name), f"{name!r} is reserved in dispatch counts")
             workers.append(self.worker(name, value, join("fleet", name), default_model))
         if not workers:
             raise r.fail(node, "fleet", "needs at least one worker")
@@ -168,6 +171,29 @@ class CaseReader:
             attempts=r.integer(m["attempts"], "settings.attempts", 1, 100) if "attempts" in m else None,
             breaker=self.breaker(m["breaker"]) if "breaker" in m else BreakerSettings(),
             health=self.health(m["health"]) if "health" in m else HealthSettings(),
+            cache_aware=self.cache_aware(m["cache_aware"]) if "cache_aware" in m else CacheAwareSettings(),
+        )
+
+    def cache_aware(self, node: Node) -> CacheAwareSettings:
+        r = self.r
+        field = "settings.cache_aware"
+        m = r.mapping(node, field, CACHE_AWARE_FIELDS)
+        threshold = r.number(m["cache_threshold"], join(field, "cache_threshold")) if "cache_threshold" in m else None
+        if threshold is not None and not 0 <= threshold <= 1:
+            raise r.fail(m["cache_threshold"], join(field, "cache_threshold"), "must be between 0 and 1")
+        relative = (
+            r.number(m["balance_rel_threshold"], join(field, "balance_rel_threshold")) if "balance_rel_threshold" in m else None
+        )
+        if relative is not None and relative < 1:
+            raise r.fail(m["balance_rel_threshold"], join(field, "balance_rel_threshold"), "must be at least 1")
+        return CacheAwareSettings(
+            cache_threshold=threshold,
+            balance_abs_threshold=(
+                r.integer(m["balance_abs_threshold"], join(field, "balance_abs_threshold"), 0)
+                if "balance_abs_threshold" in m
+                else None
+            ),
+            balance_rel_threshold=relative,
         )
 
     def breaker(self, node: Node) -> BreakerSettings:
@@ -335,7 +361,7 @@ class CaseReader:
         r = self.r
         out: dict[str, Range] = {}
         for key, key_node, value in r.items(node, field):
-            if key != ALL_WORKERS and key not in names:
+            if key not in (ALL_WORKERS, BUSIEST_WORKER) and key not in names:
                 raise r.fail(key_node, join(field, key), f"no worker {key!r} in the fleet ({', '.join(sorted(names))})")
             out[key] = self.range(value, join(field, key))
         return out

@@ -12,6 +12,7 @@ import yaml
 from conformance.fleet import RunningWorker
 from conformance.model import Case
 from conformance.planes.base import Launch, Plane
+from conformance.planes.cache_flags import cache_aware_flags
 
 # `router serve`'s own default, needed to keep an explicit long cooldown valid.
 DEFAULT_MAX_COOLDOWN_S = 60.0
@@ -32,6 +33,7 @@ class PythonPlane(Plane):
             "dp_rank",
             # `--workers-file` records carry `status: DRAINING`, as an etcd record would.
             "worker.status",
+            "cache_aware.smallest_tree",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
@@ -93,6 +95,7 @@ class PythonPlane(Plane):
             flags += ["--health-failure-threshold", str(h.failure_threshold)]
         if h.success_threshold is not None:
             flags += ["--health-success-threshold", str(h.success_threshold)]
+        flags += cache_aware_flags(s.cache_aware)
         return flags
 
 
