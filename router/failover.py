@@ -15,6 +15,7 @@ import trio
 
 from router.breaker import Outcome, Permit
 from router.cache_aware import CacheAware, CacheAwareSettings
+from router.cache_aware_metrics import CacheAwareCollector
 from router.classify import Mode, Plan, plan_request
 from router.config import Settings
 from router.dispatch import (
@@ -118,10 +119,12 @@ class GenerationService:
             Role.PREFILL: make_policy(settings.prefill_policy, cache=cache),
             Role.DECODE: make_policy(settings.decode_policy, cache=cache),
         }
-        cache_aware = [policy for policy in self.policies.values() if isinstance(policy, CacheAware)]
+        cache_aware = {role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)}
         self.reads_text = bool(cache_aware)
-        for policy in cache_aware:
+        for policy in cache_aware.values():
             fleet.on_remove(policy.forget_worker)
+        # Registered under every policy, so the families exist (empty) whatever is chosen.
+        metrics.registry.register(CacheAwareCollector(cache_aware))
         self.all_open = AllOpenMode(settings.breaker_all_open)
         self.timeouts = Timeouts(
             connect_s=settings.connect_timeout_s,

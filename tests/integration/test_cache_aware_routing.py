@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.router_instance import open_router
@@ -64,3 +65,24 @@ async def test_a_removed_worker_is_forgotten_even_when_it_comes_back() -> None:
             holder_dispatches = next(w for w in fleet if w.url == holder).worker.routing.dispatches
     assert holder not in moved and set(after) == set(moved)
     assert holder_dispatches == 5
+
+
+async def test_metrics_show_the_trees_and_why_each_pick_was_made() -> None:
+    with trio.fail_after(30):
+        async with open_fake_fleet(2) as fleet, open_router(
+            [w.url for w in fleet], policy="cache_aware", max_tree_size=1000
+        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+            await _converse(client, "bob", 2)
+            await _converse(client, "eve", 2)
+            scrape = (await client.get("/metrics")).text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(scrape)
+        for s in family.samples
+    }
+    assert samples[("router_cache_aware_picks_total", (("reason", "room"), ("role", "mixed")))] == 1
+    # Eve's first turn shares the system prompt (most of it) with Bob's: a match.
+    assert samples[("router_cache_aware_picks_total", (("reason", "match"), ("role", "mixed")))] == 3
+    # Two conversations of ~1,000 characters against a 1,000-character budget: evicted, bounded.
+    assert samples[("router_cache_aware_tree_chars", (("role", "mixed"),))] <= 1000
+    assert samples[("router_cache_aware_evicted_chars_total", (("role", "mixed"),))] > 0
