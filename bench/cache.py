@@ -80,6 +80,14 @@ class CacheRun:
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def prefill_ms(self) -> float:
+        """Mean prefill time per request the workers' counters imply (uncached tokens times
+        the per-token cost): what the cache saved, free of the machine's load."""
+        if not self.requests:
+            return float("nan")
+        return (self.prompt_tokens - self.cached_tokens) * PREFILL_US_PER_TOKEN / 1000 / self.requests
+
 
 Log = Callable[[str], None]
 

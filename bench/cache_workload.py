@@ -10,6 +10,7 @@ streamed content chunk.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -30,10 +31,10 @@ _WORDS = (
 @dataclass(frozen=True, slots=True)
 class Workload:
     conversations: int = 48
-    turns: int = 8
+    turns: int = 12
     users: int = 8
-    system_chars: int = 2000
-    user_chars: int = 400
+    system_chars: int = 1500
+    user_chars: int = 300
     answer_tokens: int = 8
     seed: int = 16
 
@@ -146,5 +147,5 @@ def percentile(values: Sequence[float], share: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(share * len(ordered) + 0.5) - 1))
+    index = min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))
     return ordered[index]

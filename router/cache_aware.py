@@ -12,7 +12,8 @@ The SGLang model gateway's policy, with its flag names and defaults:
    characters (the one with the most room) wins.
 3. Either way the text is then inserted under the chosen worker.
 
-Ties go to the lower load, then to the earlier candidate. One tree per (model, role),
+Ties go to the lower load, then to the earlier candidate; among equally least loaded
+candidates the load check prefers the longest match. One tree per (model, role),
 each bounded to `max_tree_size` characters (see `router.prefix_tree`). Candidates are
 already filtered (draining, unhealthy, breaker-open, tried), as for every policy; a worker
 that leaves the fleet leaves every tree through `forget_worker`.
@@ -97,11 +98,12 @@ class CacheAware:
         settings = self.settings
         low = min(worker.inflight for worker in candidates)
         high = max(worker.inflight for worker in candidates)
+        matched = tree.match(text, [worker.id for worker in candidates]) if text else {}
         if high - low > settings.balance_abs_threshold and high > low * settings.balance_rel_threshold:
             self.by_balance += 1
-            return min(candidates, key=_load)
+            # Among the least loaded, the one holding the longest prefix keeps what it can.
+            return min(candidates, key=lambda worker: (worker.inflight, -matched.get(worker.id, 0)))
         if text:
-            matched = tree.match(text, [worker.id for worker in candidates])
             best = max(candidates, key=lambda worker: (matched[worker.id], -worker.inflight))
             if matched[best.id] / len(text) >= settings.cache_threshold:
                 self.by_match += 1
@@ -109,6 +111,3 @@ class CacheAware:
         self.by_room += 1
         return min(candidates, key=lambda worker: (tree.tenant_size(worker.id), worker.inflight))
 
-
-def _load(worker: Worker) -> int:
-    return worker.inflight

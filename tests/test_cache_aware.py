@@ -54,6 +54,17 @@ def test_an_imbalance_beyond_both_thresholds_overrides_the_cache() -> None:
     assert tree is not None and tree.match(LONG, [other.id])[other.id] == len(LONG)
 
 
+def test_among_the_least_loaded_the_load_check_keeps_the_longest_match() -> None:
+    cache = policy(balance_abs_threshold=2)
+    fleet = workers(0, 0, 0)
+    cache.pick(key("a" * 100), fleet)  # w0
+    cache.pick(key("b" * 100), fleet)  # w1 (smallest tree)
+    cache.pick(key("c" * 100), fleet)  # w2
+    fleet[1].inflight = 9  # imbalanced: w0 and w2 are the least loaded
+    assert cache.pick(key("c" * 100 + "d"), fleet) is fleet[2]
+    assert cache.statistics()["picks_by_balance"] == 1
+
+
 def test_only_one_threshold_crossed_keeps_the_cache() -> None:
     cache = policy(balance_abs_threshold=4, balance_rel_threshold=1.5)
     fleet = workers(0, 0)
