@@ -7,8 +7,10 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.fake_worker.settings import FakeWorkerSettings
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.router_instance import open_router
+from tests.support.waiting import wait_until
 
 SYSTEM = {"role": "system", "content": "You answer questions about the fleet. " * 20}
 
@@ -86,3 +88,28 @@ async def test_metrics_show_the_trees_and_why_each_pick_was_made() -> None:
     # Two conversations of ~1,000 characters against a 1,000-character budget: evicted, bounded.
     assert samples[("router_cache_aware_tree_chars", (("role", "mixed"),))] <= 1000
     assert samples[("router_cache_aware_evicted_chars_total", (("role", "mixed"),))] > 0
+
+
+async def test_pd_prefill_pool_routes_each_conversation_on_its_whole_prompt() -> None:
+    """With `--prefill-policy cache_aware`, a conversation's prefills stay on the prefill
+    that holds it; two conversations sharing only their first message do not collapse
+    onto one prefill (the gateway once routed PD chat on the first message only)."""
+    settings = [
+        FakeWorkerSettings(role="prefill", bootstrap_port=9300 + i, cache_tokens=100_000) for i in range(2)
+    ] + [FakeWorkerSettings(role="decode")]
+    with trio.fail_after(30):
+        async with open_fake_fleet(settings) as fleet:
+            specs = [f"{h.url},role=prefill,bootstrap_port={h.settings.bootstrap_port}" for h in fleet[:2]]
+            specs.append(f"{fleet[2].url},role=decode")
+            async with open_router(
+                specs, prefill_policy="cache_aware", cache_threshold=0.9
+            ) as router, httpx.AsyncClient(base_url=router.url) as client:
+                for name in ("ann", "bob"):
+                    await _converse(client, name, 3)
+                with trio.fail_after(5):
+                    await wait_until(lambda: all(w.inflight == 0 for w in router.fleet.workers()))
+            prefills = [h.worker.routing.dispatches for h in fleet[:2]]
+    # Each conversation shares its system prompt (about 90 % of a first turn) with the
+    # other; on the whole prompt the second one still matches below 0.9 and takes the
+    # empty prefill, then stays there.
+    assert sorted(prefills) == [3, 3]
