@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-burst", action="store_true", help="skip the burst-then-c=1 run")
     parser.add_argument("--profile", action="store_true", help="also run py-spy on `ours` under unary c=32 and report the top functions")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown file; its results block is replaced (default docs/performance.md)")
+    parser.add_argument("--cache", action="store_true", help="run the cache-aware benchmark instead (bench/cache.py): multi-turn conversations on fake workers with prefix caches; writes its own section of --out and of policies.md beside it")
     return parser
 
 
@@ -54,6 +55,11 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cache:
+        from bench import cache
+
+        started = time.monotonic()
+        return cache.main(args.out, args.quick, lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True))
     duration = args.duration if args.duration is not None else (1 if args.quick else 2)
     cases = _names(args.cases or ",".join(QUICK_CASES if args.quick else CASES), list(CASES), "case")
     contenders = _names(args.contenders, list(CONTENDERS), "contender")

@@ -26,6 +26,8 @@ CAPABILITIES: Mapping[str, str] = {
     "policy.least_load": "fewest requests in flight",
     "policy.power_of_two": "two random candidates, the less loaded one",
     "policy.consistent_hash": "the same session or prompt lands on the same worker",
+    "policy.cache_aware": "the SGLang gateway's cache-aware policy and its threshold flags",
+    "cache_aware.smallest_tree": "cache_aware below its threshold picks the worker whose tree is smallest",
     # Prefill/decode disaggregation
     "pd": "prefill and decode pools, both legs of a request",
     "pd.mixed_fleet": "mixed workers beside prefill and decode ones",

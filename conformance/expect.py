@@ -15,6 +15,7 @@ from typing import Any
 from conformance.client import Answer, error_shape, stream_end
 from conformance.model import (
     ALL_WORKERS,
+    BUSIEST_WORKER,
     NO_STATUS,
     Case,
     Expect,
@@ -99,7 +100,12 @@ def check_workers(expect: Expect, case: Case, view: WorkerView) -> list[str]:
         ("dispatches_total", expect.dispatches_total, view.total),
     ):
         for name, want in wanted.items():
-            got = sum(counts.values()) if name == ALL_WORKERS else counts.get(name, 0)
+            if name == ALL_WORKERS:
+                got = sum(counts.values())
+            elif name == BUSIEST_WORKER:
+                got = max(counts.values(), default=0)
+            else:
+                got = counts.get(name, 0)
             if got not in want:
                 failures.append(f"{label}[{name}]: expected {want}, got {got} (per worker: {_counts(counts)})")
     if expect.handoffs is not None:

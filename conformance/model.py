@@ -25,7 +25,7 @@ ROUTES = {
 # How an error is written down: OpenAI's `{"error": {...}}` or Anthropic's
 # `{"type": "error", "error": {"type", "message"}}` (bodies and a stream's error event).
 ERROR_SHAPES = ("openai", "anthropic")
-POLICIES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash")
+POLICIES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash", "cache_aware")
 ALL_OPEN_MODES = ("dispatch", "reject")
 FAIL_MODES = ("status", "reset", "hang", "garbage", "midstream")
 STREAM_ENDS = ("done", "error", "truncated")
@@ -44,6 +44,9 @@ BEHAVIOUR_FIELDS: Mapping[str, str] = {
 }
 # A dispatch key that means "the whole fleet" rather than one worker.
 ALL_WORKERS = "all"
+# A dispatch key for whichever worker received the most (names no worker: a case cannot
+# know in advance which worker a cache-following policy settles on).
+BUSIEST_WORKER = "busiest"
 # A status key for a request that got no HTTP status at all (refused, reset, timed out).
 NO_STATUS: Literal["error"] = "error"
 DEFAULT_MODEL = "m"
@@ -96,6 +99,15 @@ class HealthSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheAwareSettings:
+    """`cache_aware`'s knobs, by the SGLang gateway's names; None: the plane's default."""
+
+    cache_threshold: float | None = None
+    balance_abs_threshold: int | None = None
+    balance_rel_threshold: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSettings:
     """Router behaviour in plane-neutral words; each adapter maps it to its own flags."""
 
@@ -106,6 +118,7 @@ class RouterSettings:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
     max_body_bytes: int | None = None  # the largest request body the plane accepts
+    cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from conformance.model import (
     ALL_OPEN_MODES,
     ALL_WORKERS,
     BEHAVIOUR_FIELDS,
+    BUSIEST_WORKER,
     DEFAULT_MODEL,
     DISCOVERY_BACKENDS,
     FAIL_MODES,
@@ -25,6 +26,7 @@ from conformance.model import (
     STATUSES,
     AwaitStep,
     BreakerSettings,
+    CacheAwareSettings,
     Case,
     FleetChangeStep,
     HealthSettings,
@@ -42,7 +44,8 @@ from conformance.schema_requests import POLL_FIELDS, RequestReader
 
 CASE_FIELDS = ("name", "description", "tags", "requires", "model", "discovery", "fleet", "settings", "steps")
 WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
-SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "max_body_bytes")
+SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "max_body_bytes", "cache_aware")
+CACHE_AWARE_FIELDS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
 HEALTH_FIELDS = ("interval_s", "failure_threshold", "success_threshold")
 STEP_ACTIONS = ("send", "poll", "wait", "set_behaviour", "await", "set_status", "remove", "add")
@@ -116,8 +119,8 @@ class CaseReader:
         r = self.r
         workers = []
         for name, key_node, value in r.items(node, "fleet"):
-            if name == ALL_WORKERS:
-                raise r.fail(key_node, join("fleet", name), f"{ALL_WORKERS!r} is reserved for the whole fleet")
+            if name in (ALL_WORKERS, BUSIEST_WORKER):
+                raise r.fail(key_node, join("fleet", name), f"{name!r} is reserved in dispatch counts")
             workers.append(self.worker(name, value, join("fleet", name), default_model))
         if not workers:
             raise r.fail(node, "fleet", "needs at least one worker")
@@ -190,6 +193,29 @@ class CaseReader:
             max_body_bytes=(
                 r.integer(m["max_body_bytes"], "settings.max_body_bytes", 1024) if "max_body_bytes" in m else None
             ),
+            cache_aware=self.cache_aware(m["cache_aware"]) if "cache_aware" in m else CacheAwareSettings(),
+        )
+
+    def cache_aware(self, node: Node) -> CacheAwareSettings:
+        r = self.r
+        field = "settings.cache_aware"
+        m = r.mapping(node, field, CACHE_AWARE_FIELDS)
+        threshold = r.number(m["cache_threshold"], join(field, "cache_threshold")) if "cache_threshold" in m else None
+        if threshold is not None and not 0 <= threshold <= 1:
+            raise r.fail(m["cache_threshold"], join(field, "cache_threshold"), "must be between 0 and 1")
+        relative = (
+            r.number(m["balance_rel_threshold"], join(field, "balance_rel_threshold")) if "balance_rel_threshold" in m else None
+        )
+        if relative is not None and relative < 1:
+            raise r.fail(m["balance_rel_threshold"], join(field, "balance_rel_threshold"), "must be at least 1")
+        return CacheAwareSettings(
+            cache_threshold=threshold,
+            balance_abs_threshold=(
+                r.integer(m["balance_abs_threshold"], join(field, "balance_abs_threshold"), 0)
+                if "balance_abs_threshold" in m
+                else None
+            ),
+            balance_rel_threshold=relative,
         )
 
     def breaker(self, node: Node) -> BreakerSettings:

@@ -13,6 +13,7 @@ from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from conformance.model import (
     ALL_WORKERS,
+    BUSIEST_WORKER,
     ERROR_SHAPES,
     NO_STATUS,
     ROUTES,
@@ -148,7 +149,7 @@ class RequestReader:
         r = self.r
         out: dict[str, Range] = {}
         for key, key_node, value in r.items(node, field):
-            if key != ALL_WORKERS and key not in names:
+            if key not in (ALL_WORKERS, BUSIEST_WORKER) and key not in names:
                 raise r.fail(key_node, join(field, key), f"no worker {key!r} in the fleet ({', '.join(sorted(names))})")
             out[key] = self.range(value, join(field, key))
         return out

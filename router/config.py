@@ -28,7 +28,7 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
 WORKERS_FILE_HELP = "YAML list of worker records (or a mapping with a `workers` list)"
 CONFIG_HELP = "YAML file of settings: any option by its name (host, policy, ...), plus workers / workers_file"
-POLICY_NAMES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash")
+POLICY_NAMES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash", "cache_aware")
 
 
 class ConfigError(ValueError):
@@ -95,6 +95,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_n", int, 128, "largest n (choices per request) and PD batch size; 400 beyond", minimum=1, maximum=1_000_000),
     Option("model_memory_s", float, 300.0, "a model served within this long is known: 503, not 404, while it has no worker", minimum=0),
     Option("discovery_silence_s", float, 15.0, "etcd silence (no event, progress notification or answered probe) before discovery is reported down", minimum=0.1),
+    Option("cache_threshold", float, 0.3, "cache_aware: least share of the prompt a worker must already hold to win on its cache", minimum=0, maximum=1),
+    Option("balance_abs_threshold", int, 64, "cache_aware: in-flight gap (max - min) beyond which load wins over cache", minimum=0),
+    Option("balance_rel_threshold", float, 1.5, "cache_aware: and max > min times this, for load to win over cache", minimum=1),
+    Option("max_tree_size", int, 2**26, "cache_aware: characters each prefix tree (one per model and role) may hold; least recently used leaves go first", minimum=1),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -144,6 +148,10 @@ class Settings:
     max_n: int = 128
     model_memory_s: float = 300.0
     discovery_silence_s: float = 15.0
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 2**26
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import trio
 
 from router.breaker import Outcome, Permit
+from router.cache_aware import CacheAware, CacheAwareSettings
+from router.cache_aware_metrics import CacheAwareCollector
 from router.classify import Mode, Plan, plan_request
 from router.config import Settings
 from router.dispatch import (
@@ -37,6 +39,7 @@ from router.http.pool import UpstreamPool
 from router.metrics import RouterMetrics
 from router.pd import PDDispatcher
 from router.routes import ROUTES
+from router.routing_text import routing_text
 from router.selection import AllOpenMode, PolicyKey, make_policy, pick_excluding, routing_key
 from router.workers import Fleet, Role, Worker
 
@@ -108,11 +111,23 @@ class GenerationService:
         self.fleet = fleet
         self.pool = pool
         self.metrics = metrics
+        cache = CacheAwareSettings(
+            cache_threshold=settings.cache_threshold,
+            balance_abs_threshold=settings.balance_abs_threshold,
+            balance_rel_threshold=settings.balance_rel_threshold,
+            max_tree_size=settings.max_tree_size,
+        )
         self.policies = {
-            Role.MIXED: make_policy(settings.policy),
-            Role.PREFILL: make_policy(settings.prefill_policy),
-            Role.DECODE: make_policy(settings.decode_policy),
+            Role.MIXED: make_policy(settings.policy, cache=cache),
+            Role.PREFILL: make_policy(settings.prefill_policy, cache=cache),
+            Role.DECODE: make_policy(settings.decode_policy, cache=cache),
         }
+        cache_aware = {role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)}
+        self.reads_text = bool(cache_aware)
+        for policy in cache_aware.values():
+            fleet.add_listener(policy)
+        # Registered under every policy, so the families exist (empty) whatever is chosen.
+        metrics.registry.register(CacheAwareCollector(cache_aware))
         self.all_open = AllOpenMode(settings.breaker_all_open)
         self.timeouts = Timeouts(
             connect_s=settings.connect_timeout_s,
@@ -154,6 +169,8 @@ class GenerationService:
         attempts = AttemptLog()
         session = request.header(b"x-session-id")
         key_bytes = routing_key(session, generation.body)
+        if self.reads_text:
+            generation.routing_text = routing_text(generation.body)
         retry_reason: str | None = None
         for attempt in range(self.settings.max_attempts):
             now = trio.current_time()
@@ -236,17 +253,20 @@ class GenerationService:
             finally:
                 self.release_all(leases)
 
-    def pick(self, plan: Plan, role: Role, model: str, key_bytes: bytes | None, attempts: AttemptLog) -> Worker | None:
+    def pick(
+        self, plan: Plan, role: Role, model: str, key_bytes: bytes | None, attempts: AttemptLog,
+        text: str | None = None,
+    ) -> Worker | None:
         pool = plan.legs[role]
         return pick_excluding(
-            self.policies[role], PolicyKey(model, role, key_bytes), pool.candidates, attempts.tried[role]
+            self.policies[role], PolicyKey(model, role, key_bytes, text), pool.candidates, attempts.tried[role]
         )
 
     async def _attempt_mixed(
         self, plan: Plan, generation: GenerationRequest, request: Request, writer: ResponseWriter,
         key_bytes: bytes | None, attempts: AttemptLog, started: float,
     ) -> int | None:
-        worker = self.pick(plan, Role.MIXED, generation.model, key_bytes, attempts)
+        worker = self.pick(plan, Role.MIXED, generation.model, key_bytes, attempts, generation.routing_text)
         if worker is None:
             return None
         attempts.tried[Role.MIXED].add(worker.id)

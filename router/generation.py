@@ -28,6 +28,8 @@ class GenerationRequest:
     body: dict[str, Any]
     raw: bytes
     spec: Route
+    routing_text: str | None = None
+    """The whole prompt, rendered once per request when a policy reads it (`router.routing_text`)."""
 
 
 DEFAULT_MAX_N = 128

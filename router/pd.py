@@ -209,8 +209,8 @@ class PDDispatcher:
         """
         service = self.service
         check_batch(generation, service.settings.max_n)
-        prefill = service.pick(plan, Role.PREFILL, generation.model, key_bytes, attempts)
-        decode = service.pick(plan, Role.DECODE, generation.model, key_bytes, attempts)
+        prefill = service.pick(plan, Role.PREFILL, generation.model, key_bytes, attempts, generation.routing_text)
+        decode = service.pick(plan, Role.DECODE, generation.model, key_bytes, attempts, generation.routing_text)
         if prefill is None or decode is None:
             return None
         # Everything that can fail on the client's input runs before a lease is taken.

@@ -19,6 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from router.cache_aware import CacheAware, CacheAwareSettings
 from router.workers import Role, Worker
 
 Verdict = Literal["ok", "empty", "unavailable"]
@@ -122,6 +123,8 @@ class PolicyKey:
     model: str
     role: Role
     routing_key: bytes | None = None
+    text: str | None = None
+    """The whole prompt (`router.routing_text`), given only to policies that read it."""
 
 
 class Policy(Protocol):
@@ -245,10 +248,12 @@ class _RendezvousScore:
         return int.from_bytes(digest.digest(), "big"), worker.id
 
 
-POLICY_NAMES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash")
+POLICY_NAMES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash", "cache_aware")
 
 
-def make_policy(name: str, *, rng: random.Random | None = None) -> Policy:
+def make_policy(
+    name: str, *, rng: random.Random | None = None, cache: CacheAwareSettings | None = None
+) -> Policy:
     """A fresh policy (with its own state) by its configuration name."""
     chooser = rng if rng is not None else random.Random()
     if name == "round_robin":
@@ -261,6 +266,8 @@ def make_policy(name: str, *, rng: random.Random | None = None) -> Policy:
         return PowerOfTwo(chooser)
     if name == "consistent_hash":
         return ConsistentHash()
+    if name == "cache_aware":
+        return CacheAware(cache if cache is not None else CacheAwareSettings())
     raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")
 
 

@@ -83,7 +83,7 @@ def test_choices_match_without_regard_to_case() -> None:
         (["--max-body-bytes", "1.5"], {}, "--max-body-bytes must be an integer, got '1.5'"),
         (["--health-interval-s", "nan"], {}, "--health-interval-s must be a number, not NaN"),
         (["--health-interval-s", "0"], {}, "--health-interval-s must be >= 0.05, got 0.0"),
-        (["--policy", "fastest"], {}, "--policy must be one of round_robin, random, least_load, power_of_two, consistent_hash, got 'fastest'"),
+        (["--policy", "fastest"], {}, "--policy must be one of round_robin, random, least_load, power_of_two, consistent_hash, cache_aware, got 'fastest'"),
         ([], {"ROUTER_MAX_ATTEMPTS": "0"}, "ROUTER_MAX_ATTEMPTS must be >= 1, got 0"),
         ([], {"ROUTER_BREAKER_ALL_OPEN": "panic"}, "ROUTER_BREAKER_ALL_OPEN must be one of dispatch, reject, got 'panic'"),
         (

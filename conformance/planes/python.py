@@ -14,6 +14,7 @@ from conformance import etcd_sidecar
 from conformance.fleet import RunningWorker
 from conformance.model import Case
 from conformance.planes.base import Launch, Plane, Unsupported
+from conformance.planes.cache_flags import cache_aware_flags
 from conformance.sidecars import Sidecars
 
 # `router serve`'s own default, needed to keep an explicit long cooldown valid.
@@ -44,6 +45,8 @@ class PythonPlane(Plane):
             "pd.bootstrap",
             # The plane owns its etcd: a sidecar started for each case that needs one.
             "discovery.etcd",
+            "policy.cache_aware",
+            "cache_aware.smallest_tree",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
@@ -126,6 +129,7 @@ class PythonPlane(Plane):
             flags += ["--health-success-threshold", str(h.success_threshold)]
         if s.max_body_bytes is not None:
             flags += ["--max-body-bytes", str(s.max_body_bytes)]
+        flags += cache_aware_flags(s.cache_aware)
         return flags
 
 

@@ -75,7 +75,7 @@ def paced_events(frames: Frames, behaviour: Behaviour, load: RankLoad) -> Iterat
     pause: the time to first token, then the latency between tokens. Counts the tokens into
     `load` as they are taken."""
     gen = frames.gen
-    ttft_s = behaviour.ttft_ms / 1000
+    ttft_s = behaviour.ttft_ms / 1000 + gen.prefill_s
     between_s = behaviour.token_latency_ms / 1000
     if ttft_s > 0:
         yield ttft_s

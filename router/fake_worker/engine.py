@@ -9,6 +9,7 @@ answer of the first `fail_first` requests of any model route.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 
@@ -38,6 +39,7 @@ from router.fake_worker.formats import Api, BadGenerationRequest, Generation
 from router.fake_worker.metrics import render_metrics
 from router.fake_worker.pooling import POOLING_ROUTES
 from router.fake_worker.pooling_server import PoolingService
+from router.fake_worker.prefix_cache import PrefixCache, tokenize
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RankLoad, RoutingStats
 from router.http.messages import ClientDisconnected, Headers, Request, ResponseWriter
@@ -75,6 +77,7 @@ class FakeWorker:
             trio.Semaphore(settings.max_concurrency) if settings.max_concurrency > 0 else None
         )
         self._next_id = 0
+        self.prefix_cache = PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
         self._models_body = orjson.dumps(info.models(settings))
         self._model_info_body = orjson.dumps(info.model_info(settings))
         self._routes: dict[str, tuple[frozenset[str], Route]] = {}
@@ -189,6 +192,7 @@ class FakeWorker:
         except BadGenerationRequest as exc:
             await _bad_request(writer, str(exc), request.path)
             return
+        gen = self._prefill(api, body, gen)
         load = self.routing.loads[rank]
         limiter = self._limiter
         if limiter is not None:
@@ -199,6 +203,7 @@ class FakeWorker:
                 load.queued -= 1
         load.running += 1
         load.prompt_tokens += gen.prompt_tokens
+        load.cached_tokens += gen.cached_tokens or 0
         try:
             if gen.stream:
                 await self._stream(writer, gen, load)
@@ -208,6 +213,16 @@ class FakeWorker:
             load.running -= 1
             if limiter is not None:
                 limiter.release()
+
+    def _prefill(self, api: Api, body: object, gen: Generation) -> Generation:
+        """The prompt as the prefix cache sees it: its tokens, those cached, the prefill time."""
+        cached = None
+        tokens = gen.prompt_tokens
+        if self.prefix_cache is not None:
+            prompt = tokenize(api.value, body)
+            tokens, cached = prompt.tokens, self.prefix_cache.serve(prompt)
+        prefill_s = (tokens - (cached or 0)) * self.settings.prefill_us_per_token / 1e6
+        return dataclasses.replace(gen, prompt_tokens=tokens, cached_tokens=cached, prefill_s=prefill_s)
 
     def _rank(self, rank_text: str | None) -> int | None:
         """The DP rank a request runs on: its header, else 0; None when the header is bad."""
@@ -225,7 +240,7 @@ class FakeWorker:
 
     async def _unary(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
         behaviour = self.behaviour
-        delay_ms = behaviour.ttft_ms + behaviour.token_latency_ms * max(0, gen.tokens - 1)
+        delay_ms = behaviour.ttft_ms + gen.prefill_s * 1000 + behaviour.token_latency_ms * max(0, gen.tokens - 1)
         if delay_ms > 0:
             await trio.sleep(delay_ms / 1000)
         body = render_unary(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
@@ -303,6 +318,8 @@ class FakeWorker:
         await _respond_json(writer, 200, info.legacy_load(self.routing.loads))
 
     async def _flush_cache(self, request: Request, writer: ResponseWriter) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         await writer.respond(200, TEXT_HEADERS, b"Cache flushed.\n")
 
     async def _metrics(self, request: Request, writer: ResponseWriter) -> None:

@@ -62,6 +62,8 @@ class Generation:
     n: int
     prompt_tokens: int
     include_usage: bool
+    cached_tokens: int | None = None  # None: no prefix cache, so none is reported (as SGLang)
+    prefill_s: float = 0.0  # time the uncached part of the prompt takes before the first token
 
     @property
     def finish_reason(self) -> str:
@@ -158,12 +160,15 @@ def _generate_prompt_tokens(body: dict[str, Any]) -> int:
     raise BadGenerationRequest("/generate needs 'text' (a string) or 'input_ids' (token ids)")
 
 
-def usage(gen: Generation) -> dict[str, int]:
-    return {
+def usage(gen: Generation) -> dict[str, Any]:
+    counts: dict[str, Any] = {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
     }
+    if gen.cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": gen.cached_tokens}
+    return counts
 
 
 def unary_body(gen: Generation, request_id: str, created: int) -> bytes:
@@ -213,7 +218,7 @@ def _meta_info(gen: Generation, request_id: str, done: int) -> dict[str, Any]:
         "finish_reason": finish,
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": done,
-        "cached_tokens": 0,
+        "cached_tokens": gen.cached_tokens or 0,
     }
 
 
@@ -304,7 +309,7 @@ class StreamFrames:
         frames.append(DONE)
         return frames
 
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         chunk: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.gen.api is Api.CHAT else "text_completion",

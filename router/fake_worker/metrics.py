@@ -19,6 +19,7 @@ _SGLANG_COMMON = (
     ("sglang:token_usage", "gauge", "The token usage (fraction of the KV cache in use)."),
     ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
     ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed."),
+    ("sglang:cache_hit_rate", "gauge", "The prefix cache hit rate."),
 )
 _SGLANG_PREFILL = (
     ("sglang:num_prefill_bootstrap_queue_reqs", "gauge", "Requests waiting for KV bootstrap."),
@@ -34,6 +35,8 @@ _VLLM = (
     ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
     ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
     ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed."),
+    ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in queried tokens."),
+    ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in cached tokens."),
 )
 
 
@@ -44,6 +47,12 @@ def _value(name: str, load: RankLoad, capacity: int) -> float:
         return float(load.queued)
     if name.endswith(("token_usage", "kv_cache_usage_perc")):
         return min(1.0, load.running / capacity)
+    if name.endswith("cache_hit_rate"):
+        return load.cached_tokens / load.prompt_tokens if load.prompt_tokens else 0.0
+    if name.endswith("prefix_cache_queries_total"):
+        return float(load.prompt_tokens)
+    if name.endswith("prefix_cache_hits_total"):
+        return float(load.cached_tokens)
     if name.endswith("prompt_tokens_total"):
         return float(load.prompt_tokens)
     if name.endswith("generation_tokens_total"):

@@ -17,8 +17,8 @@ class FakeWorkerSettings:
     """Everything `router fake-worker` takes on its command line.
 
     Identity and shape (`model`, `engine`, `role`, `dp_size`, `pd_protocol`,
-    `bootstrap_port`, `max_concurrency`, `startup_delay_s`, `shutdown_grace_s`) are fixed
-    for the worker's life;
+    `bootstrap_port`, `max_concurrency`, `startup_delay_s`, `shutdown_grace_s`,
+    `cache_tokens`, `prefill_us_per_token`) are fixed for the worker's life;
     the behaviour fields are only the starting point of the live `Behaviour`.
     """
 
@@ -41,6 +41,8 @@ class FakeWorkerSettings:
     fail_mode: FailMode = FailMode.STATUS
     fail_after_chunks: int = 0
     embedding_dim: int = 16
+    cache_tokens: int = 0
+    prefill_us_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -61,6 +63,10 @@ class FakeWorkerSettings:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if not 1 <= self.embedding_dim <= 65536:
             raise ValueError(f"embedding_dim must be between 1 and 65536, got {self.embedding_dim}")
+        if self.cache_tokens < 0:
+            raise ValueError(f"cache_tokens must be >= 0, got {self.cache_tokens}")
+        if not self.prefill_us_per_token >= 0:
+            raise ValueError(f"prefill_us_per_token must be >= 0, got {self.prefill_us_per_token}")
         if not self.model:
             raise ValueError("model must not be empty")
         # Fails early, with the same messages as POST /debug/behaviour.

@@ -24,6 +24,7 @@ class RankLoad:
     queued: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class RoutingStats:
@@ -48,6 +49,7 @@ class RoutingStats:
         for load in self.loads:
             load.prompt_tokens = 0
             load.generation_tokens = 0
+            load.cached_tokens = 0
 
     def count_path(self, path: str) -> None:
         self.paths[path] = self.paths.get(path, 0) + 1
@@ -75,4 +77,6 @@ class RoutingStats:
             "handoffs": list(self.handoffs),
             "running": [load.running for load in self.loads],
             "queued": [load.queued for load in self.loads],
+            "prompt_tokens": sum(load.prompt_tokens for load in self.loads),
+            "cached_tokens": sum(load.cached_tokens for load in self.loads),
         }

@@ -69,6 +69,10 @@ def test_a_good_case_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str
         (GOOD.replace("status: {200: 2}", "stream_end: done"), 9, "steps[0].expect.stream_end", "stream: true"),
         # A step with two actions.
         (GOOD.replace("  - send: {count: 2}", "  - wait: 1\n    send: {count: 2}"), 7, "steps[0]", "exactly one of"),
+        # `busiest` names no worker: a worker may not take the name.
+        (GOOD.replace("  b: {}", "  busiest: {}"), 5, "fleet.busiest", "reserved"),
+        # A cache threshold is a share of the prompt.
+        (GOOD.replace("fleet:", "settings:\n  cache_aware: {cache_threshold: 1.5}\nfleet:"), 4, "settings.cache_aware.cache_threshold", "between 0 and 1"),
         # Broken YAML.
         (GOOD.replace("fleet:", "fleet: [unclosed"), 4, "", "not valid YAML"),
     ],

@@ -72,6 +72,15 @@ def test_dispatch_counts_per_worker_and_for_the_whole_fleet() -> None:
     ]
 
 
+def test_busiest_is_whichever_worker_received_the_most() -> None:
+    c = case(WorkerSpec("a"), WorkerSpec("b"))
+    view = WorkerView(delta={"a": 0, "b": 6}, total={"a": 2, "b": 6}, handoffs={})
+    assert check_workers(Expect(dispatches={"busiest": Range(6, 6)}), c, view) == []
+    assert check_workers(Expect(dispatches_total={"busiest": Range(0, 5)}), c, view) == [
+        "dispatches_total[busiest]: expected [0, 5], got 6 (per worker: {a: 2, b: 6})"
+    ]
+
+
 def test_rooms_must_match_across_legs_and_name_the_prefill_rank() -> None:
     c = case(WorkerSpec("p", role="prefill", dp_size=4, bootstrap_port=9000), WorkerSpec("d", role="decode"))
     good: dict[str, list[dict[str, Any]]] = {

@@ -1,0 +1,114 @@
+"""A fake worker's prefix cache: which prompt prefixes it would still hold in KV cache.
+
+The tokenisation rule (deterministic, documented in docs/fake-worker.md):
+
+- the prompt is rendered to text: chat as `<|role|>` + the message's text + newline per
+  message (text parts of multimodal content joined); completions' `prompt` (a batch of
+  strings joined by newlines); `/generate`'s `text`;
+- one token per 4 bytes of that text in UTF-8 (the last token may be shorter);
+- token-id prompts (`input_ids`, or a completions prompt of ids) are their own tokens.
+
+Tokens are cached in blocks of `BLOCK_TOKENS`, like an engine's KV pages: a block is
+keyed by a hash chained over every block before it, so a block hits only when the whole
+prefix up to it is the same. Only full blocks are cached, and at least the last prompt
+token is always computed, as in the engines. Least recently used blocks go first once
+the cache holds more than its capacity in tokens; a prompt's blocks are touched from its
+end back to its start, so a shared prefix outlives the tails that hang off it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+BLOCK_TOKENS = 16
+BYTES_PER_TOKEN = 4
+_BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt as the cache sees it: its blocks' contents and its token count."""
+
+    blocks: tuple[object, ...]
+    tokens: int
+
+
+def tokenize(path_api: str, body: Any) -> Prompt:
+    """The prompt of a validated request body (`path_api`: "chat", "completions", "generate",
+    "responses", "messages")."""
+    if not isinstance(body, dict):
+        return Prompt((), 0)
+    if path_api in ("chat", "messages"):
+        return _text_prompt(_chat_text(body.get("messages")))
+    if path_api == "responses":
+        value = body.get("input")
+        return _text_prompt(value if isinstance(value, str) else _chat_text(value))
+    value = body.get("prompt") if path_api == "completions" else body.get("text")
+    if value is None and path_api == "generate":
+        value = body.get("input_ids")
+    if isinstance(value, str):
+        return _text_prompt(value)
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return _text_prompt("\n".join(value))
+    if isinstance(value, list) and all(isinstance(item, int) for item in value):
+        blocks = tuple(tuple(value[i : i + BLOCK_TOKENS]) for i in range(0, len(value) - BLOCK_TOKENS + 1, BLOCK_TOKENS))
+        return Prompt(blocks, len(value))
+    return Prompt((), 0)
+
+
+def _chat_text(messages: Any) -> str:
+    parts: list[str] = []
+    for message in messages if isinstance(messages, list) else ():
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+        parts.append(f"<|{message.get('role')}|>{content if isinstance(content, str) else ''}\n")
+    return "".join(parts)
+
+
+def _text_prompt(text: str) -> Prompt:
+    data = text.encode("utf-8", "surrogatepass")
+    full = len(data) - len(data) % _BLOCK_BYTES
+    blocks = tuple(data[i : i + _BLOCK_BYTES] for i in range(0, full, _BLOCK_BYTES))
+    return Prompt(blocks, -(-len(data) // BYTES_PER_TOKEN))
+
+
+class PrefixCache:
+    """An LRU of prompt blocks bounded to `capacity_tokens` (whole blocks)."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_blocks = capacity_tokens // BLOCK_TOKENS
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Tokens held now."""
+        return len(self._blocks) * BLOCK_TOKENS
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def serve(self, prompt: Prompt) -> int:
+        """Prefill `prompt`: how many of its tokens were cached; its blocks are cached after."""
+        keys: list[int] = []
+        parent = 0
+        for block in prompt.blocks:
+            parent = hash((parent, block))
+            keys.append(parent)
+        blocks = self._blocks
+        hits = 0
+        for key in keys:
+            if key not in blocks:
+                break
+            hits += 1
+        for key in reversed(keys):
+            blocks[key] = None
+            blocks.move_to_end(key)
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+        return max(0, min(hits * BLOCK_TOKENS, prompt.tokens - 1))

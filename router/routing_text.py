@@ -1,0 +1,89 @@
+"""The text `cache_aware` routes on: the whole prompt of a generation request, rendered once.
+
+Rendering is append-friendly: a conversation that grows by whole messages keeps the
+rendering of its earlier turns as a prefix, which is what a KV cache reuses.
+
+- chat (and Anthropic Messages, its `system` first as a `system` message; and the
+  Responses API's `input` given as a list): every message as `role` + newline + its text
+  + newline, in order; the text of a message is its string content, or the text parts of
+  a multimodal content list joined (images and other parts carry no text and are left
+  out); a Responses `input` string is the text itself;
+- completions: the prompt string; a batch of strings joined, one per line;
+- `/generate`: `text` (a batch joined, one per line), else `input_ids` as decimal ids each
+  followed by a comma (so `1,2,` is never mistaken for a prefix of `1,23,`);
+- token-id prompts of completions are rendered like `input_ids`.
+
+The body was already validated by `router.generation`; anything unexpected renders as ""
+(the policy then treats the request as matching nothing), never as an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def routing_text(body: Mapping[str, Any]) -> str:
+    """The whole prompt of `body` as one string (see the module docstring for the rule)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        system = body.get("system")  # Anthropic Messages: the system prompt stands apart
+        head = "system\n" + _content_text(system) + "\n" if system is not None else ""
+        return head + _chat_text(messages)
+    responses_input = body.get("input")  # the Responses API: a string, or a list of messages
+    if isinstance(responses_input, str):
+        return responses_input
+    if isinstance(responses_input, list):
+        return _chat_text(responses_input)
+    for field in ("prompt", "text", "input_ids"):
+        value = body.get(field)
+        if value is not None:
+            return _input_text(value)
+    return ""
+
+
+def _chat_text(messages: list[Any]) -> str:
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        parts.append(role if isinstance(role, str) else "")
+        parts.append("\n")
+        parts.append(_content_text(message.get("content")))
+        parts.append("\n")
+    return "".join(parts)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def _input_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        return ""
+    if all(isinstance(item, str) for item in value):
+        return "\n".join(value)
+    if _is_ids(value):
+        return _ids_text(value)
+    if all(isinstance(item, list) and _is_ids(item) for item in value):
+        return "\n".join(_ids_text(item) for item in value)
+    return ""
+
+
+def _is_ids(value: list[Any]) -> bool:
+    return all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+
+
+def _ids_text(ids: list[int]) -> str:
+    return "".join(f"{token}," for token in ids)
