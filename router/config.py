@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str
-    kind: type[str] | type[int] | type[float]
+    kind: type[str] | type[int] | type[float] | type[bool]
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
@@ -85,9 +85,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
     Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
+    Option("api_key", str, "", "client key required as `Authorization: Bearer <key>` on the API routes (empty: no check)"),
+    Option("api_keys_file", str, "", "YAML mapping of key name to client key, re-read on SIGHUP (empty: none)"),
+    Option("protect_metrics", bool, False, "require a client key on /metrics too"),
+    Option("worker_api_key", str, "", "key sent to workers as `Authorization: Bearer <key>` (a worker record's api_key wins)"),
+    Option("max_concurrent_requests", int, 0, "generation requests served at once (0: no limit)", minimum=0),
+    Option("queue_size", int, 100, "requests that may wait for a slot once the concurrency limit is reached (429 when full)", minimum=0),
+    Option("queue_timeout_s", float, 60.0, "longest wait in the admission queue (503 queue_timeout after)", minimum=0.001),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
-_KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
+_KIND_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +134,13 @@ class Settings:
     server: str = "native"
     processes: int = 1
     reuse_port: bool = False
+    api_key: str = ""
+    api_keys_file: str = ""
+    protect_metrics: bool = False
+    worker_api_key: str = ""
+    max_concurrent_requests: int = 0
+    queue_size: int = 100
+    queue_timeout_s: float = 60.0
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
@@ -138,11 +154,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare every option as a flag; defaults stay None so precedence can be resolved."""
     for option in OPTIONS:
         choices = f"one of {', '.join(option.choices)}; " if option.choices else ""
+        # A yes/no option works as a bare flag (`--protect-metrics`) and takes a value too.
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if option.kind is bool else {}
         parser.add_argument(
             option.flag,
             dest=option.name,
             default=None,
             help=f"{option.help} ({choices}env {option.env}; default {option.default})",
+            **extra,
         )
     parser.add_argument(
         "--worker",
@@ -237,6 +256,10 @@ def _validated(values: dict[str, Any]) -> Settings:
 
 def _check(option: Option, value: Any, source: str) -> Any:
     """`value` if `option` accepts it; ConfigError naming `source` otherwise."""
+    if option.kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source} must be true or false, got {value!r}")
+        return value
     if option.kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{source} must be a string, got {value!r}")
@@ -260,6 +283,8 @@ def _check(option: Option, value: Any, source: str) -> Any:
 
 def _convert(option: Option, raw: Any, source: str) -> Any:
     """A flag, environment or file value in the option's type, checked (ConfigError names `source`)."""
+    if option.kind is bool:
+        return _convert_bool(raw, source)
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         # YAML gives these types directly; none of them is a valid setting value.
         raise ConfigError(f"{source} must be {_KIND_WORDS[option.kind]}, got {raw!r}")
@@ -272,6 +297,17 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
     elif option.kind is str:
         value = str(raw)
     return _check(option, value, source)
+
+
+def _convert_bool(raw: Any, source: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ConfigError(f"{source} must be true or false, got {raw!r}")
 
 
 def parse_worker_spec(spec: str) -> WorkerRecord:

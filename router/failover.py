@@ -35,6 +35,7 @@ from router.http.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.pool import UpstreamPool
 from router.metrics import RouterMetrics
 from router.pd import PDDispatcher
+from router.request_id import current_request_id
 from router.selection import AllOpenMode, PolicyKey, make_policy, pick_excluding, routing_key
 from router.workers import Fleet, Role, Worker
 
@@ -118,8 +119,8 @@ class GenerationService:
         )
         self.pd = PDDispatcher(self)
 
-    async def handle(self, request: Request, writer: ResponseWriter) -> None:
-        """Answer one generation request.
+    async def handle(self, request: Request, writer: ResponseWriter, key: str | None = None) -> None:
+        """Answer one generation request (`key`: the client key's name, for metrics).
 
         Cancellation (client gone, shutdown): every upstream connection of the request is
         closed, every breaker permit is released without a verdict, in-flight counts drop.
@@ -141,7 +142,7 @@ class GenerationService:
         finally:
             if request.client_gone:
                 status = CLIENT_LEFT
-            self.metrics.count_request(model_label, route, status)
+            self.metrics.count_request(model_label, route, status, key)
             self.metrics.observe_duration(route, trio.current_time() - started)
 
     async def _serve(self, generation: GenerationRequest, request: Request, writer: ResponseWriter, started: float) -> int:
@@ -200,10 +201,15 @@ class GenerationService:
                 # than drop a request the plan admitted.
                 permit = worker.breaker.acquire(now, force=True)
             if permit is not None and permit.probe:
-                log.info("probing %s: its breaker cooldown is over", worker.id)
+                log.info("probing %s: its breaker cooldown is over [request %s]", worker.id, current_request_id())
         rank = self.pd.ranks.choose(worker)
         worker.begin(rank)
         return Lease(worker, permit, rank)
+
+    def credential(self, worker: Worker) -> bytes | None:
+        """The `Authorization` value the router sends `worker`, if it holds a key for it."""
+        key = worker.record.api_key or self.settings.worker_api_key
+        return b"Bearer " + key.encode() if key else None
 
     def release(self, lease: Lease) -> None:
         lease.judge(Outcome.NEUTRAL)
@@ -239,7 +245,7 @@ class GenerationService:
         another worker may be tried; otherwise answers the client and returns the status.
         """
         worker = lease.worker
-        headers = upstream_headers(request.headers, lease.rank)
+        headers = upstream_headers(request.headers, lease.rank, self.credential(worker))
         idle_s = self.timeouts.stream_idle_s
         try:
             async with open_upstream_response(self.pool, worker.url, generation.path, headers, body, self.timeouts) as response:
@@ -269,7 +275,9 @@ class GenerationService:
         attempts.reasons.append(f"{worker_id}: {failure.detail}")
         if failure.answer is not None:
             attempts.last_answer = (failure.answer, worker_id)
-        log.warning("attempt on %s failed (%s): %s", worker_id, failure.reason, failure.detail)
+        log.warning(
+            "attempt on %s failed (%s): %s [request %s]", worker_id, failure.reason, failure.detail, current_request_id()
+        )
 
     async def _give_up(self, generation: GenerationRequest, writer: ResponseWriter, attempts: AttemptLog) -> int:
         if attempts.last_answer is not None:

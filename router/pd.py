@@ -26,6 +26,7 @@ from router.dispatch import (
 )
 from router.generation import GenerationRequest
 from router.http.messages import Request, ResponseWriter
+from router.request_id import current_request_id
 from router.workers import Role, Worker
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ class PDDispatcher:
         """
         service = self.service
         worker = lease.worker
-        headers = upstream_headers(request.headers, lease.rank)
+        headers = upstream_headers(request.headers, lease.rank, service.credential(worker))
         timeouts = service.timeouts
         try:
             async with open_upstream_response(service.pool, worker.url, generation.path, headers, raw, timeouts) as response:
@@ -232,7 +233,10 @@ class PDDispatcher:
             failure.worker_id = worker.id
             self._leg_failed(worker, attempts)
             if decode_lease.committed:
-                log.warning("prefill %s failed after the decode answered: %s", worker.id, failure.detail)
+                log.warning(
+                    "prefill %s failed after the decode answered: %s [request %s]",
+                    worker.id, failure.detail, current_request_id(),
+                )
                 return
             raise
         lease.judge(Outcome.SUCCESS)

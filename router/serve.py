@@ -21,7 +21,9 @@ import httpx
 import trio
 from prometheus_client import CollectorRegistry
 
+from router.admission import AdmissionCollector, AdmissionGate, AdmissionSettings
 from router.app import RouterApp
+from router.auth import ClientKeys, KeysFileError, serve_key_reloads
 from router.breaker import BreakerSettings, BreakerState, make_breaker
 from router.config import ConfigError, Settings, add_arguments, load_settings
 from router.discovery import DiscoveryHealth
@@ -31,6 +33,7 @@ from router.http.pool import PoolSettings, open_upstream_pool
 from router.http.server import serve_http
 from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
+from router.request_id import current_request_id
 from router.workers import BreakerFactory, Fleet
 
 log = logging.getLogger("router")
@@ -77,7 +80,8 @@ def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics]) -> Br
             # failed probe extends the outage and shows in the state gauge and the log.
             if old is BreakerState.CLOSED:
                 metrics_ref[0].breaker_trips.labels(name).inc()
-            log.warning("breaker of %s opened (was %s)", name, old.name.lower())
+            # Runs inside the request whose verdict tripped it: the log names that request.
+            log.warning("breaker of %s opened (was %s) [request %s]", name, old.name.lower(), current_request_id())
         elif new is BreakerState.HALF_OPEN:
             # The probe itself is logged when it is dispatched (router.failover).
             log.debug("breaker of %s is half-open: the next request to it is the probe", name)
@@ -85,6 +89,23 @@ def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics]) -> Br
             log.info("breaker of %s closed: the worker recovered", name)
 
     return lambda worker_id: make_breaker(breaker_settings, worker_id, on_transition)
+
+
+def client_keys(settings: Settings) -> ClientKeys:
+    """The client keys of `settings`; ConfigError when the keys file cannot be used."""
+    try:
+        return ClientKeys(settings.api_key, settings.api_keys_file)
+    except KeysFileError as error:
+        raise ConfigError(str(error)) from None
+
+
+def admission_settings(settings: Settings) -> AdmissionSettings:
+    return AdmissionSettings(
+        limit=settings.max_concurrent_requests,
+        queue_size=settings.queue_size,
+        timeout_s=settings.queue_timeout_s,
+        retry_after_s=settings.retry_after_s,
+    )
 
 
 def server_settings(settings: Settings) -> ServerSettings:
@@ -116,8 +137,11 @@ async def run_router(
     shutdown = shutdown if shutdown is not None else trio.Event()
     metrics_ref: list[RouterMetrics] = []
     fleet = Fleet(_breaker_factory(settings, metrics_ref))
-    metrics = RouterMetrics(fleet, registry)
+    keys = client_keys(settings)
+    metrics = RouterMetrics(fleet, registry, key_label=keys.named)
     metrics_ref.append(metrics)
+    admission = AdmissionGate(admission_settings(settings))
+    metrics.registry.register(AdmissionCollector(admission))
     pool_settings = PoolSettings(
         max_idle_per_worker=settings.pool_max_idle_per_worker,
         idle_expiry_s=settings.pool_idle_expiry_s,
@@ -139,7 +163,9 @@ async def run_router(
                 success_threshold=settings.health_success_threshold,
             )
         )
-        app = RouterApp(settings, fleet, pool, metrics, discovery)
+        if settings.api_keys_file:
+            await nursery.start(serve_key_reloads, keys)
+        app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission)
 
         serve = serve_http
         if settings.server == "hypercorn":
@@ -212,6 +238,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         settings = load_settings(args)
+        client_keys(settings)  # a bad keys file stops the start, like any bad setting
     except ConfigError as error:
         print(f"router serve: {error}", file=sys.stderr)
         return EXIT_BAD_SETTINGS

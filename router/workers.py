@@ -45,6 +45,8 @@ class WorkerRecord:
     dp_rank: int | None = None
     disagg_meta: dict[str, Any] | None = None
     status: Status = Status.ACTIVE
+    api_key: str | None = field(default=None, repr=False)
+    """The key the router sends this worker (`Authorization: Bearer`); never listed back."""
 
     @property
     def rank_multiplexed(self) -> bool:
@@ -92,6 +94,10 @@ class WorkerRecord:
         meta = data.get("disagg_meta")
         if meta is not None and not isinstance(meta, dict):
             raise InvalidWorkerRecord(f"'disagg_meta' must be an object, got {meta!r}")
+        api_key = data.get("api_key")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.isprintable() or " " in api_key):
+            # The value is a secret: the message does not repeat it.
+            raise InvalidWorkerRecord("'api_key' must be a string without spaces or control characters")
         return cls(
             id=worker_id,
             url=url,
@@ -102,10 +108,11 @@ class WorkerRecord:
             dp_rank=dp_rank,
             disagg_meta=meta,
             status=status,
+            api_key=api_key or None,
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The record as registered; `status` is omitted while ACTIVE."""
+        """The record as registered; `status` is omitted while ACTIVE, `api_key` always."""
         data: dict[str, Any] = {
             "id": self.id,
             "url": self.url,
