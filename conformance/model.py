@@ -97,6 +97,11 @@ class RouterSettings:
     attempts: int | None = None
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
+    api_key: str | None = None
+    """The one client key the plane requires (`Authorization: Bearer`); None: no keys."""
+    max_concurrent: int | None = None
+    """Requests served at once; beyond it they queue (at most `queue_size`), then 429."""
+    queue_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

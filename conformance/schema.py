@@ -45,7 +45,9 @@ from conformance.nodes import NodeReader, join, line_of
 
 CASE_FIELDS = ("name", "description", "tags", "requires", "model", "fleet", "settings", "steps")
 WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
-SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health")
+SETTINGS_FIELDS = (
+    "policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "api_key", "max_concurrent", "queue_size",
+)
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
 HEALTH_FIELDS = ("interval_s", "failure_threshold", "success_threshold")
 REQUEST_FIELDS = ("count", "concurrency", "model", "route", "stream", "body", "headers", "timeout_s")
@@ -168,6 +170,9 @@ class CaseReader:
             attempts=r.integer(m["attempts"], "settings.attempts", 1, 100) if "attempts" in m else None,
             breaker=self.breaker(m["breaker"]) if "breaker" in m else BreakerSettings(),
             health=self.health(m["health"]) if "health" in m else HealthSettings(),
+            api_key=r.string(m["api_key"], "settings.api_key") if "api_key" in m else None,
+            max_concurrent=r.integer(m["max_concurrent"], "settings.max_concurrent", 1) if "max_concurrent" in m else None,
+            queue_size=r.integer(m["queue_size"], "settings.queue_size", 0) if "queue_size" in m else None,
         )
 
     def breaker(self, node: Node) -> BreakerSettings:

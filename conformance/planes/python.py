@@ -93,6 +93,12 @@ class PythonPlane(Plane):
             flags += ["--health-failure-threshold", str(h.failure_threshold)]
         if h.success_threshold is not None:
             flags += ["--health-success-threshold", str(h.success_threshold)]
+        if s.api_key is not None:
+            flags += ["--api-key", s.api_key]
+        if s.max_concurrent is not None:
+            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
+        if s.queue_size is not None:
+            flags += ["--queue-size", str(s.queue_size)]
         return flags
 
 

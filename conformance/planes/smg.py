@@ -121,6 +121,12 @@ class SmgPlane(Plane):
             flags += ["--health-failure-threshold", str(h.failure_threshold)]
         if h.success_threshold is not None:
             flags += ["--health-success-threshold", str(h.success_threshold)]
+        if s.api_key is not None:
+            flags += ["--api-key", s.api_key]
+        if s.max_concurrent is not None:
+            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
+        if s.queue_size is not None:
+            flags += ["--queue-size", str(s.queue_size)]
         return flags
 
     async def wait_ready(self, client: httpx.AsyncClient, url: str, launch: Launch) -> None:
@@ -129,7 +135,7 @@ class SmgPlane(Plane):
         wanted = {worker.url for worker in launch.workers}
         while True:
             try:
-                response = await client.get(url + "/workers", timeout=2.0)
+                response = await client.get(url + "/workers", timeout=2.0, headers=self.auth_headers(launch))
                 if response.status_code == 200:
                     entries = response.json().get("workers", [])
                     listed = {str(entry.get("url", "")).split("@")[0].rstrip("/") for entry in entries}
