@@ -37,6 +37,7 @@ from router.metrics import RouterMetrics
 from router.pd import PDDispatcher
 from router.request_id import current_request_id
 from router.selection import AllOpenMode, PolicyKey, make_policy, pick_excluding, routing_key
+from router.worker_wait import WorkerWait, WorkerWaitSettings
 from router.workers import Fleet, Role, Worker
 
 log = logging.getLogger("router.failover")
@@ -118,6 +119,15 @@ class GenerationService:
             stream_idle_s=settings.stream_idle_timeout_s,
         )
         self.pd = PDDispatcher(self)
+        self.waits = WorkerWait(
+            fleet,
+            WorkerWaitSettings(
+                capacity_wait_s=settings.queue_timeout_s,
+                workers_wait_s=settings.wait_for_workers_s,
+                all_open=self.all_open,
+                retry_after_s=settings.retry_after_s,
+            ),
+        )
 
     async def handle(self, request: Request, writer: ResponseWriter, key: str | None = None) -> None:
         """Answer one generation request (`key`: the client key's name, for metrics).
@@ -153,10 +163,13 @@ class GenerationService:
         for attempt in range(self.settings.max_attempts):
             now = trio.current_time()
             try:
-                plan = plan_request(
-                    generation.model, self.fleet.for_model(generation.model), now,
-                    self.all_open, self.settings.retry_after_s,
-                )
+                if attempt == 0:
+                    plan = await self.waits.plan(generation.model)
+                else:
+                    plan = plan_request(
+                        generation.model, self.fleet.for_model(generation.model), now,
+                        self.all_open, self.settings.retry_after_s,
+                    )
             except RouterError:
                 if attempt == 0:
                     raise
@@ -214,6 +227,7 @@ class GenerationService:
     def release(self, lease: Lease) -> None:
         lease.judge(Outcome.NEUTRAL)
         lease.worker.end(lease.rank)
+        self.waits.notify(lease.worker)
 
     def pick(self, plan: Plan, role: Role, model: str, key_bytes: bytes | None, attempts: AttemptLog) -> Worker | None:
         pool = plan.legs[role]

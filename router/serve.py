@@ -34,6 +34,7 @@ from router.http.server import serve_http
 from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
 from router.request_id import current_request_id
+from router.worker_wait import WorkerWaitCollector
 from router.workers import BreakerFactory, Fleet
 
 log = logging.getLogger("router")
@@ -136,7 +137,7 @@ async def run_router(
     """
     shutdown = shutdown if shutdown is not None else trio.Event()
     metrics_ref: list[RouterMetrics] = []
-    fleet = Fleet(_breaker_factory(settings, metrics_ref))
+    fleet = Fleet(_breaker_factory(settings, metrics_ref), max_inflight=settings.worker_max_inflight)
     keys = client_keys(settings)
     metrics = RouterMetrics(fleet, registry, key_label=keys.named)
     metrics_ref.append(metrics)
@@ -166,6 +167,7 @@ async def run_router(
         if settings.api_keys_file:
             await nursery.start(serve_key_reloads, keys)
         app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission)
+        metrics.registry.register(WorkerWaitCollector(app.generation.waits))
 
         serve = serve_http
         if settings.server == "hypercorn":

@@ -152,6 +152,9 @@ class Worker:
     healthy: bool = True
     inflight: int = 0
     rank_inflight: list[int] = field(default_factory=list)
+    max_inflight: int = 0
+    """Requests this router may have in flight on the worker (per DP rank when the router
+    picks ranks); 0 means no cap. A worker at its cap is not a candidate."""
 
     def __post_init__(self) -> None:
         if not self.rank_inflight:
@@ -172,6 +175,16 @@ class Worker:
     @property
     def draining(self) -> bool:
         return self.record.status is Status.DRAINING
+
+    @property
+    def full(self) -> bool:
+        """At its in-flight cap: every rank at the cap when the router picks the rank."""
+        cap = self.max_inflight
+        if not cap:
+            return False
+        if self.record.rank_multiplexed:
+            return min(self.rank_inflight) >= cap
+        return self.inflight >= cap
 
     def begin(self, rank: int | None = None) -> None:
         """Count one request in flight (and on `rank` when the router chose it)."""
@@ -195,8 +208,9 @@ class Fleet:
     rebuilt on change and read without any scan per request.
     """
 
-    def __init__(self, breaker_factory: BreakerFactory | None = None) -> None:
+    def __init__(self, breaker_factory: BreakerFactory | None = None, *, max_inflight: int = 0) -> None:
         self._breaker_factory = breaker_factory or (lambda _worker_id: None)
+        self._max_inflight = max_inflight
         self._workers: dict[str, Worker] = {}
         self._by_model: dict[str, list[Worker]] = {}
         self.generation = 0
@@ -222,7 +236,7 @@ class Fleet:
         """Add a worker or replace its record, keeping live state (load, breaker, health)."""
         worker = self._workers.get(record.id)
         if worker is None:
-            worker = Worker(record=record, breaker=self._breaker_factory(record.id))
+            worker = Worker(record=record, breaker=self._breaker_factory(record.id), max_inflight=self._max_inflight)
             self._workers[record.id] = worker
         else:
             if record.dp_size != worker.record.dp_size:
