@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import trio
 
+from router.admin import AdminApi, is_admin_route
 from router.admission import AdmissionGate, AdmissionSettings
 from router.auth import NO_KEY_LABEL, ClientKeys
 from router.config import Settings
@@ -27,7 +28,9 @@ class RouterApp:
     def __init__(
         self, settings: Settings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics,
         discovery: DiscoveryHealth, *, keys: ClientKeys | None = None, admission: AdmissionGate | None = None,
+        admin: AdminApi | None = None,
     ) -> None:
+        self.admin = admin
         self.settings = settings
         self.keys = keys if keys is not None else ClientKeys()
         self.admission = admission if admission is not None else AdmissionGate(AdmissionSettings(0, 0, 1.0))
@@ -61,6 +64,12 @@ class RouterApp:
                     raise MethodNotAllowed(f"{path} accepts POST, not {request.method}", _POST)
                 key = self._authorize_generation(request, path)
                 await self._admit_generation(request, writer, path, key)
+                return
+            if is_admin_route(request):
+                if self.admin is None:
+                    raise NotFound(f"no route {path}")  # no admin key: the routes do not exist
+                status, body = await self.admin.handle(request)
+                await writer.respond(status, JSON_HEADERS, body)
                 return
             route = self._get_routes.get(path)
             if route is None:

@@ -93,6 +93,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_size", int, 100, "requests that may wait for a slot once the concurrency limit is reached (429 when full)", minimum=0),
     Option("queue_timeout_s", float, 60.0, "longest wait in the admission queue (503 queue_timeout after)", minimum=0.001),
     Option("worker_max_inflight", int, 0, "requests in flight per worker (per DP rank when the router picks ranks); a full worker is not a candidate (0: no cap)", minimum=0),
+    Option("admin_api_key", str, "", "key of the admin API (POST /v1/workers, drain, DELETE); without it those routes do not exist"),
     Option("wait_for_workers_s", float, 0.0, "how long a request waits for an unavailable or departed worker of its model to come back before the 503", minimum=0),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -145,6 +146,7 @@ class Settings:
     queue_timeout_s: float = 60.0
     worker_max_inflight: int = 0
     wait_for_workers_s: float = 0.0
+    admin_api_key: str = ""
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

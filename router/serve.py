@@ -21,6 +21,7 @@ import httpx
 import trio
 from prometheus_client import CollectorRegistry
 
+from router.admin import AdminApi
 from router.admission import AdmissionCollector, AdmissionGate, AdmissionSettings
 from router.app import RouterApp
 from router.auth import ClientKeys, KeysFileError, serve_key_reloads
@@ -166,7 +167,13 @@ async def run_router(
         )
         if settings.api_keys_file:
             await nursery.start(serve_key_reloads, keys)
-        app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission)
+        admin = None
+        if settings.admin_api_key:
+            admin = AdminApi(
+                fleet, http, nursery, admin_key=settings.admin_api_key,
+                discovery_owns_fleet=settings.discovery != "static", drain_timeout_s=settings.shutdown_grace_s,
+            )
+        app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission, admin=admin)
         metrics.registry.register(WorkerWaitCollector(app.generation.waits))
 
         serve = serve_http
