@@ -18,6 +18,7 @@ from router.http.messages import Request, ResponseWriter
 from router.http.pool import UpstreamPool
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.request_id import IdentifiedWriter, forget, identify
+from router.tracing import Tracing
 from router.workers import Fleet, Worker
 
 _POST = b"POST"
@@ -28,9 +29,10 @@ class RouterApp:
     def __init__(
         self, settings: Settings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics,
         discovery: DiscoveryHealth, *, keys: ClientKeys | None = None, admission: AdmissionGate | None = None,
-        admin: AdminApi | None = None,
+        admin: AdminApi | None = None, tracing: Tracing | None = None,
     ) -> None:
         self.admin = admin
+        self.tracing = tracing if tracing is not None else Tracing()
         self.settings = settings
         self.keys = keys if keys is not None else ClientKeys()
         self.admission = admission if admission is not None else AdmissionGate(AdmissionSettings(0, 0, 1.0))
@@ -62,8 +64,16 @@ class RouterApp:
             if path in GENERATION_ROUTES:
                 if request.method != "POST":
                     raise MethodNotAllowed(f"{path} accepts POST, not {request.method}", _POST)
-                key = self._authorize_generation(request, path)
-                await self._admit_generation(request, writer, path, key)
+                trace, writer = self.tracing.begin(request, writer)
+                token = self.tracing.enter(trace)
+                try:
+                    key = self._authorize_generation(request, path)
+                    await self._admit_generation(request, writer, path, key)
+                except RouterError as error:
+                    await writer.respond(error.status, JSON_HEADERS + error.headers(), error.body())
+                finally:
+                    self.tracing.leave(token)
+                    trace.end(None)
                 return
             if is_admin_route(request):
                 if self.admin is None:

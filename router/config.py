@@ -94,6 +94,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_timeout_s", float, 60.0, "longest wait in the admission queue (503 queue_timeout after)", minimum=0.001),
     Option("worker_max_inflight", int, 0, "requests in flight per worker (per DP rank when the router picks ranks); a full worker is not a candidate (0: no cap)", minimum=0),
     Option("admin_api_key", str, "", "key of the admin API (POST /v1/workers, drain, DELETE); without it those routes do not exist"),
+    Option("otlp_traces_endpoint", str, "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces: one span per request and per attempt (needs the otel extra; empty: no tracing)"),
     Option("wait_for_workers_s", float, 0.0, "how long a request waits for an unavailable or departed worker of its model to come back before the 503", minimum=0),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -147,6 +148,7 @@ class Settings:
     worker_max_inflight: int = 0
     wait_for_workers_s: float = 0.0
     admin_api_key: str = ""
+    otlp_traces_endpoint: str = ""
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

@@ -37,6 +37,7 @@ from router.metrics import RouterMetrics
 from router.pd import PDDispatcher
 from router.request_id import current_request_id
 from router.selection import AllOpenMode, PolicyKey, make_policy, pick_excluding, routing_key
+from router.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
 from router.worker_wait import WorkerWait, WorkerWaitSettings
 from router.workers import Fleet, Role, Worker
 
@@ -56,6 +57,7 @@ class Lease:
     worker: Worker
     permit: Permit | None
     rank: int | None
+    trace: AttemptTrace = NO_ATTEMPT_TRACE
     judged: bool = False
     committed: bool = False
     """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
@@ -76,6 +78,7 @@ class Lease:
         if self.judged:
             return
         self.judged = True
+        self.trace.verdict(outcome.name.lower())
         breaker = self.worker.breaker
         if breaker is not None and self.permit is not None:
             breaker.record(self.permit, outcome, trio.current_time())
@@ -217,7 +220,7 @@ class GenerationService:
                 log.info("probing %s: its breaker cooldown is over [request %s]", worker.id, current_request_id())
         rank = self.pd.ranks.choose(worker)
         worker.begin(rank)
-        return Lease(worker, permit, rank)
+        return Lease(worker, permit, rank, current_trace().attempt(worker))
 
     def credential(self, worker: Worker) -> bytes | None:
         """The `Authorization` value the router sends `worker`, if it holds a key for it."""
@@ -227,6 +230,7 @@ class GenerationService:
     def release(self, lease: Lease) -> None:
         lease.judge(Outcome.NEUTRAL)
         lease.worker.end(lease.rank)
+        lease.trace.end()
         self.waits.notify(lease.worker)
 
     def pick(self, plan: Plan, role: Role, model: str, key_bytes: bytes | None, attempts: AttemptLog) -> Worker | None:
@@ -259,10 +263,11 @@ class GenerationService:
         another worker may be tried; otherwise answers the client and returns the status.
         """
         worker = lease.worker
-        headers = upstream_headers(request.headers, lease.rank, self.credential(worker))
+        headers = lease.trace.inject(upstream_headers(request.headers, lease.rank, self.credential(worker)))
         idle_s = self.timeouts.stream_idle_s
         try:
             async with open_upstream_response(self.pool, worker.url, generation.path, headers, body, self.timeouts) as response:
+                lease.trace.answered(response.status)
                 if generation.stream and response.status == 200:
                     first = await first_stream_chunk(response, worker.url, idle_s)
                     lease.judge(Outcome.SUCCESS)

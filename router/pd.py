@@ -217,10 +217,11 @@ class PDDispatcher:
         """
         service = self.service
         worker = lease.worker
-        headers = upstream_headers(request.headers, lease.rank, service.credential(worker))
+        headers = lease.trace.inject(upstream_headers(request.headers, lease.rank, service.credential(worker)))
         timeouts = service.timeouts
         try:
             async with open_upstream_response(service.pool, worker.url, generation.path, headers, raw, timeouts) as response:
+                lease.trace.answered(response.status)
                 answer = await read_answer(response, worker.url, timeouts.stream_idle_s)
             judge_answer(answer, worker.url, expect_json=not generation.stream)
             if answer.status >= 400:

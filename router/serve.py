@@ -35,6 +35,7 @@ from router.http.server import serve_http
 from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
 from router.request_id import current_request_id
+from router.tracing import open_tracing, otel_installed
 from router.worker_wait import WorkerWaitCollector
 from router.workers import BreakerFactory, Fleet
 
@@ -151,6 +152,7 @@ async def run_router(
     async with (
         open_upstream_pool(pool_settings) as pool,
         httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
+        open_tracing(settings.otlp_traces_endpoint) as tracing,
         trio.open_nursery() as nursery,
     ):
         discovery: DiscoveryHealth = await nursery.start(
@@ -173,7 +175,7 @@ async def run_router(
                 fleet, http, nursery, admin_key=settings.admin_api_key,
                 discovery_owns_fleet=settings.discovery != "static", drain_timeout_s=settings.shutdown_grace_s,
             )
-        app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission, admin=admin)
+        app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission, admin=admin, tracing=tracing)
         metrics.registry.register(WorkerWaitCollector(app.generation.waits))
 
         serve = serve_http
@@ -261,6 +263,9 @@ def main(argv: Sequence[str]) -> int:
         settings = dataclasses.replace(settings, reuse_port=True)
     if settings.server == "hypercorn" and importlib.util.find_spec("hypercorn") is None:
         print("router serve: --server hypercorn needs hypercorn: pip install 'trio-router[asgi]'", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    if settings.otlp_traces_endpoint and not otel_installed():
+        print("router serve: --otlp-traces-endpoint needs OpenTelemetry: pip install 'trio-router[otel]'", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     if settings.processes > 1:
         from router.processes import run_processes
