@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         one_request(Tracing(), worker)
 
     baseline = measure(lambda: Request("POST", "/v1/chat/completions", list(HEADERS)), args.iterations, args.repeats)
-    off_us = measure(off, args.iterations, args.repeats) - baseline
+    off_us = max(0.0, measure(off, args.iterations, args.repeats) - baseline)
     print(f"tracing off: {off_us:.2f} us per request ({off_us / ROUTER_US_PER_REQUEST:.2%} of ~{ROUTER_US_PER_REQUEST:g} us)")
     if not otel_installed():
         print("tracing on: not measured (pip install 'trio-router[otel]')")
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Fewer requests: each makes two spans, and past the SDK's queue (2048) spans are
     # dropped, which would measure the drop path instead.
     on_iterations = min(args.iterations, 2000 // (2 * args.repeats))
-    on_us = measure(lambda: one_request(tracing, worker), on_iterations, args.repeats) - baseline
+    on_us = max(0.0, measure(lambda: one_request(tracing, worker), on_iterations, args.repeats) - baseline)
     print(f"tracing on:  {on_us:.2f} us per request ({on_us / ROUTER_US_PER_REQUEST:.2%} of ~{ROUTER_US_PER_REQUEST:g} us)")
     trio.run(tracing.aclose)
     sink.shutdown()
