@@ -13,12 +13,15 @@ import signal
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import trio
 
+from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.settings import FakeWorkerSettings
 from router.workers import WorkerRecord
 from tests.integration.test_failover_breaker import scrape
+from tests.support.etcd_server import EtcdServer
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.ports import free_port
 from tests.support.router_instance import open_router
@@ -198,3 +201,21 @@ async def test_a_client_request_id_reaches_every_leg_the_answer_and_the_trip_log
     messages = [record.getMessage() for record in caplog.records]
     assert any("breaker of" in m and "opened" in m and "[request corr-trip-7]" in m for m in messages), messages
     assert any("attempt on" in m and "[request corr-trip-7]" in m for m in messages), messages
+
+
+async def test_an_etcd_record_carries_its_workers_key_and_the_listing_hides_it(etcd: EtcdServer) -> None:
+    with trio.fail_after(GUARD_S):
+        async with open_fake_fleet(1) as fleet, open_etcd_client(etcd.url) as etcd_client:
+            record = {"id": "keyed", "url": fleet[0].url, "model": MODEL, "api_key": "from-the-record"}
+            await etcd_client.put("/keys-test/keyed", orjson.dumps(record))
+            async with open_router(
+                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix="/keys-test/",
+                api_key=CLIENT_KEY, worker_api_key=WORKER_KEY,
+            ) as router:
+                await wait_until(lambda: router.fleet.get("keyed") is not None)
+                async with httpx.AsyncClient(base_url=router.url) as client:
+                    auth = {"authorization": f"Bearer {CLIENT_KEY}"}
+                    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth)).status_code == 200
+                    listing = (await client.get("/v1/workers", headers=auth)).text
+    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == ["Bearer from-the-record"]
+    assert "from-the-record" not in listing and "keyed" in listing
