@@ -7,7 +7,7 @@ import trio
 
 from router.admin import AdminApi, is_admin_route
 from router.admission import AdmissionGate, AdmissionSettings
-from router.auth import NO_KEY_LABEL, ClientKeys
+from router.auth import ClientKeys
 from router.config import Settings
 from router.discovery import DiscoveryHealth
 from router.dispatch import JSON_HEADERS
@@ -118,9 +118,8 @@ class RouterApp:
             self._count_refusal(path, error.status, key)
             raise
 
-    def _count_refusal(self, path: str, status: int, key: str | None = NO_KEY_LABEL) -> None:
-        key_label = (key or NO_KEY_LABEL) if self.keys.named else None
-        self.metrics.count_request("-", GENERATION_ROUTES[path], status, key_label)
+    def _count_refusal(self, path: str, status: int, key: str | None = None) -> None:
+        self.metrics.count_request("-", GENERATION_ROUTES[path], status, key)
 
     def _models(self) -> tuple[int, bytes, bytes]:
         data = [{"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()]

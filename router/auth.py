@@ -25,7 +25,6 @@ from router.errors import RouterError
 log = logging.getLogger("router.auth")
 
 SINGLE_KEY_NAME = "default"
-NO_KEY_LABEL = "-"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _BEARER = b"bearer "
 

@@ -26,6 +26,7 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         # The `key` label exists only with named client keys; its values are those names.
+        self.key_label = key_label
         request_labels = ["model", "route", "status", "key"] if key_label else ["model", "route", "status"]
         self.requests = Counter("router_requests", "Requests answered", request_labels, registry=r)
         self.duration = Histogram(
@@ -56,10 +57,12 @@ class RouterMetrics:
         return found
 
     def count_request(self, model: str, route: str, status: int, key: str | None = None) -> None:
-        if key is None:
-            self.child(self.requests, model, route, str(status)).inc()  # type: ignore[attr-defined]
+        """Count one answered request; `key` is the client key's name (`-`: none), used only
+        when the counter has the `key` label."""
+        if self.key_label:
+            self.child(self.requests, model, route, str(status), key or "-").inc()  # type: ignore[attr-defined]
         else:
-            self.child(self.requests, model, route, str(status), key).inc()  # type: ignore[attr-defined]
+            self.child(self.requests, model, route, str(status)).inc()  # type: ignore[attr-defined]
 
     def observe_duration(self, route: str, seconds: float) -> None:
         self.child(self.duration, route).observe(seconds)  # type: ignore[attr-defined]
