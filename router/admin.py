@@ -54,8 +54,9 @@ class AdminApi:
 
     def __init__(
         self, fleet: Fleet, http: httpx.AsyncClient, nursery: trio.Nursery, *,
-        admin_key: str, discovery_owns_fleet: bool, drain_timeout_s: float,
+        admin_key: str, discovery_owns_fleet: bool, drain_timeout_s: float, worker_api_key: str = "",
     ) -> None:
+        self.worker_api_key = worker_api_key
         self.fleet = fleet
         self.http = http
         self.nursery = nursery
@@ -98,7 +99,7 @@ class AdminApi:
             raise Conflict(f"worker {record.id} is already in the fleet")
         if not record.models:
             try:
-                models = await fetch_models(self.http, record.url)
+                models = await fetch_models(self.http, record.url, api_key=record.api_key or self.worker_api_key or None)
             except (httpx.HTTPError, ValueError) as exc:
                 raise BadRequest(
                     f"worker {record.url} does not say its model ({exc}): name it in the spec (model=...)"

@@ -172,7 +172,7 @@ async def run_router(
         admin = None
         if settings.admin_api_key:
             admin = AdminApi(
-                fleet, http, nursery, admin_key=settings.admin_api_key,
+                fleet, http, nursery, admin_key=settings.admin_api_key, worker_api_key=settings.worker_api_key,
                 discovery_owns_fleet=settings.discovery != "static", drain_timeout_s=settings.shutdown_grace_s,
             )
         app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission, admin=admin, tracing=tracing)
@@ -207,7 +207,9 @@ async def serve_discovery(
 
         await serve_etcd_discovery(settings, fleet, metrics, task_status=task_status)
     else:
-        await serve_static_discovery(fleet, settings.workers, http, task_status=task_status)
+        await serve_static_discovery(
+            fleet, settings.workers, http, worker_api_key=settings.worker_api_key, task_status=task_status
+        )
 
 
 async def _main(settings: Settings) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,8 @@ import trio
 
 from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.settings import FakeWorkerSettings
+from router.http.messages import Request, ResponseWriter
+from router.http.server import serve_http
 from router.workers import WorkerRecord
 from tests.integration.test_failover_breaker import scrape
 from tests.support.etcd_server import EtcdServer
@@ -219,3 +222,35 @@ async def test_an_etcd_record_carries_its_workers_key_and_the_listing_hides_it(e
                     listing = (await client.get("/v1/workers", headers=auth)).text
     assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == ["Bearer from-the-record"]
     assert "from-the-record" not in listing and "keyed" in listing
+
+
+async def test_a_worker_that_guards_its_models_list_is_asked_with_the_worker_key() -> None:
+    asked_with: list[bytes | None] = []
+
+    async def keyed_worker(request: Request, writer: ResponseWriter) -> None:
+        authorization = request.header(b"authorization")
+        if request.path == "/health":
+            await writer.respond(200, [], b"")
+            return
+        asked_with.append(authorization)
+        if authorization != f"Bearer {WORKER_KEY}".encode():
+            await writer.respond(401, [(b"content-type", b"application/json")], b'{"error": "no key"}')
+            return
+        if request.path == "/v1/models":
+            await writer.respond(200, [(b"content-type", b"application/json")], b'{"data": [{"id": "guarded"}]}')
+            return
+        await writer.respond(200, [(b"content-type", b"application/json")], b'{"choices": []}')
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_http, keyed_worker))
+            async with open_router([f"http://127.0.0.1:{port}"], api_key=CLIENT_KEY, worker_api_key=WORKER_KEY) as router:
+                assert router.fleet.models() == ["guarded"]
+                async with httpx.AsyncClient(base_url=router.url) as client:
+                    response = await client.post(
+                        "/v1/chat/completions", json={**CHAT, "model": "guarded"},
+                        headers={"authorization": f"Bearer {CLIENT_KEY}"},
+                    )
+                    assert response.status_code == 200
+            nursery.cancel_scope.cancel()
+    assert asked_with == [f"Bearer {WORKER_KEY}".encode()] * 2
