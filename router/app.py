@@ -110,6 +110,10 @@ class RouterApp:
         return name if self.keys.named else None
 
     async def _admit_generation(self, request: Request, writer: ResponseWriter, path: str, key: str | None) -> None:
+        if not self.admission.enabled:
+            # No limit: no context manager on the hot path either.
+            await self.generation.handle(request, writer, key)
+            return
         try:
             async with self.admission.admit():
                 await self.generation.handle(request, writer, key)
