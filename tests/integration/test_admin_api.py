@@ -107,3 +107,46 @@ async def test_with_discovery_on_the_admin_api_answers_409(etcd: EtcdServer) -> 
     assert (added.status_code, deleted.status_code) == (409, 409)
     assert added.json()["error"]["code"] == "conflict"
     assert len(router.fleet) == 0
+
+
+async def test_a_rolling_update_through_the_admin_api_loses_no_request() -> None:
+    statuses: list[tuple[int, str | None]] = []
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet(2, tokens=2) as fleet,
+            open_router(
+                [f"{fleet[0].url},model={MODEL},id=old"], admin_api_key=ADMIN_KEY, wait_for_workers_s=10.0
+            ) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
+        ):
+
+            async def flow(stop: trio.Event) -> None:
+                while not stop.is_set():
+                    response = await client.post("/v1/chat/completions", json=CHAT)
+                    statuses.append((response.status_code, response.headers.get("x-router-worker")))
+                    await trio.sleep(0.05)  # pacing: a steady flow across the replacement
+
+            stop = trio.Event()
+            async with trio.open_nursery() as traffic:
+                for _ in range(3):
+                    traffic.start_soon(flow, stop)
+                await wait_until(lambda: len(statuses) >= 6)
+                assert (await client.delete("/v1/workers/old", headers=ADMIN)).status_code == 200
+                await trio.sleep(3.0)  # the replacement's start-up time, as the scenario says
+                spec = {"spec": f"{fleet[1].url},model={MODEL},id=new"}
+                assert (await client.post("/v1/workers", json=spec, headers=ADMIN)).status_code == 201
+                await wait_until(lambda: sum(1 for _, worker in statuses if worker == "new") >= 6)
+                stop.set()
+    assert all(status == 200 for status, _ in statuses), [s for s in statuses if s[0] != 200]
+    assert {worker for _, worker in statuses} == {"old", "new"}
+    assert fleet[0].worker.routing.dispatches == sum(1 for _, worker in statuses if worker == "old")
+
+
+async def test_an_added_worker_may_not_set_its_own_status() -> None:
+    with trio.fail_after(GUARD_S):
+        async with open_router([], admin_api_key=ADMIN_KEY) as router:
+            async with httpx.AsyncClient(base_url=router.url) as client:
+                record = {"url": "http://127.0.0.1:9", "model": MODEL, "status": "DRAINING"}
+                refused = await client.post("/v1/workers", json=record, headers=ADMIN)
+    assert refused.status_code == 400 and "status" in refused.json()["error"]["message"]
+    assert len(router.fleet) == 0
