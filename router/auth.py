@@ -86,6 +86,16 @@ def read_keys_file(path: Path) -> list[NamedKey]:
     return keys
 
 
+def _warn_if_readable_by_others(path: Path) -> None:
+    """Keys in a file anyone on the host can read are keys anyone on the host has."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("keys file %s can be read by other users (mode %o): chmod 600 it", path, mode & 0o777)
+
+
 class ClientKeys:
     """The keys a client may present, and which name each one has.
 
@@ -112,6 +122,7 @@ class ClientKeys:
         keys: list[NamedKey] = []
         if self._path is not None:
             keys = read_keys_file(self._path)
+            _warn_if_readable_by_others(self._path)
         if self._single:
             if any(key.name == SINGLE_KEY_NAME for key in keys):
                 raise KeysFileError(f"keys file {self._path}: the name {SINGLE_KEY_NAME!r} is taken by --api-key")

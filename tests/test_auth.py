@@ -90,3 +90,15 @@ def test_a_bad_keys_file_says_what_is_wrong(tmp_path: Path, text: str, problem: 
 def test_a_missing_keys_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(KeysFileError, match="keys file"):
         ClientKeys(keys_file=str(tmp_path / "absent.yaml"))
+
+
+def test_a_keys_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("alice: key-of-alice\n")
+    path.chmod(0o644)
+    ClientKeys(keys_file=str(path))
+    assert any("can be read by other users" in record.getMessage() for record in caplog.records)
+    caplog.clear()
+    path.chmod(0o600)
+    ClientKeys(keys_file=str(path))
+    assert not caplog.records
