@@ -99,8 +99,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off")
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,13 +162,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for option in OPTIONS:
         choices = f"one of {', '.join(option.choices)}; " if option.choices else ""
         # A yes/no option works as a bare flag (`--protect-metrics`) and takes a value too.
-        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if option.kind is bool else {}
+        yes_no = option.kind is bool
         parser.add_argument(
             option.flag,
             dest=option.name,
             default=None,
             help=f"{option.help} ({choices}env {option.env}; default {option.default})",
-            **extra,
+            nargs="?" if yes_no else None, const="true" if yes_no else None,
         )
     parser.add_argument(
         "--worker",
@@ -292,7 +291,8 @@ def _check(option: Option, value: Any, source: str) -> Any:
 def _convert(option: Option, raw: Any, source: str) -> Any:
     """A flag, environment or file value in the option's type, checked (ConfigError names `source`)."""
     if option.kind is bool:
-        return _convert_bool(raw, source)
+        word = raw if isinstance(raw, bool) else _BOOL_WORDS.get(str(raw).strip().lower(), raw)
+        return _check(option, word, source)
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         # YAML gives these types directly; none of them is a valid setting value.
         raise ConfigError(f"{source} must be {_KIND_WORDS[option.kind]}, got {raw!r}")
@@ -305,17 +305,6 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
     elif option.kind is str:
         value = str(raw)
     return _check(option, value, source)
-
-
-def _convert_bool(raw: Any, source: str) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    word = str(raw).strip().lower()
-    if word in _TRUE_WORDS:
-        return True
-    if word in _FALSE_WORDS:
-        return False
-    raise ConfigError(f"{source} must be true or false, got {raw!r}")
 
 
 def parse_worker_spec(spec: str) -> WorkerRecord:
