@@ -117,11 +117,10 @@ class WorkerWait:
                 with trio.move_on_at(min(deadline, trio.current_time() + settings.recheck_s) if head else deadline):
                     await me.event.wait()
                 me.event = trio.Event()
-                if next(iter(line)) is not me:
-                    if trio.current_time() >= deadline:
-                        raise self._timed_out(model, None)
-                    continue
                 now = trio.current_time()
+                if next(iter(line)) is not me and now < deadline:
+                    continue
+                # The head plans; so does a waiter whose time is up, to give the true answer.
                 self._remember_models(now)
                 try:
                     plan = plan_request(
@@ -144,9 +143,9 @@ class WorkerWait:
             else:
                 self._lines.pop(model, None)
 
-    def _timed_out(self, model: str, error: Exception | None) -> Exception:
+    def _timed_out(self, model: str, error: Exception) -> Exception:
         self.outcomes["timed_out"] += 1
-        if error is None or (isinstance(error, NoAvailableWorkers) and self._at_capacity(model)):
+        if isinstance(error, NoAvailableWorkers) and self._at_capacity(model):
             return QueueTimeout(
                 f"waited {self.settings.capacity_wait_s:g}s for a free worker of model '{model}'",
                 self.settings.retry_after_s,

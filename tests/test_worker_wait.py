@@ -203,3 +203,25 @@ async def test_a_waiter_that_leaves_lets_the_next_one_go(autojump_clock: trio.te
         wait.notify(worker)
     assert served == ["second"]
     assert wait.waiting() == 0
+
+
+async def test_every_waiter_whose_wait_runs_out_gets_the_truthful_503_not_a_queue_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet = Fleet()
+    fleet.upsert(_record("old", Status.DRAINING))
+    wait = _wait(fleet, capacity_wait_s=60.0, workers_wait_s=5.0)
+    outcomes: list[tuple[str, float]] = []
+
+    async def request() -> None:
+        try:
+            await wait.plan(MODEL)
+        except NoAvailableWorkers as error:
+            outcomes.append((error.code, trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(request)
+    assert [code for code, _ in outcomes] == ["no_available_workers"] * 3
+    assert all(at == pytest.approx(5.0, abs=0.11) for _, at in outcomes)
+    assert wait.waiting() == 0 and wait.outcomes["timed_out"] == 3
