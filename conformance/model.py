@@ -119,6 +119,11 @@ class RouterSettings:
     health: HealthSettings = field(default_factory=HealthSettings)
     max_body_bytes: int | None = None  # the largest request body the plane accepts
     cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
+    api_key: str | None = None
+    """The one client key the plane requires (`Authorization: Bearer`); None: no keys."""
+    max_concurrent: int | None = None
+    """Requests served at once; beyond it they queue (at most `queue_size`), then 429."""
+    queue_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

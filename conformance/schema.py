@@ -44,7 +44,10 @@ from conformance.schema_requests import POLL_FIELDS, RequestReader
 
 CASE_FIELDS = ("name", "description", "tags", "requires", "model", "discovery", "fleet", "settings", "steps")
 WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
-SETTINGS_FIELDS = ("policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "max_body_bytes", "cache_aware")
+SETTINGS_FIELDS = (
+    "policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "max_body_bytes", "cache_aware",
+    "api_key", "max_concurrent", "queue_size",
+)
 CACHE_AWARE_FIELDS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
 HEALTH_FIELDS = ("interval_s", "failure_threshold", "success_threshold")
@@ -193,6 +196,9 @@ class CaseReader:
             max_body_bytes=(
                 r.integer(m["max_body_bytes"], "settings.max_body_bytes", 1024) if "max_body_bytes" in m else None
             ),
+            api_key=r.string(m["api_key"], "settings.api_key") if "api_key" in m else None,
+            max_concurrent=r.integer(m["max_concurrent"], "settings.max_concurrent", 1) if "max_concurrent" in m else None,
+            queue_size=r.integer(m["queue_size"], "settings.queue_size", 0) if "queue_size" in m else None,
             cache_aware=self.cache_aware(m["cache_aware"]) if "cache_aware" in m else CacheAwareSettings(),
         )
 

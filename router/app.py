@@ -5,6 +5,9 @@ from __future__ import annotations
 import orjson
 import trio
 
+from router.admin import AdminApi, is_admin_route
+from router.admission import AdmissionGate, AdmissionSettings
+from router.auth import ClientKeys
 from router.config import Settings
 from router.discovery import DiscoveryHealth
 from router.dispatch import JSON_HEADERS
@@ -14,7 +17,9 @@ from router.failover import GenerationService
 from router.http.messages import Request, ResponseWriter
 from router.http.pool import UpstreamPool
 from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.request_id import IdentifiedWriter, forget, identify
 from router.routes import ROUTES, Dialect
+from router.tracing import Tracing
 from router.workers import Fleet, Worker
 
 _POST = b"POST"
@@ -24,9 +29,16 @@ _GET = b"GET, HEAD"
 class RouterApp:
     def __init__(
         self, settings: Settings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics,
-        discovery: DiscoveryHealth,
+        discovery: DiscoveryHealth, *, keys: ClientKeys | None = None, admission: AdmissionGate | None = None,
+        admin: AdminApi | None = None, tracing: Tracing | None = None,
     ) -> None:
+        self.admin = admin
+        self.tracing = tracing if tracing is not None else Tracing()
         self.settings = settings
+        self.keys = keys if keys is not None else ClientKeys()
+        self.admission = admission if admission is not None else AdmissionGate(AdmissionSettings(0, 0, 1.0))
+        # Routes open to anyone even when client keys are checked (probes and scrapers).
+        self._open_routes = {"/health", "/readiness"} | (set() if settings.protect_metrics else {"/metrics"})
         self.fleet = fleet
         self.metrics = metrics
         self.discovery = discovery
@@ -40,17 +52,42 @@ class RouterApp:
         }
 
     async def handle(self, request: Request, writer: ResponseWriter) -> None:
+        """Give the request its id, then route it; the id is on the answer whatever it is."""
+        request_id, token = identify(request)
+        try:
+            await self._route(request, IdentifiedWriter(writer, request_id))
+        finally:
+            forget(token)
+
+    async def _route(self, request: Request, writer: ResponseWriter) -> None:
         path = request.path
         model_route = ROUTES.get(path)
         try:
             if model_route is not None:
                 if request.method != "POST":
                     raise MethodNotAllowed(f"{path} accepts POST, not {request.method}", _POST)
-                await self.generation.handle(request, writer)
+                trace, writer = self.tracing.begin(request, writer)
+                token = self.tracing.enter(trace)
+                try:
+                    key = self._authorize_generation(request, path)
+                    await self._admit_generation(request, writer, path, key)
+                except RouterError as error:
+                    await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, model_route.dialect))
+                finally:
+                    self.tracing.leave(token)
+                    trace.end(None)
+                return
+            if is_admin_route(request):
+                if self.admin is None:
+                    raise NotFound(f"no route {path}")  # no admin key: the routes do not exist
+                status, body = await self.admin.handle(request)
+                await writer.respond(status, JSON_HEADERS, body)
                 return
             route = self._get_routes.get(path)
             if route is None:
                 raise NotFound(f"no route {path}")
+            if self.keys.enabled and path not in self._open_routes:
+                self.keys.check(request.header(b"authorization"))
             if request.method not in ("GET", "HEAD"):
                 raise MethodNotAllowed(f"{path} accepts GET, not {request.method}", _GET)
             status, content_type, body = route()
@@ -58,6 +95,38 @@ class RouterApp:
         except RouterError as error:
             dialect = Dialect.OPENAI if model_route is None else model_route.dialect
             await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, dialect))
+
+    def _authorize_generation(self, request: Request, path: str) -> str | None:
+        """The name of the client's key (None when keys are off); 401 before anything else.
+
+        With keys on, the client's own `Authorization` goes no further than here: workers
+        get the router's worker key instead (see `router.dispatch.upstream_headers`).
+        """
+        if not self.keys.enabled:
+            return None
+        try:
+            name = self.keys.check(request.header(b"authorization"))
+        except RouterError as error:
+            self._count_refusal(path, error.status)
+            raise
+        request.headers = [item for item in request.headers if item[0] != b"authorization"]
+        return name if self.keys.named else None
+
+    async def _admit_generation(self, request: Request, writer: ResponseWriter, path: str, key: str | None) -> None:
+        if not self.admission.enabled:
+            # No limit: no context manager on the hot path either.
+            await self.generation.handle(request, writer, key)
+            return
+        try:
+            async with self.admission.admit():
+                await self.generation.handle(request, writer, key)
+        except RouterError as error:
+            # Raised by the gate before the request was served: the service counted nothing.
+            self._count_refusal(path, error.status, key)
+            raise
+
+    def _count_refusal(self, path: str, status: int, key: str | None = None) -> None:
+        self.metrics.count_request("-", ROUTES[path].label, status, key)
 
     def _models(self) -> tuple[int, bytes, bytes]:
         data = [{"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()]

@@ -147,6 +147,7 @@ def _reasons(leg: LegPool) -> str:
         (leg.draining, "draining"),
         (leg.unhealthy, "unhealthy"),
         (leg.breaker_open, "breaker open"),
+        (leg.full, "at capacity"),
     )
     return ", ".join(f"{count} {reason}" for count, reason in counts if count)
 

@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str
-    kind: type[str] | type[int] | type[float]
+    kind: type[str] | type[int] | type[float] | type[bool]
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
@@ -99,9 +99,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("balance_abs_threshold", int, 64, "cache_aware: in-flight gap (max - min) beyond which load wins over cache", minimum=0),
     Option("balance_rel_threshold", float, 1.5, "cache_aware: and max > min times this, for load to win over cache", minimum=1),
     Option("max_tree_size", int, 2**26, "cache_aware: characters each prefix tree (one per model and role) may hold; least recently used leaves go first", minimum=1),
+    Option("api_key", str, "", "client key required as `Authorization: Bearer <key>` on the API routes (empty: no check)"),
+    Option("api_keys_file", str, "", "YAML mapping of key name to client key, re-read on SIGHUP (empty: none)"),
+    Option("protect_metrics", bool, False, "require a client key on /metrics too"),
+    Option("worker_api_key", str, "", "key sent to workers as `Authorization: Bearer <key>` (a worker record's api_key wins)"),
+    Option("max_concurrent_requests", int, 0, "generation requests served at once (0: no limit)", minimum=0),
+    Option("queue_size", int, 100, "requests that may wait for a slot once the concurrency limit is reached (429 when full)", minimum=0),
+    Option("queue_timeout_s", float, 60.0, "longest wait in the admission queue (503 queue_timeout after)", minimum=0.001),
+    Option("worker_max_inflight", int, 0, "requests in flight per worker (per DP rank when the router picks ranks); a full worker is not a candidate (0: no cap)", minimum=0),
+    Option("admin_api_key", str, "", "key of the admin API (POST /v1/workers, drain, DELETE); without it those routes do not exist"),
+    Option("otlp_traces_endpoint", str, "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces: one span per request and per attempt (needs the otel extra; empty: no tracing)"),
+    Option("wait_for_workers_s", float, 0.0, "how long a request waits for an unavailable or departed worker of its model to come back before the 503", minimum=0),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
-_KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
+_KIND_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +164,17 @@ class Settings:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26
+    api_key: str = ""
+    api_keys_file: str = ""
+    protect_metrics: bool = False
+    worker_api_key: str = ""
+    max_concurrent_requests: int = 0
+    queue_size: int = 100
+    queue_timeout_s: float = 60.0
+    worker_max_inflight: int = 0
+    wait_for_workers_s: float = 0.0
+    admin_api_key: str = ""
+    otlp_traces_endpoint: str = ""
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
@@ -165,11 +188,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare every option as a flag; defaults stay None so precedence can be resolved."""
     for option in OPTIONS:
         choices = f"one of {', '.join(option.choices)}; " if option.choices else ""
+        # A yes/no option works as a bare flag (`--protect-metrics`) and takes a value too.
+        yes_no = option.kind is bool
         parser.add_argument(
             option.flag,
             dest=option.name,
             default=None,
             help=f"{option.help} ({choices}env {option.env}; default {option.default})",
+            nargs="?" if yes_no else None, const="true" if yes_no else None,
         )
     parser.add_argument(
         "--worker",
@@ -269,6 +295,10 @@ def _validated(values: dict[str, Any]) -> Settings:
 
 def _check(option: Option, value: Any, source: str) -> Any:
     """`value` if `option` accepts it; ConfigError naming `source` otherwise."""
+    if option.kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source} must be true or false, got {value!r}")
+        return value
     if option.kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{source} must be a string, got {value!r}")
@@ -292,6 +322,9 @@ def _check(option: Option, value: Any, source: str) -> Any:
 
 def _convert(option: Option, raw: Any, source: str) -> Any:
     """A flag, environment or file value in the option's type, checked (ConfigError names `source`)."""
+    if option.kind is bool:
+        word = raw if isinstance(raw, bool) else _BOOL_WORDS.get(str(raw).strip().lower(), raw)
+        return _check(option, word, source)
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         # YAML gives these types directly; none of them is a valid setting value.
         raise ConfigError(f"{source} must be {_KIND_WORDS[option.kind]}, got {raw!r}")

@@ -73,8 +73,16 @@ class AttemptFailed(Exception):
         self.worker_id: str | None = None
 
 
-def upstream_headers(request_headers: Sequence[tuple[bytes, bytes]], rank: int | None) -> list[tuple[bytes, bytes]]:
-    headers = [(k, v) for k, v in request_headers if k in FORWARDED_REQUEST_HEADERS]
+def upstream_headers(
+    request_headers: Sequence[tuple[bytes, bytes]], rank: int | None, credential: bytes | None = None
+) -> list[tuple[bytes, bytes]]:
+    """What a worker gets: the forwarded client headers, the DP rank, and the router's own
+    `Authorization` for the worker in place of the client's when it holds one."""
+    if credential is None:
+        headers = [(k, v) for k, v in request_headers if k in FORWARDED_REQUEST_HEADERS]
+    else:
+        headers = [(k, v) for k, v in request_headers if k in FORWARDED_REQUEST_HEADERS and k != b"authorization"]
+        headers.append((b"authorization", credential))
     if rank is not None:
         headers.append((RANK_HEADER, str(rank).encode()))
     return headers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
@@ -38,9 +39,12 @@ from router.http.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.pool import UpstreamPool
 from router.metrics import RouterMetrics
 from router.pd import PDDispatcher
+from router.request_id import current_request_id
 from router.routes import ROUTES
 from router.routing_text import routing_text
 from router.selection import AllOpenMode, PolicyKey, make_policy, pick_excluding, routing_key
+from router.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
+from router.worker_wait import WorkerWait, WorkerWaitSettings
 from router.workers import Fleet, Role, Worker
 
 log = logging.getLogger("router.failover")
@@ -59,6 +63,7 @@ class Lease:
     worker: Worker
     permit: Permit | None
     rank: int | None
+    trace: AttemptTrace = NO_ATTEMPT_TRACE
     judged: bool = False
     committed: bool = False
     """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
@@ -79,6 +84,7 @@ class Lease:
         if self.judged:
             return
         self.judged = True
+        self.trace.verdict(outcome.name.lower())
         breaker = self.worker.breaker
         if breaker is not None and self.permit is not None:
             breaker.record(self.permit, outcome, trio.current_time())
@@ -135,9 +141,18 @@ class GenerationService:
             stream_idle_s=settings.stream_idle_timeout_s,
         )
         self.pd = PDDispatcher(self)
+        self.waits = WorkerWait(
+            fleet,
+            WorkerWaitSettings(
+                capacity_wait_s=settings.queue_timeout_s,
+                workers_wait_s=settings.wait_for_workers_s,
+                all_open=self.all_open,
+                retry_after_s=settings.retry_after_s,
+            ),
+        )
 
-    async def handle(self, request: Request, writer: ResponseWriter) -> None:
-        """Answer one generation request.
+    async def handle(self, request: Request, writer: ResponseWriter, key: str | None = None) -> None:
+        """Answer one generation request (`key`: the client key's name, for metrics).
 
         Cancellation (client gone, shutdown): every upstream connection of the request is
         closed, every breaker permit is released without a verdict, in-flight counts drop.
@@ -162,7 +177,7 @@ class GenerationService:
         finally:
             if request.client_gone:
                 status = CLIENT_LEFT
-            self.metrics.count_request(model_label, route, status)
+            self.metrics.count_request(model_label, route, status, key)
             self.metrics.observe_duration(route, trio.current_time() - started)
 
     async def _serve(self, generation: GenerationRequest, request: Request, writer: ResponseWriter, started: float) -> int:
@@ -175,12 +190,8 @@ class GenerationService:
         for attempt in range(self.settings.max_attempts):
             now = trio.current_time()
             try:
-                plan = plan_request(
-                    generation.model, self.fleet.for_model(generation.model), now,
-                    self.all_open, self.settings.retry_after_s,
-                    self.fleet.last_served_at(generation.model), self.settings.model_memory_s,
-                    generation.spec.generation,
-                )
+                plan_at = partial(self._plan, generation)
+                plan = await self.waits.plan(generation.model, plan_at) if attempt == 0 else plan_at(now)
             except RouterError:
                 if attempt == 0:
                     raise
@@ -211,6 +222,14 @@ class GenerationService:
             return delivered
         return await self._give_up(generation, writer, attempts)
 
+    def _plan(self, generation: GenerationRequest, now: float) -> Plan:
+        return plan_request(
+            generation.model, self.fleet.for_model(generation.model), now,
+            self.all_open, self.settings.retry_after_s,
+            self.fleet.last_served_at(generation.model), self.settings.model_memory_s,
+            generation.spec.generation,
+        )
+
     def take(
         self, worker: Worker, forced: bool, now: float, rank: int | None, leases: list[Lease]
     ) -> Lease:
@@ -228,12 +247,17 @@ class GenerationService:
                 # Only reachable if selection and dispatch disagree; dispatch forced rather
                 # than drop a request the plan admitted.
                 permit = worker.breaker.acquire(now, force=True)
-        lease = Lease(worker, permit, rank)
+            if permit is not None and permit.probe:
+                log.info("probing %s: its breaker cooldown is over [request %s]", worker.id, current_request_id())
+        lease = Lease(worker, permit, rank, current_trace().attempt(worker))
         worker.begin(rank)
         leases.append(lease)
-        if permit is not None and permit.probe:
-            log.info("probing %s: its breaker cooldown is over", worker.id)
         return lease
+
+    def credential(self, worker: Worker) -> bytes | None:
+        """The `Authorization` value the router sends `worker`, if it holds a key for it."""
+        key = worker.record.api_key or self.settings.worker_api_key
+        return b"Bearer " + key.encode() if key else None
 
     def release(self, lease: Lease) -> None:
         """End the lease: a neutral verdict unless one was recorded (which frees a probe
@@ -242,7 +266,9 @@ class GenerationService:
             lease.judge(Outcome.NEUTRAL)
         finally:
             lease.worker.end(lease.rank)
+            lease.trace.end()
             self.fleet.lease_ended(lease.worker)
+            self.waits.notify(lease.worker)
 
     def release_all(self, leases: list[Lease]) -> None:
         """Release every lease, each even when releasing another one raised."""
@@ -288,10 +314,11 @@ class GenerationService:
         another worker may be tried; otherwise answers the client and returns the status.
         """
         worker = lease.worker
-        headers = upstream_headers(request.headers, lease.rank)
+        headers = lease.trace.inject(upstream_headers(request.headers, lease.rank, self.credential(worker)))
         idle_s = self.timeouts.stream_idle_s
         try:
             async with open_upstream_response(self.pool, worker.url, generation.path, headers, body, self.timeouts) as response:
+                lease.trace.answered(response.status)
                 if generation.stream and response.status == 200:
                     first = await first_stream_chunk(response, worker.url, idle_s)
                     lease.judge(Outcome.SUCCESS)
@@ -320,7 +347,9 @@ class GenerationService:
         attempts.reasons.append(f"{worker_id}: {failure.detail}")
         if failure.answer is not None:
             attempts.last_answer = (failure.answer, worker_id)
-        log.warning("attempt on %s failed (%s): %s", worker_id, failure.reason, failure.detail)
+        log.warning(
+            "attempt on %s failed (%s): %s [request %s]", worker_id, failure.reason, failure.detail, current_request_id()
+        )
 
     async def _give_up(self, generation: GenerationRequest, writer: ResponseWriter, attempts: AttemptLog) -> int:
         if attempts.last_answer is not None:

@@ -22,10 +22,13 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class RouterMetrics:
-    def __init__(self, fleet: Fleet, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, fleet: Fleet, registry: CollectorRegistry | None = None, *, key_label: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter("router_requests", "Requests answered", ["model", "route", "status"], registry=r)
+        # The `key` label exists only with named client keys; its values are those names.
+        self.key_label = key_label
+        request_labels = ["model", "route", "status", "key"] if key_label else ["model", "route", "status"]
+        self.requests = Counter("router_requests", "Requests answered", request_labels, registry=r)
         self.duration = Histogram(
             "router_request_duration_seconds", "Time from request to the end of the answer",
             ["route"], buckets=_LATENCY_BUCKETS, registry=r,
@@ -53,8 +56,13 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def count_request(self, model: str, route: str, status: int) -> None:
-        self.child(self.requests, model, route, str(status)).inc()  # type: ignore[attr-defined]
+    def count_request(self, model: str, route: str, status: int, key: str | None = None) -> None:
+        """Count one answered request; `key` is the client key's name (`-`: none), used only
+        when the counter has the `key` label."""
+        if self.key_label:
+            self.child(self.requests, model, route, str(status), key or "-").inc()  # type: ignore[attr-defined]
+        else:
+            self.child(self.requests, model, route, str(status)).inc()  # type: ignore[attr-defined]
 
     def observe_duration(self, route: str, seconds: float) -> None:
         self.child(self.duration, route).observe(seconds)  # type: ignore[attr-defined]

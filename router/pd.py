@@ -27,6 +27,7 @@ from router.errors import BadRequest
 from router.generation import GenerationRequest
 from router.handoff_body import UnspliceableBody, splice_handoff
 from router.http.messages import Request, ResponseWriter
+from router.request_id import current_request_id
 from router.workers import Role, Worker
 
 if TYPE_CHECKING:
@@ -248,10 +249,11 @@ class PDDispatcher:
         """
         service = self.service
         worker = lease.worker
-        headers = upstream_headers(request.headers, lease.rank)
+        headers = lease.trace.inject(upstream_headers(request.headers, lease.rank, service.credential(worker)))
         timeouts = service.timeouts
         try:
             async with open_upstream_response(service.pool, worker.url, generation.path, headers, raw, timeouts) as response:
+                lease.trace.answered(response.status)
                 answer = await read_answer(response, worker.url, timeouts.stream_idle_s)
             judge_answer(answer, worker.url, expect_json=not generation.stream)
             if answer.status >= 400:
@@ -264,7 +266,10 @@ class PDDispatcher:
             failure.worker_id = worker.id
             self._leg_failed(worker, attempts)
             if decode_lease.committed:
-                log.warning("prefill %s failed after the decode answered: %s", worker.id, failure.detail)
+                log.warning(
+                    "prefill %s failed after the decode answered: %s [request %s]",
+                    worker.id, failure.detail, current_request_id(),
+                )
                 return
             raise
         lease.judge(Outcome.SUCCESS)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 
 import trio
 
@@ -52,11 +53,12 @@ def run_processes(settings: Settings, argv: Sequence[str]) -> int:
         "starting %d router processes sharing http://%s:%d",
         settings.processes, settings.host, settings.port,
     )
-    return trio.run(supervise, child_command(argv), settings.processes)
+    return trio.run(partial(supervise, child_command(argv), settings.processes, reload=bool(settings.api_keys_file)))
 
 
-async def supervise(command: list[str], count: int) -> int:
-    """Run `count` copies of `command`, forwarding SIGTERM/SIGINT to each.
+async def supervise(command: list[str], count: int, *, reload: bool = False) -> int:
+    """Run `count` copies of `command`, forwarding SIGTERM/SIGINT to each (and SIGHUP, the
+    keys file's reload, when `reload`: a child without a keys file would die of it).
 
     Returns 0 when every child exited 0, else the first non-zero status in exit order.
     Cancellation: children still running are killed.
@@ -64,7 +66,8 @@ async def supervise(command: list[str], count: int) -> int:
     processes: list[trio.Process] = []
     statuses: list[int] = []
     try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if reload else (signal.SIGTERM, signal.SIGINT)
+        with trio.open_signal_receiver(*watched) as signals:
             for _ in range(count):
                 processes.append(
                     await trio.lowlevel.open_process(
@@ -107,6 +110,11 @@ class _Stopping:
 async def _forward_signals(signals: AsyncIterator[int], stopping: _Stopping) -> None:
     async for signum in signals:
         log.info("%s: passing it to %d router processes", signal.Signals(signum).name, len(stopping.processes))
+        if signum == signal.SIGHUP:
+            for process in stopping.processes:  # a reload, not a stop
+                if process.returncode is None:
+                    process.send_signal(signum)
+            continue
         stopping.send(signum)
 
 

@@ -39,8 +39,9 @@ class LegPool:
 
     `workers` is every worker of the role (any status); `candidates` may take the request
     now. The counts say why the others may not, each worker counted once under its first
-    reason (draining, then unhealthy, then breaker open). `forced` means the candidates
-    are breaker-open workers taken anyway because nothing else could serve.
+    reason (draining, then unhealthy, then breaker open, then at its in-flight cap).
+    `forced` means the candidates are breaker-open workers taken anyway because nothing
+    else could serve.
     `retry_after_s` is what a 503 for this leg would advertise.
     """
 
@@ -50,6 +51,7 @@ class LegPool:
     draining: int = 0
     unhealthy: int = 0
     breaker_open: int = 0
+    full: int = 0
     forced: bool = False
     retry_after_s: float = 1.0
 
@@ -81,7 +83,7 @@ def filter_leg(
     members: list[Worker] = []
     candidates: list[Worker] = []
     open_only: list[Worker] = []
-    draining = unhealthy = 0
+    draining = unhealthy = full = 0
     for worker in workers:
         if worker.role is not role:
             continue
@@ -92,6 +94,9 @@ def filter_leg(
             unhealthy += 1
         elif worker.breaker is not None and not worker.breaker.available(now):
             open_only.append(worker)
+        elif worker.full:
+            # A routing decision, not a fault: the request waits for a slot in the router.
+            full += 1
         else:
             candidates.append(worker)
     pool = LegPool(
@@ -101,9 +106,12 @@ def filter_leg(
         draining=draining,
         unhealthy=unhealthy,
         breaker_open=len(open_only),
+        full=full,
         retry_after_s=default_retry_after_s,
     )
-    if candidates or not open_only:
+    if candidates or not open_only or full:
+        # Breaker-open workers are forced only when nothing else is fit: a worker at its
+        # cap frees up soon, so the request waits for it rather than for a suspect one.
         return pool
     if all_open is AllOpenMode.DISPATCH:
         pool.candidates = open_only

@@ -21,7 +21,10 @@ import httpx
 import trio
 from prometheus_client import CollectorRegistry
 
+from router.admin import AdminApi
+from router.admission import AdmissionCollector, AdmissionGate, AdmissionSettings
 from router.app import RouterApp
+from router.auth import ClientKeys, KeysFileError, serve_key_reloads
 from router.breaker import BreakerSettings, BreakerState, make_breaker
 from router.config import ConfigError, Settings, add_arguments, load_settings
 from router.discovery import DiscoveryHealth
@@ -36,7 +39,10 @@ from router.http.pool import PoolSettings, open_upstream_pool
 from router.http.server import serve_http
 from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
+from router.request_id import current_request_id
 from router.runtime_metrics import RuntimeCollector
+from router.tracing import open_tracing, otel_installed
+from router.worker_wait import WorkerWaitCollector
 from router.workers import BreakerFactory, Fleet
 
 log = logging.getLogger("router")
@@ -84,7 +90,8 @@ def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics], fleet
             # A worker that already left (its last request failing) gets no new series.
             if old is BreakerState.CLOSED and fleet_ref[0].get(name) is not None:
                 metrics_ref[0].breaker_trips.labels(name).inc()
-            log.warning("breaker of %s opened (was %s)", name, old.name.lower())
+            # Runs inside the request whose verdict tripped it: the log names that request.
+            log.warning("breaker of %s opened (was %s) [request %s]", name, old.name.lower(), current_request_id())
         elif new is BreakerState.HALF_OPEN:
             # The probe itself is logged when it is dispatched (router.failover).
             log.debug("breaker of %s is half-open: the next request to it is the probe", name)
@@ -92,6 +99,23 @@ def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics], fleet
             log.info("breaker of %s closed: the worker recovered", name)
 
     return lambda worker_id: make_breaker(breaker_settings, worker_id, on_transition)
+
+
+def client_keys(settings: Settings) -> ClientKeys:
+    """The client keys of `settings`; ConfigError when the keys file cannot be used."""
+    try:
+        return ClientKeys(settings.api_key, settings.api_keys_file)
+    except KeysFileError as error:
+        raise ConfigError(str(error)) from None
+
+
+def admission_settings(settings: Settings) -> AdmissionSettings:
+    return AdmissionSettings(
+        limit=settings.max_concurrent_requests,
+        queue_size=settings.queue_size,
+        timeout_s=settings.queue_timeout_s,
+        retry_after_s=settings.retry_after_s,
+    )
 
 
 def server_settings(settings: Settings) -> ServerSettings:
@@ -126,10 +150,14 @@ async def run_router(
     fleet = Fleet(
         _breaker_factory(settings, metrics_ref, fleet_ref),
         model_memory_s=settings.model_memory_s, clock=trio.current_time,
+        max_inflight=settings.worker_max_inflight,
     )
     fleet_ref.append(fleet)
-    metrics = RouterMetrics(fleet, registry)
+    keys = client_keys(settings)
+    metrics = RouterMetrics(fleet, registry, key_label=keys.named)
     metrics_ref.append(metrics)
+    admission = AdmissionGate(admission_settings(settings))
+    metrics.registry.register(AdmissionCollector(admission))
     pool_settings = PoolSettings(
         max_idle_per_worker=settings.pool_max_idle_per_worker,
         idle_expiry_s=settings.pool_idle_expiry_s,
@@ -137,6 +165,7 @@ async def run_router(
     async with (
         open_upstream_pool(pool_settings) as pool,
         httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
+        open_tracing(settings.otlp_traces_endpoint) as tracing,
         trio.open_nursery() as nursery,
     ):
         metrics.registry.register(RuntimeCollector(pool))
@@ -156,7 +185,16 @@ async def run_router(
                 success_threshold=settings.health_success_threshold,
             )
         )
-        app = RouterApp(settings, fleet, pool, metrics, discovery)
+        if settings.api_keys_file:
+            await nursery.start(serve_key_reloads, keys)
+        admin = None
+        if settings.admin_api_key:
+            admin = AdminApi(
+                fleet, http, nursery, admin_key=settings.admin_api_key, worker_api_key=settings.worker_api_key,
+                discovery_owns_fleet=settings.discovery != "static", drain_timeout_s=settings.shutdown_grace_s,
+            )
+        app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission, admin=admin, tracing=tracing)
+        metrics.registry.register(WorkerWaitCollector(app.generation.waits))
         # Attached once the app exists: a worker that left before it (during the first
         # listing) had no request, so no pool endpoint, rank state or series to prune.
         fleet.add_listener(DepartedWorkerPruner(pool, app.generation.pd.ranks, metrics))
@@ -192,7 +230,9 @@ async def serve_discovery(
     elif settings.discovery == "kubernetes":
         await serve_kubernetes_discovery(kube_settings(settings), fleet, metrics, task_status=task_status)
     else:
-        await serve_static_discovery(fleet, settings.workers, http, task_status=task_status)
+        await serve_static_discovery(
+            fleet, settings.workers, http, worker_api_key=settings.worker_api_key, task_status=task_status
+        )
 
 
 def kube_settings(settings: Settings) -> KubeDiscoverySettings:
@@ -243,6 +283,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         settings = load_settings(args)
+        client_keys(settings)  # a bad keys file stops the start, like any bad setting
     except ConfigError as error:
         print(f"router serve: {error}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
@@ -256,6 +297,9 @@ def main(argv: Sequence[str]) -> int:
         settings = dataclasses.replace(settings, reuse_port=True)
     if settings.server == "hypercorn" and importlib.util.find_spec("hypercorn") is None:
         print("router serve: --server hypercorn needs hypercorn: pip install 'trio-router[asgi]'", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    if settings.otlp_traces_endpoint and not otel_installed():
+        print("router serve: --otlp-traces-endpoint needs OpenTelemetry: pip install 'trio-router[otel]'", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     if settings.processes > 1:
         from router.processes import run_processes

@@ -52,6 +52,8 @@ class WorkerRecord:
     unknown_facts: frozenset[str] = frozenset()
     """Facts the record leaves to the engine (`FACTS`): the worker joins the fleet once
     they are learned (router.engine_facts); until then it is pending."""
+    api_key: str | None = field(default=None, repr=False)
+    """The key the router sends this worker (`Authorization: Bearer`); never listed back."""
 
     @property
     def rank_multiplexed(self) -> bool:
@@ -107,6 +109,10 @@ class WorkerRecord:
             # The engine knows its bootstrap port; its DP size comes with the same answer
             # unless the record gives one.
             unknown = frozenset({"bootstrap_port"} if "dp_size" in data else {"bootstrap_port", "dp_size"})
+        api_key = data.get("api_key")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.isprintable() or " " in api_key):
+            # The value is a secret: the message does not repeat it.
+            raise InvalidWorkerRecord("'api_key' must be a string without spaces or control characters")
         return cls(
             id=worker_id,
             url=url,
@@ -118,10 +124,11 @@ class WorkerRecord:
             disagg_meta=meta,
             status=status,
             unknown_facts=unknown,
+            api_key=api_key or None,
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The record as registered; `status` is omitted while ACTIVE."""
+        """The record as registered; `status` is omitted while ACTIVE, `api_key` always."""
         data: dict[str, Any] = {
             "id": self.id,
             "url": self.url,
@@ -189,6 +196,9 @@ class Worker:
     rank_inflight: list[int] = field(default_factory=list)
     departed: bool = False
     """It left the fleet; requests already in flight to it finish."""
+    max_inflight: int = 0
+    """Requests this router may have in flight on the worker (per DP rank when the router
+    picks ranks); 0 means no cap. A worker at its cap is not a candidate."""
 
     def __post_init__(self) -> None:
         if not self.rank_inflight:
@@ -209,6 +219,16 @@ class Worker:
     @property
     def draining(self) -> bool:
         return self.record.status is Status.DRAINING
+
+    @property
+    def full(self) -> bool:
+        """At its in-flight cap: every rank at the cap when the router picks the rank."""
+        cap = self.max_inflight
+        if not cap:
+            return False
+        if self.record.rank_multiplexed:
+            return min(self.rank_inflight) >= cap
+        return self.inflight >= cap
 
     def begin(self, rank: int | None = None) -> None:
         """Count one request in flight (and on `rank` when the router chose it)."""
@@ -253,8 +273,10 @@ class Fleet:
         *,
         model_memory_s: float = 0.0,
         clock: Callable[[], float] | None = None,
+        max_inflight: int = 0,
     ) -> None:
         self._breaker_factory = breaker_factory or (lambda _worker_id: None)
+        self._max_inflight = max_inflight
         self._workers: dict[str, Worker] = {}
         self._by_model: dict[str, list[Worker]] = {}
         self._urls: set[str] = set()
@@ -318,7 +340,7 @@ class Fleet:
         worker = self._workers.get(record.id)
         old_url: str | None = None
         if worker is None:
-            worker = Worker(record=record, breaker=self._breaker_factory(record.id))
+            worker = Worker(record=record, breaker=self._breaker_factory(record.id), max_inflight=self._max_inflight)
             self._workers[record.id] = worker
         else:
             if record.dp_size != worker.record.dp_size:

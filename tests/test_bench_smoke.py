@@ -77,3 +77,12 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
     assert all(m["requests"] > 0 and m["errors"] == 0 for m in runs)
     assert all(m["cpu_s"] > 0 for m in runs)
     assert [i["opened"] for i in data["idle"]] == [100]
+
+
+def test_the_tracing_cost_bench_prints_both_figures() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.tracing_cost", "--iterations", "50", "--repeats", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert re.search(rf"^tracing off: {NUMBER} us per request", result.stdout, re.M), result.stdout
+    assert re.search(rf"^tracing on:  {NUMBER} us per request", result.stdout, re.M), result.stdout

@@ -287,3 +287,31 @@ def test_every_flag_is_described_and_every_description_is_a_flag() -> None:
     for flag, env, _, _ in describe_options():
         assert env.startswith("ROUTER_")
         assert env in help_text, flag
+
+
+def test_a_fleet_file_record_may_carry_its_workers_key_which_is_never_listed(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("- {url: 'http://10.0.0.5:30000', model: m, api_key: worker-secret-1}\n")
+    [record] = read_workers_file(path)
+    assert record.api_key == "worker-secret-1"
+    assert "api_key" not in record.to_json() and "worker-secret-1" not in repr(record)
+
+
+def test_a_bad_worker_key_is_refused_without_repeating_it(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("- {url: 'http://10.0.0.5:30000', model: m, api_key: 'two words'}\n")
+    with pytest.raises(ConfigError, match="api_key") as caught:
+        read_workers_file(path)
+    assert "two words" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("1", True), ("off", False), ("NO", False)])
+def test_a_yes_no_option_reads_words_from_the_environment(raw: str, expected: bool) -> None:
+    assert _load(env={"ROUTER_PROTECT_METRICS": raw}).protect_metrics is expected
+
+
+def test_a_bare_yes_no_flag_means_yes_and_a_bad_word_is_refused() -> None:
+    assert _load(["--protect-metrics"]).protect_metrics is True
+    assert _load().protect_metrics is False
+    with pytest.raises(ConfigError, match="--protect-metrics must be true or false"):
+        _load(["--protect-metrics", "maybe"])

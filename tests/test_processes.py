@@ -113,3 +113,45 @@ async def test_a_sigterm_while_the_processes_start_stops_them_all_cleanly() -> N
     for child in children:
         with pytest.raises(ProcessLookupError):
             os.kill(child, 0)
+
+
+async def test_sighup_reaches_every_process_and_reloads_the_keys_without_stopping_any(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text("alice: key-of-alice\n")
+    with trio.fail_after(30):
+        async with open_fake_fleet(1) as fleet:
+            port = free_port()
+            command = [
+                sys.executable, "-m", "router.cli", "serve", "--port", str(port),
+                "--worker", fleet[0].url, "--processes", "2", "--log-level", "info",
+                "--health-interval-s", "3600", "--api-keys-file", str(keys_file),
+            ]
+            process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            output = bytearray()
+
+            async def read_output() -> None:
+                assert process.stderr is not None
+                async for chunk in process.stderr:
+                    output.extend(chunk)
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read_output)
+                    # Both children listen, so both have their SIGHUP handler.
+                    await wait_until(lambda: output.count(b"router listening on") == 2)
+                    keys_file.write_text("bob: key-of-bob\n")
+                    process.send_signal(signal.SIGHUP)
+                    await wait_until(lambda: output.count(b"SIGHUP: 1 client keys in force (bob)") == 2)
+                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                        for key, expected in (("key-of-bob", 200), ("key-of-alice", 401)) * 5:
+                            response = await http.post(
+                                "/v1/chat/completions", json=CHAT,
+                                headers={"connection": "close", "authorization": f"Bearer {key}"},
+                            )
+                            assert response.status_code == expected
+                    assert process.returncode is None and len(_children(process.pid)) == 2
+                    process.send_signal(signal.SIGTERM)
+                    assert await process.wait() == 0
+            finally:
+                _kill_tree(process)
+    assert fleet[0].worker.routing.dispatches == 5

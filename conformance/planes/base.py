@@ -137,6 +137,11 @@ class Plane(ABC):
     def command(self, launch: Launch) -> list[str]:
         """The argv that starts the plane in front of `launch.workers`."""
 
+    def auth_headers(self, launch: Launch) -> dict[str, str]:
+        """The client key a case sets, for the runner's own requests (readiness polls)."""
+        key = launch.case.settings.api_key
+        return {} if key is None else {"authorization": f"Bearer {key}"}
+
     async def wait_ready(self, client: httpx.AsyncClient, url: str, launch: Launch) -> None:
         """Return once the plane serves the fleet: `/v1/models` lists every model of it.
 
@@ -145,7 +150,7 @@ class Plane(ABC):
         wanted = {worker.spec.model for worker in launch.workers}
         while True:
             try:
-                response = await client.get(url + "/v1/models", timeout=2.0)
+                response = await client.get(url + "/v1/models", timeout=2.0, headers=self.auth_headers(launch))
                 if response.status_code == 200:
                     listed = {entry.get("id") for entry in response.json().get("data", [])}
                     if wanted <= listed:

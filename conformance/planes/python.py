@@ -130,6 +130,12 @@ class PythonPlane(Plane):
         if s.max_body_bytes is not None:
             flags += ["--max-body-bytes", str(s.max_body_bytes)]
         flags += cache_aware_flags(s.cache_aware)
+        if s.api_key is not None:
+            flags += ["--api-key", s.api_key]
+        if s.max_concurrent is not None:
+            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
+        if s.queue_size is not None:
+            flags += ["--queue-size", str(s.queue_size)]
         return flags
 
 

@@ -142,6 +142,12 @@ class SmgPlane(Plane):
         if s.max_body_bytes is not None:
             flags += ["--max-payload-size", str(s.max_body_bytes)]
         flags += cache_aware_flags(s.cache_aware)
+        if s.api_key is not None:
+            flags += ["--api-key", s.api_key]
+        if s.max_concurrent is not None:
+            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
+        if s.queue_size is not None:
+            flags += ["--queue-size", str(s.queue_size)]
         return flags
 
     async def wait_ready(self, client: httpx.AsyncClient, url: str, launch: Launch) -> None:
@@ -150,7 +156,7 @@ class SmgPlane(Plane):
         wanted = {worker.url for worker in launch.workers}
         while True:
             try:
-                response = await client.get(url + "/workers", timeout=2.0)
+                response = await client.get(url + "/workers", timeout=2.0, headers=self.auth_headers(launch))
                 if response.status_code == 200:
                     entries = response.json().get("workers", [])
                     listed = {str(entry.get("url", "")).split("@")[0].rstrip("/") for entry in entries}

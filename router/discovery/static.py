@@ -20,13 +20,17 @@ from router.workers import Fleet, WorkerRecord
 log = logging.getLogger("router.discovery.static")
 
 
-async def fetch_models(http: httpx.AsyncClient, url: str, timeout_s: float = 5.0) -> tuple[str, ...]:
-    """The model ids a worker serves, from its OpenAI-style `/v1/models`.
+async def fetch_models(
+    http: httpx.AsyncClient, url: str, timeout_s: float = 5.0, *, api_key: str | None = None
+) -> tuple[str, ...]:
+    """The model ids a worker serves, from its OpenAI-style `/v1/models` (asked with the
+    router's key for the worker, when it has one: engines guard `/v1/*` with it).
 
     Raises httpx.HTTPError, or ValueError for an answer that names no model: whatever a
     worker answers, it costs the router that worker only, never the discovery task.
     """
-    response = await http.get(url + "/v1/models", timeout=timeout_s)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    response = await http.get(url + "/v1/models", timeout=timeout_s, headers=headers)
     response.raise_for_status()
     answer = response.json()
     data = answer.get("data") if isinstance(answer, dict) else None
@@ -45,6 +49,7 @@ async def serve_static_discovery(
     *,
     retry_interval_s: float = 1.0,
     max_retry_interval_s: float = 30.0,
+    worker_api_key: str = "",
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Put `records` in the fleet; ready once every worker had one chance to name its model.
@@ -63,7 +68,7 @@ async def serve_static_discovery(
 
     async def resolve(record: WorkerRecord) -> bool:
         try:
-            models = await fetch_models(http, record.url)
+            models = await fetch_models(http, record.url, api_key=record.api_key or worker_api_key or None)
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("worker %s: cannot read its model yet (%s); retrying", record.url, exc)
             return False

@@ -153,7 +153,8 @@ class FakeWorker:
         except orjson.JSONDecodeError:
             body = None
         stats.count_dispatch(request.path, rank_text, body)
-        stats.inflight += 1
+        stats.record_headers(request.headers)
+        stats.begin()
         try:
             await self._serve_generation(request, writer, body, rank_text)
         except ClientDisconnected:
@@ -163,7 +164,7 @@ class FakeWorker:
                 stats.disconnects += 1
             raise
         finally:
-            stats.inflight -= 1
+            stats.end()
 
     async def _serve_generation(
         self, request: Request, writer: ResponseWriter, body: object, rank_text: str | None

@@ -14,6 +14,7 @@ from typing import Any
 # The SGLang PD handoff fields a router injects into request bodies.
 HANDOFF_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank")
 HANDOFF_HISTORY = 100
+HEADER_HISTORY = 100
 
 
 @dataclass(slots=True)
@@ -46,6 +47,9 @@ class RoutingStats:
         self.paths: dict[str, int] = {}
         self.ranks: dict[str, int] = {}
         self.handoffs: deque[dict[str, Any]] = deque(maxlen=HANDOFF_HISTORY)
+        # The headers of the latest generation requests, so a test reads what a worker got.
+        self.headers: deque[dict[str, str]] = deque(maxlen=HEADER_HISTORY)
+        self.peak_inflight = self.inflight
         for load in self.loads:
             load.prompt_tokens = 0
             load.generation_tokens = 0
@@ -53,6 +57,22 @@ class RoutingStats:
 
     def count_path(self, path: str) -> None:
         self.paths[path] = self.paths.get(path, 0) + 1
+
+    def begin(self) -> None:
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+
+    def end(self) -> None:
+        self.inflight -= 1
+
+    def record_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Keep one request's headers (names lower-case; a repeated name's values joined)."""
+        seen: dict[str, str] = {}
+        for name, value in headers:
+            key = name.decode("latin-1")
+            text = value.decode("latin-1")
+            seen[key] = f"{seen[key]}, {text}" if key in seen else text
+        self.headers.append(seen)
 
     def count_dispatch(self, path: str, rank_header: str | None, body: Any) -> None:
         """Record one generation request: its rank header and any PD handoff fields."""
@@ -72,6 +92,8 @@ class RoutingStats:
             "failures": self.failures,
             "disconnects": self.disconnects,
             "inflight": self.inflight,
+            "peak_inflight": self.peak_inflight,
+            "headers": list(self.headers),
             "paths": dict(self.paths),
             "ranks": dict(self.ranks),
             "handoffs": list(self.handoffs),

@@ -482,20 +482,22 @@ async def test_after_the_cooldown_the_recovered_worker_is_probed_and_closes(
                 # The cooldown is a span of time, not a condition to poll for.
                 await trio.sleep_until(stats.next_probe_at)
                 answered_by = []
+                request_ids = {}
                 for _ in range(2):
                     response = await client.post("/v1/chat/completions", json=CHAT)
                     assert response.status_code == 200
                     answered_by.append(response.headers["x-router-worker"])
+                    request_ids[response.headers["x-router-worker"]] = response.headers["x-request-id"]
             after = breaker_of(router, fleet[0].url)
     assert tripped.status_code == 200
     assert fleet[0].url in answered_by
     assert dispatches(fleet[0]) == answered_by.count(fleet[0].url)
     assert (after.state, after.consecutive_faults, after.cooldown_s) == (BreakerState.CLOSED, 0, 0.5)
-    # One line per trip, per probe and per recovery.
+    # One line per trip, per probe and per recovery; trip and probe name their request.
     lines = [r.getMessage() for r in caplog.records if fleet[0].url in r.getMessage() and r.levelno >= logging.INFO]
     assert [line for line in lines if "breaker" in line or "probing" in line] == [
-        f"breaker of {fleet[0].url} opened (was closed)",
-        f"probing {fleet[0].url}: its breaker cooldown is over",
+        f"breaker of {fleet[0].url} opened (was closed) [request {tripped.headers['x-request-id']}]",
+        f"probing {fleet[0].url}: its breaker cooldown is over [request {request_ids[fleet[0].url]}]",
         f"breaker of {fleet[0].url} closed: the worker recovered",
     ]
 
