@@ -85,6 +85,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
     Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
+    Option("body_timeout_s", float, 30.0, "time for a client to send a whole request body (408 beyond)", minimum=0.001),
+    Option("client_write_timeout_s", float, 60.0, "longest a client may take no byte of its answer before the request is aborted", minimum=0.001),
+    Option("max_buffered_body_bytes", int, 1024**3, "request-body bytes buffered at once across all client connections (503 beyond)", minimum=1),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -125,6 +128,9 @@ class Settings:
     server: str = "native"
     processes: int = 1
     reuse_port: bool = False
+    body_timeout_s: float = 30.0
+    client_write_timeout_s: float = 60.0
+    max_buffered_body_bytes: int = 1024**3
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
