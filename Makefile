@@ -35,3 +35,8 @@ conformance: setup
 
 bench: setup system-deps
 	$(BIN)/python -m bench
+
+# Every fuzz test of tests/adversarial with 10,000 examples each (the suite runs 200).
+.PHONY: fuzz
+fuzz: setup
+	ROUTER_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/adversarial -k fuzz
