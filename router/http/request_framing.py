@@ -36,9 +36,10 @@ class FramingError(BadRequest):
     """A request whose framing cannot be trusted: answered 400, connection closed."""
 
 
-def check_framing(head: h11.Request, raw: bytes | bytearray) -> int:
-    """The length of `head` in `raw` (the bytes h11 parsed it from, and any after it);
-    raises FramingError when another HTTP parser could frame it differently."""
+def check_framing(head: h11.Request, raw: bytes | bytearray) -> tuple[int, bool]:
+    """The length of `head` in `raw` (the bytes h11 parsed it from, and any after it), and
+    whether its body is chunked; raises FramingError when another HTTP parser could frame
+    it differently."""
     has_length = has_coding = False
     for name, _ in head.headers:
         if name == b"content-length":
@@ -55,4 +56,4 @@ def check_framing(head: h11.Request, raw: bytes | bytearray) -> int:
     head_length = len(raw) if end is None else end.end()
     if _FOLD.search(raw, 0, head_length) is not None:
         raise FramingError("obsolete line folding (a header line starting with a space or tab)")
-    return head_length
+    return head_length, has_coding

@@ -104,8 +104,8 @@ class RequestReader:
                 event = conn.next_event()
         if type(event) is not h11.Request:
             return None
-        head_length = check_framing(event, raw)
-        if any(name == b"transfer-encoding" for name, _ in event.headers):
+        head_length, chunked = check_framing(event, raw)
+        if chunked:
             # h11 took it, so it is chunked: the body's raw bytes are checked as they come.
             self._chunked = ChunkedFraming(settings.max_body_bytes)
             self._chunked.feed(raw[head_length:])

@@ -202,7 +202,7 @@ class _Connection:
     What the `ResponseWriter` answers on (`ClientConnection`).
     """
 
-    __slots__ = ("_server", "client", "h11", "reader", "requests", "socket")
+    __slots__ = ("_server", "client", "h11", "reader", "requests", "socket", "write_timeout_s")
 
     def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
         self._server = server
@@ -214,10 +214,7 @@ class _Connection:
         self.client = _peer(self.socket.sock)
         self.reader = ConnectionReader(self.socket, self.h11)
         self.requests = RequestReader(self.reader, self.h11, self.socket, settings, self.client)
-
-    @property
-    def write_timeout_s(self) -> float:
-        return self._server.settings.client_write_timeout_s
+        self.write_timeout_s = settings.client_write_timeout_s
 
     @property
     def closing(self) -> bool:
