@@ -5,11 +5,14 @@ each: no 500, no lease left, the router still serving."""
 from __future__ import annotations
 
 import socket
+from functools import partial
 
 import orjson
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
+from router.http.messages import Request, ResponseWriter
+from router.http.server import ServerLoad, serve_http
 from tests.adversarial.support import (
     CHAT,
     FOLLOW_UP,
@@ -169,3 +172,28 @@ async def test_a_flood_past_the_connection_cap_is_turned_away_with_bounded_work(
                 lambda: trio.lowlevel.current_statistics().tasks_living <= baseline
             )
             await assert_still_serving(setup)
+
+
+async def test_budget_bytes_are_given_back_when_a_handler_raises_or_the_server_is_cancelled() -> None:
+    """The two paths a router cannot show from outside: a handler that raises (a clean 500)
+    and the server cancelled while a body is half read."""
+    load = ServerLoad(body_limit=1 << 20)
+    body = b"x" * 3000
+
+    async def failing(request: Request, writer: ResponseWriter) -> None:
+        assert load.body_bytes == len(body)
+        raise RuntimeError("a handler bug")
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_http, failing, load=load))
+            answer = await exchange(port, _post(body, close=True))
+            assert statuses(answer) == [500]
+            assert load.body_bytes == 0
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(_post(body)[:-1000])
+                await wait_until(lambda: load.body_bytes == len(body))
+                nursery.cancel_scope.cancel()
+    assert load.body_bytes == 0
+    assert load.connections == 0
