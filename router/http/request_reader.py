@@ -25,7 +25,7 @@ __all__ = ["RequestReader"]
 class RequestReader:
     """Reads requests off one connection through its `ConnectionReader`."""
 
-    __slots__ = ("_chunked", "_client", "_conn", "_reader", "_settings", "_socket")
+    __slots__ = ("_chunked", "_client", "_conn", "_reader", "_settings", "_socket", "method")
 
     def __init__(
         self,
@@ -42,6 +42,9 @@ class RequestReader:
         self._client = client
         # The strict check of the body being read, when it is chunked.
         self._chunked: ChunkedFraming | None = None
+        # The method of the request being read, once its head is in (a refusal of a HEAD
+        # request has no body).
+        self.method: bytes | None = None
 
     async def read(
         self, deadline: float | None, reservation: BodyReservation, *, shutting_down: bool
@@ -52,6 +55,7 @@ class RequestReader:
         The body's bytes are taken from `reservation`, which the caller releases.
         Raises RouterError for a request to refuse.
         """
+        self.method = None
         try:
             head = await self._read_head(deadline, shutting_down)
             if head is None:
@@ -104,6 +108,7 @@ class RequestReader:
                 event = conn.next_event()
         if type(event) is not h11.Request:
             return None
+        self.method = event.method
         head_length, chunked = check_framing(event, raw)
         if chunked:
             # h11 took it, so it is chunked: the body's raw bytes are checked as they come.
@@ -138,7 +143,8 @@ class RequestReader:
         reservation.take(declared)
         if conn.they_are_waiting_for_100_continue:
             await self._socket.send_all(
-                conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+                conn.send(h11.InformationalResponse(status_code=100, headers=[])),
+                stall_timeout_s=settings.client_write_timeout_s,
             )
         chunks: list[bytes | bytearray] = []
         size = 0

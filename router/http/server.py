@@ -303,7 +303,8 @@ class _Connection:
         """
         conn = self.h11
         if conn.our_state is h11.IDLE or conn.our_state is h11.SEND_RESPONSE:
-            data = encode_error(conn, error, self._server.date.now())
+            bodyless = self.requests.method == b"HEAD"
+            data = encode_error(conn, error, self._server.date.now(), bodyless=bodyless)
             try:
                 await self.socket.send_all(data, stall_timeout_s=self.write_timeout_s)
             except trio.BrokenResourceError:

@@ -71,8 +71,13 @@ def protocol_error(exc: h11.RemoteProtocolError, settings: ServerSettings) -> Ro
     return BadRequest(f"malformed HTTP request: {exc}")
 
 
-def encode_error(conn: h11.Connection, error: RouterError, date: bytes) -> bytes:
-    """A complete JSON error response that also tells the client the connection closes."""
+def encode_error(
+    conn: h11.Connection, error: RouterError, date: bytes, *, bodyless: bool = False
+) -> bytes:
+    """A complete JSON error response that also tells the client the connection closes.
+
+    `bodyless`: the answer to a HEAD request, its headers only (h11 refuses a body there).
+    """
     body = error.body()
     head = [
         JSON_HEADER,
@@ -83,6 +88,8 @@ def encode_error(conn: h11.Connection, error: RouterError, date: bytes) -> bytes
         (b"date", date),
     ]
     response = h11.Response(status_code=error.status, headers=head)
+    if bodyless:
+        return conn.send(response) + conn.send(h11.EndOfMessage())
     return b"".join(
         (conn.send(response), conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
     )

@@ -197,3 +197,19 @@ async def test_budget_bytes_are_given_back_when_a_handler_raises_or_the_server_i
                 nursery.cancel_scope.cancel()
     assert load.body_bytes == 0
     assert load.connections == 0
+
+
+async def test_a_refused_head_request_is_answered_without_a_body() -> None:
+    """A HEAD request refused before its handler (here: a declared body over the limit,
+    a chunked body that never ends, unframeable headers) gets its status line and headers, no body, and the
+    connection closes; the server logs no failed connection."""
+    oversized = b"HEAD /v1/models HTTP/1.1\r\nHost: router\r\nContent-Length: 5000\r\n\r\n"
+    unfinished = b"HEAD /v1/models HTTP/1.1\r\nHost: router\r\nTransfer-Encoding: chunked\r\n\r\n"
+    smuggling = unfinished.replace(b"\r\n\r\n", b"\r\nContent-Length: 5\r\n\r\n")
+    with trio.fail_after(GUARD_S):
+        async with open_setup(max_body_bytes=1024, body_timeout_s=0.5) as setup:
+            for data, status in ((oversized, 413), (unfinished, 408), (smuggling, 400)):
+                answer = await exchange(setup.port, data)
+                assert answer.startswith(b"HTTP/1.1 %d " % status), answer
+                assert answer.endswith(b"\r\n\r\n"), answer
+            await assert_still_serving(setup)
