@@ -39,4 +39,4 @@ bench: setup system-deps
 # Every fuzz test of tests/adversarial with 10,000 examples each (the suite runs 200).
 .PHONY: fuzz
 fuzz: setup
-	ROUTER_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/adversarial -k fuzz
+	ROUTER_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q -o faulthandler_timeout=0 tests/adversarial -k fuzz
