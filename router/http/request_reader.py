@@ -139,8 +139,6 @@ class RequestReader:
             raise HeadersTooLarge(f"request headers exceed {settings.max_header_bytes} bytes")
         if declared > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        # A declared body is taken from the budget whole, before any of it is read.
-        reservation.take(declared)
         if conn.they_are_waiting_for_100_continue:
             await self._socket.send_all(
                 conn.send(h11.InformationalResponse(status_code=100, headers=[])),
@@ -154,8 +152,9 @@ class RequestReader:
                 size += len(event.data)
                 if size > limit:
                     raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-                if size > declared:
-                    reservation.take(len(event.data))
+                # Taken as the bytes come, not as declared: a head alone must not be able
+                # to hold the budget.
+                reservation.take(len(event.data))
                 chunks.append(event.data)
             else:
                 with trio.CancelScope(deadline=deadline) as scope:

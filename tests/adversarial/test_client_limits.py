@@ -67,6 +67,24 @@ async def test_a_body_past_the_global_budget_is_503_and_the_budget_comes_back() 
             await assert_still_serving(setup)
 
 
+async def test_a_declared_length_alone_takes_nothing_from_the_budget() -> None:
+    """Heads that declare large bodies and send none cannot starve everyone else."""
+    head = _HEAD + b"Content-Length: 4000\r\n\r\n"
+    with trio.fail_after(GUARD_S):
+        async with open_setup(max_buffered_body_bytes=10_000) as setup:
+            streams = [await trio.open_tcp_stream("127.0.0.1", setup.port) for _ in range(5)]
+            try:
+                for count, stream in enumerate(streams, start=1):
+                    # One byte of each body: held once its head was read, and only it.
+                    await stream.send_all(head + b"{")
+                    await wait_until(partial(_holds, setup, count))
+                await assert_still_serving(setup)
+                assert _held(setup) == len(streams)
+            finally:
+                for stream in streams:
+                    await stream.aclose()
+
+
 async def test_a_chunked_body_past_the_budget_is_503_when_it_crosses_it() -> None:
     with trio.fail_after(GUARD_S):
         async with open_setup(max_buffered_body_bytes=4096) as setup:
@@ -81,24 +99,26 @@ async def test_budget_bytes_are_given_back_when_the_client_leaves_mid_body() -> 
     body = _large_body(6000)
     with trio.fail_after(GUARD_S):
         async with open_setup() as setup:
-            for data, held in ((_post(body), len(body)), (_post(body, chunked=True), None)):
+            for data in (_post(body), _post(body, chunked=True)):
                 stream = await trio.open_tcp_stream("127.0.0.1", setup.port)
                 async with stream:
                     # Everything but the body's last 1000 bytes (and the chunked ending).
                     await stream.send_all(data[:-1000])
-                    if held is not None:
-                        # A declared body is taken whole as soon as its head is read.
-                        await wait_until(lambda: _held(setup) == len(body))
-                    else:
-                        # A chunked one as its bytes come.
-                        await wait_until(lambda: _held(setup) > 4000)
+                    # The budget is taken as the body's bytes come.
+                    await wait_until(lambda: _held(setup) > 4000)
                 await wait_until(lambda: _held(setup) == 0)
             assert setup.dispatches == 0
             await assert_still_serving(setup)
 
 
-def _held(setup: Setup) -> float | None:
-    return setup.router.metrics.registry.get_sample_value(BUDGET)
+def _holds(setup: Setup, count: int) -> bool:
+    return _held(setup) == count
+
+
+def _held(setup: Setup) -> float:
+    value = setup.router.metrics.registry.get_sample_value(BUDGET)
+    assert value is not None, f"{BUDGET} is not registered"
+    return value
 
 
 async def test_a_head_over_the_limit_is_431_and_a_body_over_it_413() -> None:
@@ -193,7 +213,7 @@ async def test_budget_bytes_are_given_back_when_a_handler_raises_or_the_server_i
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
                 await stream.send_all(_post(body)[:-1000])
-                await wait_until(lambda: load.body_bytes == len(body))
+                await wait_until(lambda: load.body_bytes == len(body) - 1000)
                 nursery.cancel_scope.cancel()
     assert load.body_bytes == 0
     assert load.connections == 0
