@@ -241,7 +241,7 @@ def _still_serving(http: httpx.Client) -> None:
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[HealthCheck.too_slow],
 )
 # Half-closed after sending, or not: then an incomplete request waits for the router's
 # own timeouts.
