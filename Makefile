@@ -44,7 +44,7 @@ bench: setup system-deps
 
 # The long adversarial runs; the suite runs short versions of both. Bounded in count and time.
 fuzz: setup system-deps
-	ROUTER_FUZZ_EXAMPLES=10000 timeout 3600 $(BIN)/pytest -q -p no:cacheprovider tests/adversarial -k fuzz
+	ROUTER_FUZZ_EXAMPLES=10000 timeout 3600 $(BIN)/pytest -q -p no:cacheprovider -o faulthandler_timeout=0 tests/adversarial -k fuzz
 
 soak: setup system-deps
 	timeout 600 $(BIN)/python -m tests.adversarial.soak --duration-s 60 --streams 1000

@@ -110,6 +110,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin_api_key", str, "", "key of the admin API (POST /v1/workers, drain, DELETE); without it those routes do not exist"),
     Option("otlp_traces_endpoint", str, "", "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces: one span per request and per attempt (needs the otel extra; empty: no tracing)"),
     Option("wait_for_workers_s", float, 0.0, "how long a request waits for an unavailable or departed worker of its model to come back before the 503", minimum=0),
+    Option("body_timeout_s", float, 30.0, "time for a client to send a whole request body (408 beyond)", minimum=0.001),
+    Option("client_write_timeout_s", float, 60.0, "longest a client may take no byte of its answer before the request is aborted", minimum=0.001),
+    Option("max_buffered_body_bytes", int, 1024**3, "request-body bytes buffered at once across all client connections (503 beyond)", minimum=1),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
@@ -175,6 +178,9 @@ class Settings:
     wait_for_workers_s: float = 0.0
     admin_api_key: str = ""
     otlp_traces_endpoint: str = ""
+    body_timeout_s: float = 30.0
+    client_write_timeout_s: float = 60.0
+    max_buffered_body_bytes: int = 1024**3
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

@@ -13,13 +13,13 @@ import importlib.util
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import httpx
 import trio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from router.admin import AdminApi
 from router.admission import AdmissionCollector, AdmissionGate, AdmissionSettings
@@ -36,7 +36,7 @@ from router.engine_facts import FactsSettings, serve_engine_facts
 from router.fleet_pruning import DepartedWorkerPruner
 from router.health import serve_health_checks
 from router.http.pool import PoolSettings, open_upstream_pool
-from router.http.server import serve_http
+from router.http.server import ServerLoad, serve_http
 from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
 from router.request_id import current_request_id
@@ -128,7 +128,28 @@ def server_settings(settings: Settings) -> ServerSettings:
         idle_timeout_s=settings.idle_timeout_s,
         shutdown_grace_s=settings.shutdown_grace_s,
         reuse_port=settings.reuse_port,
+        body_timeout_s=settings.body_timeout_s,
+        client_write_timeout_s=settings.client_write_timeout_s,
+        max_buffered_body_bytes=settings.max_buffered_body_bytes,
     )
+
+
+def register_server_gauges(load: ServerLoad, metrics: RouterMetrics) -> None:
+    """Expose the native server's `load` as gauges read at scrape time (the hypercorn front
+    has no such counts, so it gets no such gauges)."""
+    registry = metrics.registry
+    Gauge(
+        "router_client_connections", "Client connections being served", registry=registry
+    ).set_function(lambda: load.connections)
+    Gauge(
+        "router_client_turn_away_tasks",
+        "Connections past --max-connections being answered 503", registry=registry,
+    ).set_function(lambda: load.turning_away)
+    Gauge(
+        "router_buffered_body_bytes",
+        "Request-body bytes the server holds (budget --max-buffered-body-bytes)",
+        registry=registry,
+    ).set_function(lambda: load.body_bytes)
 
 
 async def run_router(
@@ -199,11 +220,15 @@ async def run_router(
         # listing) had no request, so no pool endpoint, rank state or series to prune.
         fleet.add_listener(DepartedWorkerPruner(pool, app.generation.pd.ranks, metrics))
 
-        serve = serve_http
+        serve: Callable[..., Awaitable[None]]
         if settings.server == "hypercorn":
             from router.http.asgi import serve_asgi
 
             serve = serve_asgi
+        else:
+            load = ServerLoad(settings.max_buffered_body_bytes)
+            register_server_gauges(load, metrics)
+            serve = partial(serve_http, load=load)
 
         async def serve_until_drained(*, task_status: trio.TaskStatus[int]) -> None:
             await serve(app.handle, server_settings(settings), shutdown=shutdown, task_status=task_status)

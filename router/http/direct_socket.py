@@ -21,7 +21,7 @@ import socket
 
 import trio
 
-__all__ = ["DirectSocket"]
+__all__ = ["DirectSocket", "SendStalled"]
 
 _OPS_BETWEEN_YIELDS = 16
 _CLOSED_ERRNOS = frozenset({errno.EBADF, errno.ENOTSOCK})
@@ -50,8 +50,10 @@ class DirectSocket:
         tsock = stream.socket
         return cls(socket.socket(tsock.family, tsock.type, tsock.proto, fileno=tsock.detach()))
 
-    async def send_all(self, data: bytes) -> None:
-        """Sends all of `data`. Raises `BrokenResourceError` / `ClosedResourceError`.
+    async def send_all(self, data: bytes, *, stall_timeout_s: float | None = None) -> None:
+        """Sends all of `data`. Raises `BrokenResourceError` / `ClosedResourceError`, and
+        `SendStalled` when the peer took no byte for `stall_timeout_s` (the connection is
+        then unusable: part of `data` may have gone).
 
         Cancellation: nothing is sent when cancelled before the first byte; a send that had
         to wait may be cut off part-way, leaving the connection unusable.
@@ -67,7 +69,15 @@ class DirectSocket:
                 self._ops_without_wait = 0
                 with memoryview(data) as view:
                     while sent < len(data):
-                        await trio.lowlevel.wait_writable(sock)
+                        if stall_timeout_s is None:
+                            await trio.lowlevel.wait_writable(sock)
+                        else:
+                            with trio.move_on_after(stall_timeout_s) as stalled:
+                                await trio.lowlevel.wait_writable(sock)
+                            if stalled.cancelled_caught:
+                                raise SendStalled(
+                                    f"the peer took no byte for {stall_timeout_s:g}s"
+                                )
                         try:
                             sent += sock.send(view[sent:])
                         except BlockingIOError:
@@ -120,6 +130,10 @@ class DirectSocket:
             await trio.lowlevel.checkpoint()
         else:
             await trio.lowlevel.checkpoint_if_cancelled()
+
+
+class SendStalled(trio.BrokenResourceError):
+    """The peer stopped reading: a send made no progress within its stall timeout."""
 
 
 def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:

@@ -13,17 +13,15 @@ import re
 import socket
 import struct
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import h11
 import trio
 from h11._writers import ChunkedWriter
 
+from router.http.direct_socket import DirectSocket, SendStalled
 from router.http.messages import ClientDisconnected, Headers, Request
 from router.http.server_settings import CLOSE_HEADER, SERVER_HEADER
-
-if TYPE_CHECKING:
-    from router.http.server import _Connection
 
 _NO_BODY_STATUSES = frozenset({204, 304})
 # h11's own grammar for header names and values (h11/_abnf.py), so the direct response path
@@ -36,6 +34,28 @@ _END_OF_MESSAGE = h11.EndOfMessage()
 # Methods whose answers h11 frames (or switches protocol on) by rules of their own.
 _OWN_FRAMING_METHODS = frozenset({"HEAD", "CONNECT"})
 _SERVER_LINE = b"%s: %s\r\n" % SERVER_HEADER
+
+
+class ClientConnection(Protocol):
+    """The connection a `ResponseWriter` answers on (the server's, seen from here)."""
+
+    @property
+    def socket(self) -> DirectSocket: ...
+
+    @property
+    def h11(self) -> h11.Connection: ...
+
+    @property
+    def write_timeout_s(self) -> float:
+        """How long a send may go without the client taking a byte."""
+        ...
+
+    @property
+    def closing(self) -> bool:
+        """True when the connection closes after this answer (the server shuts down)."""
+        ...
+
+    def http_date(self) -> bytes: ...
 
 
 class ResponseWriter:
@@ -54,7 +74,7 @@ class ResponseWriter:
         "finished",
     )
 
-    def __init__(self, connection: _Connection, request: Request) -> None:
+    def __init__(self, connection: ClientConnection, request: Request) -> None:
         self._connection = connection
         self._request = request
         self._started = False
@@ -108,7 +128,7 @@ class ResponseWriter:
             or conn.our_state is not h11.SEND_RESPONSE
             or conn.their_http_version != b"1.1"
             or not conn._cstate.keep_alive
-            or connection._server.shutting_down
+            or connection.closing
             or self._request.method in _OWN_FRAMING_METHODS
             or status in _NO_BODY_STATUSES
             or not 200 <= status < 600
@@ -135,7 +155,7 @@ class ResponseWriter:
         if not has_server:
             parts.append(_SERVER_LINE)
         if not has_date:
-            parts.append(b"date: %s\r\n" % connection._server.date.now())
+            parts.append(b"date: %s\r\n" % connection.http_date())
         parts.append(b"\r\n")
         parts.append(body)
         # What `send` would do minus building and checking the bytes again: the events
@@ -197,7 +217,7 @@ class ResponseWriter:
     def _response(self, status: int, head: list[tuple[bytes, bytes]]) -> h11.Response:
         if self._started:
             raise RuntimeError("the response was already started")
-        server = self._connection._server
+        connection = self._connection
         has_server = has_date = False
         for name, _ in head:
             lowered = name.lower()
@@ -206,8 +226,8 @@ class ResponseWriter:
         if not has_server:
             head.append(SERVER_HEADER)
         if not has_date:
-            head.append((b"date", server.date.now()))
-        if server.shutting_down:
+            head.append((b"date", connection.http_date()))
+        if connection.closing:
             head.append(CLOSE_HEADER)
         # Built before `started` flips: a header h11 rejects leaves room for a 500.
         response = h11.Response(status_code=status, headers=head, reason=_reason(status))
@@ -216,8 +236,14 @@ class ResponseWriter:
         return response
 
     async def _send(self, data: bytes) -> None:
+        """Send `data`; ClientDisconnected when the client left, or took no byte for the
+        write timeout (the request then ends as if the client had left)."""
+        connection = self._connection
         try:
-            await self._connection.socket.send_all(data)
+            await connection.socket.send_all(data, stall_timeout_s=connection.write_timeout_s)
+        except SendStalled as exc:
+            self._request.client_gone = True
+            raise ClientDisconnected(f"the client stopped reading: {exc}") from exc
         except trio.BrokenResourceError as exc:
             self._request.client_gone = True
             raise ClientDisconnected("the client closed the connection") from exc

@@ -1,12 +1,14 @@
 """The native HTTP/1.1 server: trio sockets driven by h11, one task per connection.
 
 `serve_http` accepts connections into a connection nursery. Each connection reads one
-request at a time (head bounded by h11's incomplete-event limit, body bounded by
-`max_body_bytes`), hands it to the handler with a `ResponseWriter`, and keeps the
-connection alive when h11 allows it. One reader task per connection does every read of
-the client socket; while the handler runs its pending read is the disconnect watch:
-end-of-stream means the client left and cancels the handler; bytes mean a pipelined next
-request, kept in h11's buffer for the next cycle.
+request at a time (`router.http.request_reader`: the head within the header timeout and
+its framing checked, the whole body within the body timeout, bounded by `max_body_bytes`
+and by the server's global body budget), hands it to the handler with a `ResponseWriter`,
+and keeps the connection alive when h11 allows it. One reader task per connection does
+every read of the client socket (`router.http.connection_reader`); while the handler runs
+its pending read is the disconnect watch. Past `max_connections`, at most
+`_TURN_AWAY_TASKS` connections at once are answered 503, each within `_TURN_AWAY_S`; any
+more are closed at once.
 """
 
 from __future__ import annotations
@@ -18,20 +20,17 @@ import socket
 import h11
 import trio
 
-from router.errors import HeadersTooLarge, PayloadTooLarge, RequestTimeout, RouterError, ServerBusy
+from router.errors import RouterError, ServerBusy
+from router.http.connection_reader import ConnectionReader, Watch
 from router.http.direct_socket import DirectSocket
 from router.http.listen import open_tcp_sockets
 from router.http.messages import ClientDisconnected, Handler, Request
+from router.http.request_reader import RequestReader
 from router.http.response_writer import ResponseWriter
-from router.http.server_settings import (
-    JSON_HEADER,
-    HttpDate,
-    ServerSettings,
-    encode_error,
-    protocol_error,
-)
+from router.http.server_load import ServerLoad
+from router.http.server_settings import JSON_HEADER, HttpDate, ServerSettings, encode_error
 
-__all__ = ["ServerSettings", "serve_http"]
+__all__ = ["ServerLoad", "ServerSettings", "serve_http"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +41,10 @@ _LINGER_S = 1.0
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _ACCEPT_RETRY_S = 0.1
 _CAPACITY_WARNING_EVERY_S = 10.0
+# Turning a connection away costs a task, a send and a linger: bounded in number and time,
+# so a flood past `max_connections` cannot grow the server's work without bound.
+_TURN_AWAY_TASKS = 64
+_TURN_AWAY_S = 1.0
 _DEFAULT_SETTINGS = ServerSettings()
 
 
@@ -50,9 +53,13 @@ async def serve_http(
     settings: ServerSettings = _DEFAULT_SETTINGS,
     *,
     shutdown: trio.Event | None = None,
+    load: ServerLoad | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `handler` over HTTP/1.1 until cancelled or until `shutdown` is set.
+
+    `load`: where the server keeps its counts and its body budget, for the caller to read
+    (one of its own when not given; its `body_limit` is the caller's to set).
 
     Reports the bound port through `task_status` (the first listener's, should the host
     resolve to several addresses); a bind failure raises OSError before that.
@@ -66,7 +73,9 @@ async def serve_http(
         listeners = [trio.SocketListener(sock) for sock in sockets]
     else:
         listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
-    server = _Server(handler, settings)
+    if load is None:
+        load = ServerLoad(settings.max_buffered_body_bytes)
+    server = _Server(handler, settings, load)
     try:
         async with trio.open_nursery() as nursery:
             for listener in listeners:
@@ -95,12 +104,12 @@ async def _close_listeners(listeners: list[trio.SocketListener]) -> None:
 class _Server:
     """State shared by the connections of one `serve_http` call; nothing of it is global."""
 
-    def __init__(self, handler: Handler, settings: ServerSettings) -> None:
+    def __init__(self, handler: Handler, settings: ServerSettings, load: ServerLoad) -> None:
         self.handler = handler
         self.settings = settings
+        self.load = load
         self.shutting_down = False
         self.connections: set[_Connection] = set()
-        self._turning_away = 0
         self._drained = trio.Event()
         self._next_capacity_warning = float("-inf")
         self.date = HttpDate()
@@ -119,12 +128,17 @@ class _Server:
                 await trio.sleep(_ACCEPT_RETRY_S)
                 continue
             if len(self.connections) >= self.settings.max_connections:
-                self._turning_away += 1
+                if self.load.turning_away >= _TURN_AWAY_TASKS:
+                    # Already answering as many as we allow: no answer, no task.
+                    stream.socket.close()
+                    continue
+                self.load.turning_away += 1
                 nursery.start_soon(self._turn_away, stream)
                 continue
             # Registered before the task starts, so the cap counts it at once.
             connection = _Connection(self, stream)
             self.connections.add(connection)
+            self.load.connections += 1
             nursery.start_soon(self._run_connection, connection)
 
     async def _run_connection(self, connection: _Connection) -> None:
@@ -138,6 +152,7 @@ class _Server:
             logger.error("connection from %s failed", connection.client, exc_info=group)
         finally:
             self.connections.discard(connection)
+            self.load.connections -= 1
             self._maybe_drained()
 
     async def _turn_away(self, stream: trio.SocketStream) -> None:
@@ -151,23 +166,25 @@ class _Server:
         error = ServerBusy(f"server at its limit of {self.settings.max_connections} connections")
         try:
             async with stream:
-                conn = h11.Connection(h11.SERVER)
-                data = encode_error(conn, error, self.date.now())
-                try:
-                    await stream.send_all(data)
-                except trio.BrokenResourceError:
-                    return
-                await _linger(stream)
+                with trio.move_on_after(_TURN_AWAY_S):
+                    conn = h11.Connection(h11.SERVER)
+                    data = encode_error(conn, error, self.date.now())
+                    try:
+                        await stream.send_all(data)
+                    except trio.BrokenResourceError:
+                        return
+                    await _linger(stream)
         finally:
-            self._turning_away -= 1
+            self.load.turning_away -= 1
             self._maybe_drained()
 
     def begin_shutdown(self) -> None:
         """Close every connection that waits for a request; busy ones close after it."""
         self.shutting_down = True
         for connection in self.connections:
-            if connection.idle_scope is not None:
-                connection.idle_scope.cancel()
+            idle_scope = connection.reader.idle_scope
+            if idle_scope is not None:
+                idle_scope.cancel()
         self._maybe_drained()
 
     async def wait_drained(self) -> None:
@@ -175,48 +192,36 @@ class _Server:
         await self._drained.wait()
 
     def _maybe_drained(self) -> None:
-        if self.shutting_down and not self.connections and not self._turning_away:
+        if self.shutting_down and not self.connections and not self.load.turning_away:
             self._drained.set()
 
 
 class _Connection:
-    """One client socket and its h11 state machine, serving requests one after another."""
+    """One client socket and its h11 state machine, serving requests one after another.
 
-    __slots__ = (
-        "_main_waiter",
-        "_reader",
-        "_reader_armed",
-        "_reader_broken",
-        "_reader_parked",
-        "_reader_scope",
-        "_server",
-        "_watched",
-        "client",
-        "h11",
-        "idle_scope",
-        "socket",
-    )
+    What the `ResponseWriter` answers on (`ClientConnection`).
+    """
+
+    __slots__ = ("_server", "client", "h11", "reader", "requests", "socket", "write_timeout_s")
 
     def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
         self._server = server
         # Called directly, without trio's per-operation checkpoint and reschedule (see
         # `DirectSocket`); closed by the connection's task when it ends.
         self.socket = DirectSocket.adopt(stream)
-        self.h11 = h11.Connection(
-            h11.SERVER, max_incomplete_event_size=server.settings.max_header_bytes
-        )
+        settings = server.settings
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
         self.client = _peer(self.socket.sock)
-        # Set while waiting for the first byte of a request: shutdown cancels it.
-        self.idle_scope: trio.CancelScope | None = None
-        # One reader task per connection does every read of the client socket (see
-        # `_read_loop`); these fields are how it and the connection's task hand over.
-        self._reader: trio.lowlevel.Task | None = None
-        self._reader_scope = trio.CancelScope()
-        self._reader_armed = False
-        self._reader_parked = False
-        self._reader_broken: trio.BrokenResourceError | None = None
-        self._main_waiter: trio.lowlevel.Task | None = None
-        self._watched: tuple[Request, ResponseWriter, trio.CancelScope] | None = None
+        self.reader = ConnectionReader(self.socket, self.h11)
+        self.requests = RequestReader(self.reader, self.h11, self.socket, settings, self.client)
+        self.write_timeout_s = settings.client_write_timeout_s
+
+    @property
+    def closing(self) -> bool:
+        return self._server.shutting_down
+
+    def http_date(self) -> bytes:
+        return self._server.date.now()
 
     async def serve(self) -> None:
         """Serve requests until the client leaves, a timeout, an error, or shutdown.
@@ -224,127 +229,34 @@ class _Connection:
         Leaves the socket open; the caller closes it. The reader task stops first.
         """
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._read_loop)
+            nursery.start_soon(self.reader.run)
             try:
                 await self._serve_requests()
             finally:
-                self._reader_scope.cancel()
+                self.reader.stop()
 
     async def _serve_requests(self) -> None:
         server = self._server
         deadline: float | None = trio.current_time() + server.settings.header_timeout_s
         while True:
-            request = await self._read_request(deadline)
-            if request is None:
-                return
-            if not await self._run_handler(request) or server.shutting_down:
-                return
+            # The body's bytes count against the server's budget until the handler is done.
+            reservation = server.load.reservation()
+            try:
+                try:
+                    request = await self.requests.read(
+                        deadline, reservation, shutting_down=server.shutting_down
+                    )
+                except RouterError as error:
+                    await self._refuse(error)
+                    return
+                if request is None:
+                    return
+                if not await self._run_handler(request) or server.shutting_down:
+                    return
+            finally:
+                reservation.release()
             self.h11.start_next_cycle()
             deadline = None
-
-    async def _read_request(self, deadline: float | None) -> Request | None:
-        """Read one request head and body; None when the connection must close.
-
-        Every refusal (400, 408, 413, 431) is answered here, with `connection: close`.
-        """
-        try:
-            head = await self._read_head(deadline)
-            if head is None:
-                return None
-            return await self._read_body(head)
-        except h11.RemoteProtocolError as exc:
-            await self._refuse(protocol_error(exc, self._server.settings))
-            return None
-        except trio.BrokenResourceError:
-            return None
-
-    async def _read_head(self, deadline: float | None) -> h11.Request | None:
-        """Wait for the next request head.
-
-        `deadline` bounds the whole head (first request); None means a keep-alive wait: the
-        idle timeout until a first byte, then the header timeout from that byte.
-        """
-        conn = self.h11
-        settings = self._server.settings
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            waiting = not conn.trailing_data[0]
-            if waiting and self._server.shutting_down:
-                return None
-            keep_alive_wait = deadline is None
-            if deadline is None:
-                timeout = settings.idle_timeout_s if waiting else settings.header_timeout_s
-                deadline = trio.current_time() + timeout
-            while event is h11.NEED_DATA:
-                with trio.CancelScope(deadline=deadline) as scope:
-                    if waiting:
-                        self.idle_scope = scope
-                    try:
-                        await self._receive()
-                    finally:
-                        self.idle_scope = None
-                if scope.cancelled_caught:
-                    if not waiting:
-                        await self._refuse(RequestTimeout("request headers took too long"))
-                    return None
-                if waiting and keep_alive_wait:
-                    deadline = trio.current_time() + settings.header_timeout_s
-                waiting = False
-                event = conn.next_event()
-        if type(event) is h11.Request:
-            return event
-        return None
-
-    async def _read_body(self, head: h11.Request) -> Request | None:
-        """Check the head's limits, then read the whole body (413 past `max_body_bytes`)."""
-        conn = self.h11
-        settings = self._server.settings
-        limit = settings.max_body_bytes
-        headers = list(head.headers)
-        # h11 bounds only a head still incomplete; one that arrived whole in a single read
-        # is measured here (lines without their CRLFs and colons: close enough for a bound).
-        head_bytes = len(head.method) + len(head.target)
-        declared = 0
-        for name, value in headers:
-            head_bytes += len(name) + len(value)
-            if name == b"content-length":
-                declared = int(value)
-        if head_bytes > settings.max_header_bytes:
-            await self._refuse(
-                HeadersTooLarge(f"request headers exceed {settings.max_header_bytes} bytes")
-            )
-            return None
-        if declared > limit:
-            await self._refuse(PayloadTooLarge(f"request body exceeds {limit} bytes"))
-            return None
-        if conn.they_are_waiting_for_100_continue:
-            await self.socket.send_all(
-                conn.send(h11.InformationalResponse(status_code=100, headers=[]))
-            )
-        chunks: list[bytes | bytearray] = []
-        size = 0
-        event = conn.next_event()
-        while type(event) is not h11.EndOfMessage:
-            if type(event) is h11.Data:
-                size += len(event.data)
-                if size > limit:
-                    await self._refuse(PayloadTooLarge(f"request body exceeds {limit} bytes"))
-                    return None
-                chunks.append(event.data)
-            else:
-                with trio.move_on_after(settings.header_timeout_s) as scope:
-                    await self._receive()
-                if scope.cancelled_caught:
-                    await self._refuse(RequestTimeout("request body stalled"))
-                    return None
-            event = conn.next_event()
-        return Request(
-            method=head.method.decode("latin-1"),
-            target=head.target.decode("latin-1"),
-            headers=headers,
-            body=b"".join(chunks),
-            client=self.client,
-        )
 
     async def _run_handler(self, request: Request) -> bool:
         """Run the handler, watched for a client that leaves; True when the connection can
@@ -357,15 +269,15 @@ class _Connection:
         writer = ResponseWriter(self, request)
         handler_scope = trio.CancelScope()
         failure: Exception | None = None
-        self._watched = (request, writer, handler_scope)
-        self._arm_reader()
+        self.reader.watch = Watch(request, writer, handler_scope)
+        self.reader.arm()
         try:
             with handler_scope:
                 await self._server.handler(request, writer)
         except Exception as exc:
             failure = exc
         finally:
-            self._watched = None
+            self.reader.watch = None
         if request.client_gone or writer.aborted or isinstance(failure, ClientDisconnected):
             return False
         if failure is not None or not writer.finished:
@@ -385,90 +297,20 @@ class _Connection:
             writer.finished and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
         )
 
-    async def _read_loop(self) -> None:
-        """The connection's only reader of the client socket, one read per arming.
-
-        Armed by the connection's task when h11 needs bytes, and when a handler starts. What
-        a read brings goes to h11's buffer: a request's bytes, or a pipelined next request
-        while a handler runs (the reader then stops until armed again, so a later
-        disconnect shows as a failed send). End-of-stream while a handler runs, before the
-        response's last bytes went out, means the client left: the handler is cancelled. A
-        client that closes once the whole response is on its way is done, not gone: the
-        handler's bookkeeping after the response is left to finish.
-        Cancellation: stops at once; no byte is lost (a pending read consumed nothing).
-        """
-        self._reader = trio.lowlevel.current_task()
-        with self._reader_scope:
-            while True:
-                if not self._reader_armed:
-                    self._reader_parked = True
-                    await trio.lowlevel.wait_task_rescheduled(self._abort_reader_park)
-                try:
-                    data = await self.socket.receive_some(_RECEIVE_BYTES)
-                except trio.BrokenResourceError as exc:
-                    data = b""
-                    self._reader_broken = exc
-                self._reader_armed = False
-                watched = self._watched
-                if watched is None or data:
-                    if data or self._reader_broken is None:
-                        self.h11.receive_data(data)
-                else:
-                    request, writer, handler_scope = watched
-                    if writer.ending:
-                        self.h11.receive_data(b"")
-                    else:
-                        request.client_gone = True
-                        handler_scope.cancel()
-                waiter = self._main_waiter
-                if waiter is not None:
-                    self._main_waiter = None
-                    trio.lowlevel.reschedule(waiter)
-                if not data:
-                    return
-
-    def _abort_reader_park(self, _: object) -> trio.lowlevel.Abort:
-        self._reader_parked = False
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    def _arm_reader(self) -> None:
-        self._reader_armed = True
-        if self._reader_parked:
-            self._reader_parked = False
-            assert self._reader is not None
-            trio.lowlevel.reschedule(self._reader)
-
-    async def _receive(self) -> None:
-        """Wait until the reader gave h11 more bytes, or end-of-stream.
-
-        Raises BrokenResourceError when the client reset the connection. Cancellation
-        (timeouts, shutdown): the reader's read stays pending; what it brings still goes
-        to h11.
-        """
-        if self._reader_broken is not None:
-            raise trio.BrokenResourceError("the client reset the connection")
-        self._arm_reader()
-        self._main_waiter = trio.lowlevel.current_task()
-        await trio.lowlevel.wait_task_rescheduled(self._abort_main_wait)
-        if self._reader_broken is not None:
-            raise trio.BrokenResourceError("the client reset the connection")
-
-    def _abort_main_wait(self, _: object) -> trio.lowlevel.Abort:
-        self._main_waiter = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
     async def _refuse(self, error: RouterError) -> None:
         """Answer `error` with `connection: close` when h11 still allows an answer, then
         linger so the client can read it. Send failures are ignored: the client is gone.
         """
         conn = self.h11
         if conn.our_state is h11.IDLE or conn.our_state is h11.SEND_RESPONSE:
+            bodyless = self.requests.method == b"HEAD"
+            data = encode_error(conn, error, self._server.date.now(), bodyless=bodyless)
             try:
-                await self.socket.send_all(encode_error(conn, error, self._server.date.now()))
+                await self.socket.send_all(data, stall_timeout_s=self.write_timeout_s)
             except trio.BrokenResourceError:
                 return
         # The reader's pending read would compete with the linger's reads.
-        self._reader_scope.cancel()
+        self.reader.stop()
         await _linger(self.socket)
 
 

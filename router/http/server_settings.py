@@ -25,8 +25,15 @@ class ServerSettings:
       `Retry-After: 1` without reading their request, and closed. Refusing at once tells the
       client the truth; leaving them in the kernel backlog would look like a hang.
     - `header_timeout_s`: a request line and headers (first request: counted from accept;
-      later ones: from their first byte) must arrive within it, else 408 and close. It also
-      bounds the silence between two reads of a request body.
+      later ones: from their first byte) must arrive within it, else 408 and close.
+    - `body_timeout_s`: the whole request body must arrive within it, counted from the end
+      of the head, else 408 and close (a byte now and then does not keep a connection).
+    - `client_write_timeout_s`: a send to the client that makes no progress (the client
+      stopped reading) for this long ends the request as if the client had left: the
+      handler is told `ClientDisconnected`, the connection closes.
+    - `max_buffered_body_bytes`: request-body bytes buffered at once across all
+      connections (`ServerLoad`); a body that would go beyond: 503 with `Retry-After`,
+      connection closed, the handler never runs.
     - `idle_timeout_s`: a keep-alive connection with no byte of a next request is closed
       silently after it.
     - `shutdown_grace_s`: after shutdown begins, in-flight requests get this long to finish.
@@ -42,6 +49,9 @@ class ServerSettings:
     idle_timeout_s: float = 75.0
     shutdown_grace_s: float = 30.0
     reuse_port: bool = False
+    body_timeout_s: float = 30.0
+    client_write_timeout_s: float = 60.0
+    max_buffered_body_bytes: int = 1024**3
 
 
 SERVER_HEADER = (b"server", b"trio-router")
@@ -50,18 +60,24 @@ JSON_HEADER = (b"content-type", b"application/json")
 
 
 def protocol_error(exc: h11.RemoteProtocolError, settings: ServerSettings) -> RouterError:
-    """The answer to a request h11 could not parse: 431 for an oversize head, else h11's
-    hint (400, or 501 for a transfer-encoding it does not support).
+    """The answer to a request h11 could not parse: 431 for an oversize head, else 400.
+
+    h11 hints 501 for a Transfer-Encoding other than a lone `chunked`; the answer is 400
+    all the same (RFC 9112 section 6.3): the body's end cannot be found, so the connection
+    closes and nothing behind the request is read as a request.
     """
     if exc.error_status_hint == 431:
         return HeadersTooLarge(f"request headers exceed {settings.max_header_bytes} bytes")
-    error = BadRequest(f"malformed HTTP request: {exc}")
-    error.status = exc.error_status_hint
-    return error
+    return BadRequest(f"malformed HTTP request: {exc}")
 
 
-def encode_error(conn: h11.Connection, error: RouterError, date: bytes) -> bytes:
-    """A complete JSON error response that also tells the client the connection closes."""
+def encode_error(
+    conn: h11.Connection, error: RouterError, date: bytes, *, bodyless: bool = False
+) -> bytes:
+    """A complete JSON error response that also tells the client the connection closes.
+
+    `bodyless`: the answer to a HEAD request, its headers only (h11 refuses a body there).
+    """
     body = error.body()
     head = [
         JSON_HEADER,
@@ -72,6 +88,8 @@ def encode_error(conn: h11.Connection, error: RouterError, date: bytes) -> bytes
         (b"date", date),
     ]
     response = h11.Response(status_code=error.status, headers=head)
+    if bodyless:
+        return conn.send(response) + conn.send(h11.EndOfMessage())
     return b"".join(
         (conn.send(response), conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
     )

@@ -1,0 +1,157 @@
+"""The one reader of a client connection's socket, and how the connection's task waits on it.
+
+One reader task per connection does every read of the client socket. It reads only when
+armed: by the connection's task when h11 needs bytes, and when a handler starts. While the
+handler runs, its pending read is the disconnect watch: end-of-stream means the client left
+and cancels the handler; bytes mean a pipelined next request, kept in h11's buffer for the
+next cycle. No task is started per request (that cost a fifth of the router's CPU).
+
+While a request head (or a chunked body) is being read, the reader also keeps the raw
+bytes it hands h11 (`raw_bytes`), because h11 hides what the framing checks need (see
+`router.http.request_framing` and `router.http.chunked_framing`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import h11
+import trio
+
+from router.http.direct_socket import DirectSocket
+from router.http.messages import Request
+
+__all__ = ["ConnectionReader", "Watch"]
+
+_RECEIVE_BYTES = 65536
+
+
+class _Answer(Protocol):
+    @property
+    def ending(self) -> bool:
+        """True once the response's last bytes are on their way."""
+        ...
+
+
+class Watch:
+    """The handler the reader watches for a departing client: its request, its answer
+    (end-of-stream once the answer is ending is a client done, not gone), its scope."""
+
+    __slots__ = ("answer", "request", "scope")
+
+    def __init__(self, request: Request, answer: _Answer, scope: trio.CancelScope) -> None:
+        self.request = request
+        self.answer = answer
+        self.scope = scope
+
+
+class ConnectionReader:
+    """Feeds h11 from the socket; `receive()` waits for the next bytes.
+
+    `raw_bytes`: while not None, every byte handed to h11 is appended to it.
+    `watch`: the handler running, while one runs.
+    """
+
+    __slots__ = (
+        "_armed",
+        "_broken",
+        "_conn",
+        "_main_waiter",
+        "_parked",
+        "_scope",
+        "_socket",
+        "_task",
+        "idle_scope",
+        "raw_bytes",
+        "watch",
+    )
+
+    def __init__(self, socket: DirectSocket, conn: h11.Connection) -> None:
+        self._socket = socket
+        self._conn = conn
+        self._task: trio.lowlevel.Task | None = None
+        self._scope = trio.CancelScope()
+        self._armed = False
+        self._parked = False
+        self._broken: trio.BrokenResourceError | None = None
+        self._main_waiter: trio.lowlevel.Task | None = None
+        self.raw_bytes: bytearray | None = None
+        # Set while waiting for the first byte of a request: shutdown cancels it.
+        self.idle_scope: trio.CancelScope | None = None
+        self.watch: Watch | None = None
+
+    def stop(self) -> None:
+        """Stop the reader task (it may already have stopped). No byte is lost."""
+        self._scope.cancel()
+
+    async def run(self) -> None:
+        """The connection's only reader of the client socket, one read per arming.
+
+        What a read brings goes to h11's buffer: a request's bytes, or a pipelined next
+        request while a handler runs (the reader then stops until armed again, so a later
+        disconnect shows as a failed send). End-of-stream while a handler runs, before the
+        response's last bytes went out, means the client left: the handler is cancelled. A
+        client that closes once the whole response is on its way is done, not gone: the
+        handler's bookkeeping after the response is left to finish.
+        Cancellation: stops at once; no byte is lost (a pending read consumed nothing).
+        """
+        self._task = trio.lowlevel.current_task()
+        with self._scope:
+            while True:
+                if not self._armed:
+                    self._parked = True
+                    await trio.lowlevel.wait_task_rescheduled(self._abort_park)
+                try:
+                    data = await self._socket.receive_some(_RECEIVE_BYTES)
+                except trio.BrokenResourceError as exc:
+                    data = b""
+                    self._broken = exc
+                self._armed = False
+                watch = self.watch
+                if watch is None or data:
+                    if data or self._broken is None:
+                        if data and self.raw_bytes is not None:
+                            self.raw_bytes += data
+                        self._conn.receive_data(data)
+                elif watch.answer.ending:
+                    self._conn.receive_data(b"")
+                else:
+                    watch.request.client_gone = True
+                    watch.scope.cancel()
+                waiter = self._main_waiter
+                if waiter is not None:
+                    self._main_waiter = None
+                    trio.lowlevel.reschedule(waiter)
+                if not data:
+                    return
+
+    def _abort_park(self, _: object) -> trio.lowlevel.Abort:
+        self._parked = False
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def arm(self) -> None:
+        """Let the reader make its next read (the disconnect watch, while a handler runs)."""
+        self._armed = True
+        if self._parked:
+            self._parked = False
+            assert self._task is not None
+            trio.lowlevel.reschedule(self._task)
+
+    async def receive(self) -> None:
+        """Wait until the reader gave h11 more bytes, or end-of-stream.
+
+        Raises BrokenResourceError when the client reset the connection. Cancellation
+        (timeouts, shutdown): the reader's read stays pending; what it brings still goes
+        to h11.
+        """
+        if self._broken is not None:
+            raise trio.BrokenResourceError("the client reset the connection")
+        self.arm()
+        self._main_waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort_main_wait)
+        if self._broken is not None:
+            raise trio.BrokenResourceError("the client reset the connection")
+
+    def _abort_main_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._main_waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
