@@ -85,6 +85,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
     Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
+    Option("max_connections_per_worker", int, 256, "open upstream connections per worker; a checkout beyond it waits (FIFO) up to the connect timeout, then 503 router_overloaded", minimum=1),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number"}
@@ -125,6 +126,7 @@ class Settings:
     server: str = "native"
     processes: int = 1
     reuse_port: bool = False
+    max_connections_per_worker: int = 256
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

@@ -29,7 +29,7 @@ from router.dispatch import (
     relay_stream,
     upstream_headers,
 )
-from router.errors import RouterError, WorkerUnreachable
+from router.errors import RouterError, RouterOverloaded, WorkerUnreachable
 from router.generation import GENERATION_ROUTES, GenerationRequest, parse_generation_request
 from router.http.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.pool import UpstreamPool
@@ -135,6 +135,8 @@ class GenerationService:
             status = await self._serve(generation, request, writer, started)
         except RouterError as error:
             status = error.status
+            if isinstance(error, RouterOverloaded):
+                self.metrics.count_local_error(error.kind)
             await writer.respond(error.status, JSON_HEADERS + error.headers(), error.body())
         except ClientDisconnected:
             status = CLIENT_LEFT

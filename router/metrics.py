@@ -41,6 +41,10 @@ class RouterMetrics:
         self.discovery_up = Gauge("router_discovery_up", "1 while the discovery source answers, 0 while it does not", registry=r)
         self.discovery_events = Counter("router_discovery_events", "Discovery events applied, by type", ["type"], registry=r)
         self.discovery_relists = Counter("router_discovery_relists", "Full relists of the discovery source", registry=r)
+        self.local_errors = Counter(
+            "router_local_errors", "Requests refused for the router's own shortage (no worker blamed), by kind",
+            ["kind"], registry=r,
+        )
         self.discovery_up.set(1)
         r.register(_FleetCollector(fleet))
         self._children: dict[tuple[object, ...], object] = {}
@@ -64,6 +68,9 @@ class RouterMetrics:
 
     def count_retry(self, reason: str) -> None:
         self.child(self.retries, reason).inc()  # type: ignore[attr-defined]
+
+    def count_local_error(self, kind: str) -> None:
+        self.child(self.local_errors, kind).inc()  # type: ignore[attr-defined]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

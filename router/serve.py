@@ -121,6 +121,7 @@ async def run_router(
     pool_settings = PoolSettings(
         max_idle_per_worker=settings.pool_max_idle_per_worker,
         idle_expiry_s=settings.pool_idle_expiry_s,
+        max_connections_per_worker=settings.max_connections_per_worker,
     )
     async with (
         open_upstream_pool(pool_settings) as pool,

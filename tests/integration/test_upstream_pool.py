@@ -22,6 +22,7 @@ from router.http.pool import (
     UpstreamProtocolError,
     open_upstream_pool,
 )
+from router.http.worker_url import InvalidWorkerUrl
 from tests.support.ports import unanswered_port
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
 
@@ -184,19 +185,71 @@ async def test_expired_connection_is_not_handed_out_before_the_sweep() -> None:
             assert (stats.opened, stats.reused, stats.closed, stats.idle_total) == (2, 0, 1, 1)
 
 
-async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one() -> None:
-    async def answer_then_close(exchange: Exchange) -> None:
+@pytest.mark.parametrize("hang_up", [Exchange.close, Exchange.reset])
+async def test_pooled_connection_closed_while_idle_is_discarded_before_writing(
+    hang_up: Callable[[Exchange], None],
+) -> None:
+    async def answer_then_hang_up(exchange: Exchange) -> None:
         await ok(exchange)
-        exchange.close()
+        hang_up(exchange)
 
     with trio.fail_after(GUARD_S):
-        async with pool_and_upstream(answer_then_close) as (pool, upstream):
+        async with pool_and_upstream(answer_then_hang_up) as (pool, upstream):
             assert await get(pool, upstream) == b"1"
+            await upstream.wait_ended(1)  # the worker closed the idle connection
             assert await get(pool, upstream) == b"2"
 
             stats = pool.statistics()
-            assert (stats.opened, stats.reused, stats.stale_retries, stats.closed) == (2, 1, 1, 1)
+            # Detected at checkout: nothing was written on it, so nothing was sent twice.
+            assert (stats.opened, stats.reused, stats.stale_discarded, stats.closed) == (2, 0, 1, 1)
             assert (upstream.accepted, upstream.requests) == (2, 2)
+
+
+async def test_pooled_connection_with_unasked_bytes_is_discarded() -> None:
+    returned = trio.Event()
+    babbled = trio.Event()
+
+    async def answer_then_babble(exchange: Exchange) -> None:
+        await ok(exchange)
+        if exchange.index == 0:
+            await returned.wait()
+            await exchange.send_raw(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            babbled.set()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(answer_then_babble) as (pool, upstream):
+            assert await get(pool, upstream) == b"1"
+            assert pool.statistics().idle_total == 1
+            returned.set()
+            await babbled.wait()
+            await trio.sleep(0.05)  # real time: the stray bytes cross loopback
+            assert await get(pool, upstream) == b"2"
+            stats = pool.statistics()
+            assert (stats.opened, stats.stale_discarded) == (2, 1)
+
+
+async def test_pooled_connection_failing_after_the_write_is_never_resent() -> None:
+    """The worker reads the whole request, works 200 ms, and closes without a word: it
+    may have started the generation, so the pool must not send it again."""
+
+    async def first_ok_then_read_and_vanish(exchange: Exchange) -> None:
+        if exchange.index == 0:
+            await ok(exchange)
+            return
+        await trio.sleep(0.2)
+        exchange.close()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(first_ok_then_read_and_vanish) as (pool, upstream):
+            assert await get(pool, upstream) == b"1"
+            with pytest.raises(UpstreamProtocolError) as caught:
+                await get(pool, upstream)
+            assert caught.value.response_started is False
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.stale_discarded, stats.closed) == (1, 1, 0, 1)
+            # Received once; the error is the caller's to count as an attempt.
+            assert (upstream.accepted, upstream.requests) == (1, 2)
 
 
 @pytest.mark.parametrize("hang_up", [Exchange.close, Exchange.reset])
@@ -213,7 +266,7 @@ async def test_fresh_connection_failure_is_not_retried(
             assert caught.value.response_started is False
 
             stats = pool.statistics()
-            assert (stats.opened, stats.stale_retries, stats.closed, stats.in_use) == (1, 0, 1, 0)
+            assert (stats.opened, stats.stale_discarded, stats.closed, stats.in_use) == (1, 0, 1, 0)
             assert upstream.requests == 1
 
 
@@ -233,7 +286,7 @@ async def test_pooled_connection_failing_after_a_response_byte_is_not_retried() 
             assert caught.value.response_started is True
 
             stats = pool.statistics()
-            assert (stats.opened, stats.reused, stats.stale_retries, stats.closed) == (1, 1, 0, 1)
+            assert (stats.opened, stats.reused, stats.stale_discarded, stats.closed) == (1, 1, 0, 1)
             assert upstream.requests == 2
 
 
@@ -301,14 +354,14 @@ async def test_connect_timeout_is_exact_on_a_mock_clock(
     assert pool.statistics().opened == 0
 
 
-async def test_https_and_malformed_urls_raise_connect_error() -> None:
+async def test_https_and_malformed_urls_are_refused_before_any_connection() -> None:
     pool = UpstreamPool()
     for url, message in [
-        ("https://127.0.0.1:1", "https upstreams are not supported"),
-        ("ftp://127.0.0.1:1", "not an http"),
-        ("http://127.0.0.1:notaport", "bad port"),
+        ("https://127.0.0.1:1", "TLS to workers is not supported"),
+        ("ftp://127.0.0.1:1", "must start with http://"),
+        ("http://127.0.0.1:notaport", "malformed"),
     ]:
-        with pytest.raises(UpstreamConnectError, match=message):
+        with pytest.raises(InvalidWorkerUrl, match=message):
             async with pool.request(url, "GET", "/", [], b""):
                 pytest.fail("no response expected")
     assert pool.statistics().opened == 0
