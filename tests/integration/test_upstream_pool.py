@@ -6,6 +6,7 @@ the server saw.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -15,6 +16,7 @@ import trio
 import trio.testing
 
 from router.http.pool import (
+    LocalShortage,
     PoolSettings,
     UpstreamConnectError,
     UpstreamConnectTimeout,
@@ -25,6 +27,7 @@ from router.http.pool import (
 from router.http.worker_url import InvalidWorkerUrl
 from tests.support.ports import unanswered_port
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
+from tests.support.waiting import wait_until
 
 GUARD_S = 10
 
@@ -491,3 +494,107 @@ async def test_aclose_closes_idle_now_and_in_use_on_return() -> None:
 
             stats = pool.statistics()
             assert (stats.opened, stats.closed, stats.idle_total, stats.in_use) == (2, 2, 0, 0)
+
+
+# -- the per-worker connection cap ------------------------------------------------------
+
+
+async def test_checkouts_beyond_the_cap_wait_in_line_and_get_the_returned_connection() -> None:
+    release = trio.Event()
+
+    async def held_until_released(exchange: Exchange) -> None:
+        if exchange.index == 0 and exchange.connection_id == 1:
+            await release.wait()
+        await ok(exchange)
+
+    order: list[int] = []
+
+    async def one(index: int) -> None:
+        await get(pool, upstream)
+        order.append(index)
+
+    with trio.fail_after(GUARD_S):
+        settings = PoolSettings(max_connections_per_worker=1)
+        async with pool_and_upstream(held_until_released, settings) as (pool, upstream):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0)
+                await wait_until(lambda: upstream.requests == 1)
+                for index in (1, 2, 3):
+                    nursery.start_soon(one, index)
+                    await wait_until(lambda index=index: pool.statistics().waiting == index)
+                release.set()
+            stats = pool.statistics()
+            # One socket carried all four, handed from each request to the next in line.
+            assert (stats.opened, stats.reused, stats.waiting, upstream.accepted) == (1, 3, 0, 1)
+            assert order == [0, 1, 2, 3]
+
+
+async def test_a_wait_at_the_cap_ends_with_a_local_shortage_after_the_connect_timeout() -> None:
+    async def never_answers(exchange: Exchange) -> None:
+        await trio.sleep_forever()
+
+    with trio.fail_after(GUARD_S):
+        settings = PoolSettings(max_connections_per_worker=1)
+        async with pool_and_upstream(never_answers, settings) as (pool, upstream), trio.open_nursery() as nursery:
+            nursery.start_soon(get, pool, upstream)
+            await wait_until(lambda: upstream.requests == 1)
+            with pytest.raises(LocalShortage) as caught:
+                async with pool.request(upstream.url, "GET", "/", [], b"", connect_timeout_s=0.2):
+                    pytest.fail("no response expected")
+            assert caught.value.kind == "pool_wait_timeout"
+            stats = pool.statistics()
+            assert (stats.opened, stats.waiting, stats.local_errors) == (1, 0, {"pool_wait_timeout": 1})
+            assert upstream.accepted == 1
+            nursery.cancel_scope.cancel()
+        assert pool.statistics().in_use == 0
+
+
+async def test_a_waiter_cancelled_in_line_leaves_no_slot_taken() -> None:
+    release = trio.Event()
+
+    async def held_until_released(exchange: Exchange) -> None:
+        if exchange.connection_id == 1 and exchange.index == 0:
+            await release.wait()
+        await ok(exchange)
+
+    with trio.fail_after(GUARD_S):
+        settings = PoolSettings(max_connections_per_worker=1)
+        async with pool_and_upstream(held_until_released, settings) as (pool, upstream):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(get, pool, upstream)
+                await wait_until(lambda: upstream.requests == 1)
+                with trio.move_on_after(0.1):
+                    await get(pool, upstream)
+                assert pool.statistics().waiting == 0
+                release.set()
+            # The slot came back: the next checkout reuses the connection at once.
+            assert await get(pool, upstream) == b"1"
+            assert pool.statistics().opened == 1
+
+
+async def test_emfile_on_connect_is_a_local_shortage_not_a_connect_error() -> None:
+    """The process out of file descriptors: the router's own trouble, not the worker's."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with socket.socket() as listener, trio.fail_after(GUARD_S):
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        pool = UpstreamPool()
+        hoard: list[socket.socket] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+            with contextlib.suppress(OSError):
+                while True:
+                    hoard.append(socket.socket())
+            with pytest.raises(LocalShortage) as caught:
+                async with pool.request(url, "GET", "/", [], b""):
+                    pytest.fail("no response expected")
+        finally:
+            for sock in hoard:
+                sock.close()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert caught.value.kind == "emfile"
+        assert pool.statistics().local_errors == {"emfile": 1}
+        assert pool.statistics().opened == 0
