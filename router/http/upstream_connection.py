@@ -184,6 +184,9 @@ class UpstreamConnection:
     def _start_body(self, status: int, headers: list[tuple[bytes, bytes]], bodyless: bool) -> None:
         """Sets the body framing from the head (RFC 9112 section 6.3)."""
         if bodyless or status == 204 or status == 304:
+            # No body whatever the head says, but a `connection: close` still holds.
+            if any(n == b"connection" and b"close" in header_tokens(v) for n, v in headers):
+                self._keep_alive = False
             self._framing = _ENDED
             return
         length: bytes | None = None

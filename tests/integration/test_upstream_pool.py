@@ -598,3 +598,20 @@ async def test_emfile_on_connect_is_a_local_shortage_not_a_connect_error() -> No
         assert caught.value.kind == "emfile"
         assert pool.statistics().local_errors == {"emfile": 1}
         assert pool.statistics().opened == 0
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_bodyless_answer_with_connection_close_is_not_pooled(status: int) -> None:
+    """Found by the upstream fuzz: a 204/304 skipped the head's `connection: close`."""
+
+    async def bodyless_then_hold(exchange: Exchange) -> None:
+        await exchange.send_raw(b"HTTP/1.1 %d No Body\r\nconnection: close\r\n\r\n" % status)
+        await exchange.hold_until_peer_closes()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(bodyless_then_hold) as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                assert response.status == status
+                assert await response.read() == b""
+            stats = pool.statistics()
+            assert (stats.idle_total, stats.closed) == (0, 1)
