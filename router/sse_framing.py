@@ -18,12 +18,13 @@ from __future__ import annotations
 __all__ = ["MAX_PENDING_BYTES", "EventCutter"]
 
 MAX_PENDING_BYTES = 64 * 1024
-_ENDS = (b"\n\n", b"\n\r", b"\r\r")
 
 
 def _last_event_end(data: bytes) -> int:
     """The index just past the last blank line in `data`, or 0 when there is none."""
-    end = max(data.rfind(pair) for pair in _ENDS)
+    end = data.rfind(b"\n\n")
+    if b"\r" in data:  # most workers end lines with LF alone: one search suffices
+        end = max(end, data.rfind(b"\n\r"), data.rfind(b"\r\r"))
     if end < 0:
         return 0
     end += 2
@@ -36,14 +37,12 @@ def _last_event_end(data: bytes) -> int:
 class EventCutter:
     """Splits a byte stream into what may go to the client now and what must wait."""
 
-    __slots__ = ("_held", "_held_size", "_max_pending", "_tail", "mid_event")
+    __slots__ = ("_held", "_held_size", "_max_pending", "mid_event")
 
     def __init__(self, max_pending: int = MAX_PENDING_BYTES) -> None:
         self._max_pending = max_pending
         self._held: list[bytes] = []
         self._held_size = 0
-        # The last two held bytes, for an event end that straddles two chunks.
-        self._tail = b""
         self.mid_event = False
         """True when the bytes sent so far stop inside an event (a forced flush)."""
 
@@ -55,42 +54,44 @@ class EventCutter:
         """The bytes of `chunk` (with any held before it) that may be sent now; b"" if none."""
         if not chunk:
             return b""
-        tail = self._tail
-        if tail:
-            end = _last_event_end(tail + chunk[:2])
-            end = max(end - len(tail), _last_event_end(chunk)) if end else _last_event_end(chunk)
+        held = self._held
+        if chunk.endswith(b"\n\n"):
+            # The common case, a read that ends with an event: no search.
+            end = len(chunk)
+        elif held:
+            # An end may straddle the join: search from the last two held bytes on.
+            tail = held[-1][-2:]
+            end = _last_event_end(tail + chunk) - len(tail)
         else:
             end = _last_event_end(chunk)
-        if end:
-            out = self._take(chunk[:end] if end < len(chunk) else chunk)
-            rest = chunk[end:]
-            if rest:
-                self._hold(rest)
+        if end > 0:
             self.mid_event = False
-            return out
-        self._hold(chunk)
+            if end == len(chunk):
+                rest = b""
+            else:
+                chunk, rest = chunk[:end], chunk[end:]
+            if held:
+                held.append(chunk)
+                chunk = b"".join(held)
+                held.clear()
+                self._held_size = 0
+            if rest:
+                held.append(rest)
+                self._held_size = len(rest)
+            return chunk
+        held.append(chunk)
+        self._held_size += len(chunk)
         if self._held_size > self._max_pending:
             self.mid_event = True
-            return self._take(b"")
+            return self.flush()
         return b""
 
     def flush(self) -> bytes:
         """Everything held (the stream ended cleanly: whatever it ends with is the worker's)."""
-        return self._take(b"")
-
-    def _hold(self, data: bytes) -> None:
-        self._held.append(data)
-        self._held_size += len(data)
-        self._tail = (self._tail + data)[-2:] if len(data) < 2 else data[-2:]
-
-    def _take(self, last: bytes) -> bytes:
         held = self._held
         if not held:
-            return last
-        if last:
-            held.append(last)
+            return b""
         out = held[0] if len(held) == 1 else b"".join(held)
-        self._held = []
+        held.clear()
         self._held_size = 0
-        self._tail = b""
         return out
