@@ -34,8 +34,9 @@ from types import TracebackType
 import trio
 
 from router.http.connection_slots import ConnectionSlots, SlotWaitTimeout
-from router.http.local_errors import POOL_WAIT_KIND, LocalShortage, local_errno_kind
+from router.http.local_errors import POOL_WAIT_KIND, LocalShortage
 from router.http.pool_settings import PoolSettings, PoolStatistics
+from router.http.upstream_connect import UpstreamConnectTimeout, open_upstream_connection
 from router.http.upstream_connection import (
     UpstreamConnectError,
     UpstreamConnection,
@@ -62,10 +63,6 @@ __all__ = [
 
 
 DEFAULT_POOL_SETTINGS = PoolSettings()
-
-
-class UpstreamConnectTimeout(UpstreamConnectError):
-    """No connection was made within the caller's connect deadline."""
 
 
 class _Endpoint:
@@ -293,32 +290,16 @@ class UpstreamPool:
         return None
 
     async def _connect(self, endpoint: _Endpoint, timeout_s: float | None) -> UpstreamConnection:
-        """A new connection to `endpoint`, within `timeout_s` when given.
-
-        Raises `LocalShortage` when the router itself lacks the means to connect (file
-        descriptors, buffers, local ports): that is no fault of the worker's.
-        Cancellation: any half-made connection is closed by trio; nothing is counted.
-        """
-        # A connect that hangs (a SYN dropped by a full backlog or a firewall) would
-        # otherwise eat the whole first-byte deadline, which is sized for a slow prefill,
-        # not for a worker that is not there.
-        with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as deadline:
-            try:
-                stream = await trio.open_tcp_stream(endpoint.host, endpoint.port)
-            except OSError as exc:
-                kind = local_errno_kind(exc)
-                if kind is not None:
-                    raise self._local_error(
-                        kind, f"cannot connect to {endpoint.base_url}: the router is short of "
-                        f"local resources ({kind}): {exc}"
-                    ) from exc
-                raise UpstreamConnectError(f"cannot connect to {endpoint.base_url}: {exc}") from exc
-        if deadline.cancelled_caught:
-            raise UpstreamConnectTimeout(
-                f"cannot connect to {endpoint.base_url}: no connection within {timeout_s:g}s"
+        """A new connection (see `open_upstream_connection`), its local shortages counted."""
+        try:
+            connection = await open_upstream_connection(
+                endpoint.host, endpoint.port, endpoint.base_url, timeout_s
             )
+        except LocalShortage as exc:
+            self._local_errors[exc.kind] = self._local_errors.get(exc.kind, 0) + 1
+            raise
         self._opened += 1
-        return UpstreamConnection(stream)
+        return connection
 
     def _local_error(self, kind: str, message: str) -> LocalShortage:
         self._local_errors[kind] = self._local_errors.get(kind, 0) + 1
