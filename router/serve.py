@@ -128,6 +128,7 @@ async def run_router(
         httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
         trio.open_nursery() as nursery,
     ):
+        metrics.watch_pool(pool)
         discovery: DiscoveryHealth = await nursery.start(
             partial(serve_discovery, settings, fleet, http, metrics)
         )

@@ -15,6 +15,7 @@ import trio
 
 from tests.adversarial.upstream_stubs import GOOD_JSON, Edge, chat, open_edge
 from tests.support.raw_upstream import Exchange
+from tests.support.waiting import wait_until
 
 GUARD_S = 30
 REQUESTS = 4
@@ -148,8 +149,9 @@ async def test_a_few_interim_responses_are_skipped() -> None:
 async def test_a_worker_that_reads_the_request_and_closes_is_dispatched_once_per_attempt() -> None:
     """Hole 4: the worker reads the whole request, works 200 ms and closes without a word.
 
-    Every time it got a request, that shows as an attempt (a retry on the good worker),
-    never as a silent resend: its request count equals the retries counted.
+    Every time it got a request, that shows as an attempt (a retry on the good worker, a
+    fault on its breaker), never as a silent resend: its request count equals the
+    retries counted.
     """
 
     answered: list[Exchange] = []
@@ -163,7 +165,7 @@ async def test_a_worker_that_reads_the_request_and_closes_is_dispatched_once_per
         exchange.close()
 
     with trio.fail_after(GUARD_S):
-        async with open_edge(read_then_vanish) as edge:
+        async with open_edge(read_then_vanish, breaker_failure_threshold=1000) as edge:
             for _ in range(2 * REQUESTS):
                 response = await edge.client.post("/v1/chat/completions", json=chat())
                 assert response.status_code == 200
@@ -171,7 +173,35 @@ async def test_a_worker_that_reads_the_request_and_closes_is_dispatched_once_per
             retried = await edge.counter("router_retries_total")
             assert edge.bad_dispatches.count - bad_answers == sum(retried.values()) >= 1
             assert set(retried) == {"transport_error"}
+            # ... and each counted against the worker's breaker, once.
+            breaker = (await edge.workers())[edge.bad.url]["breaker"]
+            assert breaker["consecutive_faults"] == sum(retried.values())
             await edge.assert_no_harm_left()
+
+
+async def test_a_connection_the_worker_closed_while_idle_is_replaced_without_a_second_send() -> None:
+    """The stale case of hole 4: found at checkout, before the request is written."""
+
+    async def answer_then_close(exchange: Exchange) -> None:
+        await exchange.respond(200, [(b"content-type", b"application/json")], GOOD_JSON)
+        exchange.close()
+
+    with trio.fail_after(GUARD_S):
+        async with open_edge(answer_then_close, max_attempts=1) as edge:
+            served_by_bad = 0
+            for _ in range(REQUESTS):
+                response = await edge.client.post("/v1/chat/completions", json=chat())
+                assert response.status_code == 200
+                if response.headers["x-router-worker"] == edge.bad.url:
+                    served_by_bad += 1
+                    # The worker's close has reached the router's idle connection.
+                    await wait_until(lambda: edge.bad.ended >= edge.bad_dispatches.count)
+            assert served_by_bad >= 2
+            assert edge.bad_dispatches.count == served_by_bad  # each request reached it once
+            assert await edge.counter("router_retries_total") == {}
+            stale = await edge.counter("router_upstream_stale_discarded_total")
+            assert stale == {"": served_by_bad - 1}
+            await edge.assert_no_harm_left(bad_answers_were_valid=True)
 
 
 async def test_a_broken_worker_trips_only_its_own_breaker() -> None:
