@@ -1,4 +1,5 @@
-"""The router out of file descriptors: its own trouble, never the workers' fault.
+"""The router out of file descriptors, or at a worker's connection cap: its own trouble,
+never the workers' fault.
 
 `router serve` runs as a user runs it, with `RLIMIT_NOFILE` lowered so that a flood of
 concurrent requests exhausts it. Requests that cannot get an upstream socket are refused
@@ -19,7 +20,7 @@ import httpx
 import orjson
 import trio
 
-from tests.adversarial.upstream_stubs import GOOD_JSON, chat
+from tests.adversarial.upstream_stubs import GOOD_JSON, chat, open_edge
 from tests.support.cli_process import REPO
 from tests.support.raw_upstream import Exchange, open_raw_upstream
 
@@ -116,3 +117,34 @@ async def test_a_descriptor_flood_is_refused_with_503_and_trips_no_breaker() -> 
     refused = re.search(r'router_local_errors_total\{kind="emfile"\} (\S+)', metrics)
     assert refused is not None and float(refused.group(1)) == len(codes)
     assert "Traceback" not in text
+
+
+async def test_checkouts_past_the_connection_cap_wait_then_get_503_router_overloaded() -> None:
+    async def busy(exchange: Exchange) -> None:
+        await trio.sleep(1.0)  # real time: holds the worker's one allowed connection
+        await exchange.respond(200, [(b"content-type", b"application/json")], GOOD_JSON)
+
+    statuses: list[int] = []
+    codes: list[str] = []
+
+    async def one(client: httpx.AsyncClient) -> None:
+        response = await client.post("/v1/chat/completions", json=chat(model="solo"))
+        statuses.append(response.status_code)
+        if response.status_code == 503:
+            assert response.headers["retry-after"] == "1"
+            codes.append(response.json()["error"]["code"])
+
+    with trio.fail_after(GUARD_S):
+        async with open_edge(
+            busy, max_connections_per_worker=1, connect_timeout_s=0.3, breaker_failure_threshold=1,
+        ) as edge:
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(one, edge.client)
+            assert sorted(statuses) == [200, 503, 503]
+            assert codes == ["router_overloaded"] * 2
+            assert edge.bad_dispatches.count == 1
+            assert await edge.counter("router_local_errors_total") == {"pool_wait_timeout": 2}
+            breaker = (await edge.workers())[edge.bad.url]["breaker"]
+            assert (breaker["state"], breaker["consecutive_faults"]) == ("closed", 0)
+            await edge.assert_no_harm_left(bad_answers_were_valid=True)

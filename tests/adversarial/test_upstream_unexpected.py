@@ -8,7 +8,7 @@ import logging
 import pytest
 import trio
 
-from router.workers import WorkerRecord
+from router.workers import Role, WorkerRecord
 from tests.adversarial.upstream_stubs import chat, open_edge
 from tests.support.raw_upstream import Exchange
 
@@ -53,3 +53,21 @@ async def test_an_unexpected_exception_gives_the_breaker_no_verdict() -> None:
                 assert response.status_code == 502
             breaker = (await edge.workers())[bad_url]["breaker"]
             assert (breaker["state"], breaker["consecutive_faults"], breaker["trips"]) == ("closed", 0, 0)
+
+
+async def test_an_unexpected_exception_in_a_pd_leg_answers_502_and_releases_both_leases() -> None:
+    bad_url = "http://127.0.0.1:1/a b"
+    with trio.fail_after(GUARD_S):
+        async with open_edge(never_called) as edge:
+            fleet = edge.router.fleet
+            fleet.upsert(WorkerRecord(
+                id="prefill-1", url=bad_url, models=("pd",), role=Role.PREFILL,
+                disagg_meta={"protocol": "mooncake", "params": {"bootstrap_addr": "127.0.0.1:8998"}},
+            ))  # fmt: skip
+            fleet.upsert(WorkerRecord(id="decode-1", url=edge.good.url, models=("pd",), role=Role.DECODE))
+            response = await edge.client.post("/v1/chat/completions", json=chat(model="pd"))
+            assert response.status_code == 502
+            assert bad_url in response.json()["error"]["message"]
+            inflight = {w.id: w.inflight for w in fleet.workers()}
+            assert inflight["prefill-1"] == inflight["decode-1"] == 0
+            await edge.assert_no_harm_left()

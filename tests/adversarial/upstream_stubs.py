@@ -1,7 +1,8 @@
 """A real router in front of one stub worker that misbehaves on purpose and one that does not.
 
-Both workers serve model `m`; a third, healthy, serves model `other`, so a test can show
-the router still serves after whatever the bad one did. Failover is on (two attempts),
+Both workers serve model `m` (the bad one alone also serves `solo`, for requests that
+must reach it); a third, healthy, serves model `other`, so a test can show the router
+still serves after whatever the bad one did. Failover is on (two attempts),
 the breaker off unless a test asks: the cost assertions are dispatch counts, retries,
 leases (in-flight) and pooled connections.
 """
@@ -118,7 +119,7 @@ async def open_edge(bad: Respond, **overrides: Any) -> AsyncIterator[Edge]:
         open_raw_upstream(good_dispatches) as good_worker,
         open_raw_upstream(answer_well) as other_worker,
         open_router(
-            [f"{bad_worker.url},model=m", f"{good_worker.url},model=m", f"{other_worker.url},model=other"],
+            [f"{bad_worker.url},model=m+solo", f"{good_worker.url},model=m", f"{other_worker.url},model=other"],
             **overrides,
         ) as router,
         httpx.AsyncClient(base_url=router.url, timeout=30) as client,
