@@ -112,3 +112,37 @@ async def test_an_event_larger_than_the_bound_goes_out_and_the_error_event_stays
             # A blank line closes the partial event, so the error event parses on its own.
             assert b"\n\nevent: error\ndata: " in broken
             await edge.assert_no_harm_left()
+
+
+MID_STREAM_BREAKS = {
+    "bad chunk size": b"zz\r\n",
+    "chunk data without CRLF": b"5\r\nhelloXX",
+    "close mid-chunk": b"400\r\ndata: {",
+}
+
+
+@pytest.mark.parametrize("tail", MID_STREAM_BREAKS.values(), ids=MID_STREAM_BREAKS.keys())
+async def test_a_framing_error_mid_stream_ends_with_an_error_event_after_the_whole_events(tail: bytes) -> None:
+    first = event(0, b"\n")
+
+    async def first_event_then_broken_framing(exchange: Exchange) -> None:
+        await exchange.send_raw(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n" % len(first) + first + b"\r\n"
+        )
+        await trio.sleep(0.05)  # real time: the first event goes out on its own
+        await exchange.send_raw(tail)
+        exchange.close()
+
+    with trio.fail_after(GUARD_S):
+        async with open_edge(first_event_then_broken_framing, max_attempts=1) as edge:
+            for _ in range(2):
+                response = await edge.client.post("/v1/chat/completions", json=chat(stream=True))
+                assert response.status_code == 200
+                if response.headers["x-router-worker"] == edge.bad.url:
+                    broken = response.content
+            assert broken.startswith(first + b"event: error\ndata: ")
+            assert b'"code":"stream_interrupted"' in broken and broken.endswith(b"\n\n")
+            assert edge.bad_dispatches.count == 1
+            assert await edge.counter("router_retries_total") == {}
+            await edge.assert_no_harm_left()
