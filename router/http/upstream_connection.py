@@ -19,6 +19,7 @@ import re
 import trio
 
 from router.http.direct_socket import DirectSocket
+from router.http.request_encoding import encode_request
 from router.http.response_head import HEADER_LINE, header_tokens, parse_response_head
 from router.http.upstream_errors import (
     UpstreamConnectError,
@@ -43,9 +44,6 @@ _MAX_CHUNK_LINE_BYTES = 4096
 # and each would otherwise cost a head parse while the client waits.
 _MAX_INTERIM_RESPONSES = 8
 
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
-_FIELD_VALUE = re.compile(rb"[^\x00\r\n]*")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 # What a worker (or the network) can do to an open connection.
@@ -63,30 +61,6 @@ _CHUNK_SIZE_LINE = 0
 _CHUNK_DATA = 1
 _CHUNK_DATA_END = 2
 _CHUNK_TRAILER = 3
-
-
-def encode_request(
-    method: str, target: str, host: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-) -> bytes:
-    """The request's bytes: head (with `host` and `content-length`) and body, in one join.
-
-    Raises ValueError for a method, target or header that HTTP/1.1 cannot carry: our own
-    request is malformed, a bug to see, not a worker fault to fail over from.
-    """
-    method_bytes = method.encode("ascii")
-    target_bytes = target.encode("ascii")
-    if _TOKEN.fullmatch(method_bytes) is None or _TARGET.fullmatch(target_bytes) is None:
-        raise ValueError(f"cannot send request line {method!r} {target!r}")
-    parts = [
-        method_bytes, b" ", target_bytes, b" HTTP/1.1\r\nhost: ", host,
-        b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n",
-    ]
-    for name, value in headers:
-        if _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
-            raise ValueError(f"cannot send header {name!r}: {value!r}")
-        parts += (name, b": ", value, b"\r\n")
-    parts += (b"\r\n", body)
-    return b"".join(parts)
 
 
 class UpstreamConnection:
@@ -141,18 +115,14 @@ class UpstreamConnection:
             interim = 0
             while True:
                 end = self._buffer.find(b"\r\n\r\n", self._position)
-                while end < 0:
-                    if len(self._buffer) - self._position > _MAX_HEAD_BYTES:
-                        break
-                    # Only the new bytes (and three before them) can complete the end.
-                    searched = len(self._buffer) - self._position
+                if end < 0 and self._position == len(self._buffer):
+                    # The common case: the whole head arrives in the first read.
                     if not await self._receive():
-                        raise UpstreamProtocolError(
-                            "upstream closed the connection before the response head",
-                            response_started=self.response_started,
-                        )
-                    end = self._buffer.find(b"\r\n\r\n", self._position + max(0, searched - 3))
-                if end < 0 or end - self._position > _MAX_HEAD_BYTES:
+                        raise self._closed_before_head()
+                    end = self._buffer.find(b"\r\n\r\n", self._position)
+                if end < 0:
+                    end = await self._receive_split_head()
+                if end - self._position > _MAX_HEAD_BYTES:
                     raise UpstreamProtocolError(
                         f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
                         response_started=True,
@@ -180,6 +150,37 @@ class UpstreamConnection:
         self._keep_alive = keep_alive
         self._start_body(status, headers, bodyless)
         return status, headers
+
+    async def _receive_split_head(self) -> int:
+        """Reads until a head that spans several reads is whole; returns where it ends.
+
+        The pieces gather in one bytearray and each read is searched only where the end
+        can be (its bytes and the three before), so a worker that drips its head byte by
+        byte costs linear time, not quadratic. Raises `UpstreamProtocolError` past
+        `_MAX_HEAD_BYTES` or when the worker closes first.
+        """
+        pending = bytearray(self._buffer[self._position :])
+        while len(pending) <= _MAX_HEAD_BYTES:
+            searched = len(pending)
+            data = await self._socket.receive_some(_RECEIVE_SIZE)
+            if not data:
+                raise self._closed_before_head()
+            self.response_started = True
+            pending += data
+            end = pending.find(b"\r\n\r\n", max(0, searched - 3))
+            if end >= 0:
+                self._buffer = bytes(pending)
+                self._position = 0
+                return end
+        raise UpstreamProtocolError(
+            f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes", response_started=True
+        )
+
+    def _closed_before_head(self) -> UpstreamProtocolError:
+        return UpstreamProtocolError(
+            "upstream closed the connection before the response head",
+            response_started=self.response_started,
+        )
 
     def _start_body(self, status: int, headers: list[tuple[bytes, bytes]], bodyless: bool) -> None:
         """Sets the body framing from the head (RFC 9112 section 6.3)."""

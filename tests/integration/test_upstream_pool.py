@@ -615,3 +615,37 @@ async def test_a_bodyless_answer_with_connection_close_is_not_pooled(status: int
                 assert await response.read() == b""
             stats = pool.statistics()
             assert (stats.idle_total, stats.closed) == (0, 1)
+
+
+async def test_a_head_dripped_byte_by_byte_is_read_whole() -> None:
+    head = b"HTTP/1.1 200 OK\r\nx-pad: " + b"p" * 2000 + b"\r\ncontent-length: 2\r\n\r\n"
+
+    async def drip(exchange: Exchange) -> None:
+        for index in range(len(head)):
+            await exchange.send_raw(head[index : index + 1])
+            if index % 200 == 0:
+                await trio.sleep(0.001)  # real time: separate reads on the router's side
+        await exchange.send_raw(b"ok")
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(drip) as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                assert response.status == 200
+                assert dict(response.headers)[b"x-pad"] == b"p" * 2000
+                assert await response.read() == b"ok"
+
+
+async def test_a_head_over_the_bound_in_many_reads_is_refused() -> None:
+    async def endless_head(exchange: Exchange) -> None:
+        await exchange.send_raw(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(80):
+            await exchange.send_raw(b"x-pad: " + b"p" * 1000 + b"\r\n")
+            await trio.sleep(0.001)  # real time: separate reads on the router's side
+        await exchange.hold_until_peer_closes()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(endless_head) as (pool, upstream):
+            with pytest.raises(UpstreamProtocolError, match="head exceeds 65536 bytes"):
+                async with pool.request(upstream.url, "GET", "/", [], b""):
+                    pytest.fail("no response expected")
+            assert pool.statistics().closed == 1
