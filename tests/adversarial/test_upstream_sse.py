@@ -66,6 +66,7 @@ async def test_each_event_reaches_the_client_as_soon_as_it_is_sent(end: bytes) -
                 body, arrivals = await read_stream_with_arrival_times(edge, expected)
             assert body == b"".join(expected)
             delays = [arrived - sent for arrived, sent in zip(arrivals, sent_at, strict=True)]
+            print(f"\nevent delays (s): {[round(d, 4) for d in delays]}")
             assert max(delays) < LATE_S, delays
             await edge.assert_no_harm_left(bad_answers_were_valid=True)
 
