@@ -13,6 +13,9 @@ from router.http.upstream_errors import UpstreamProtocolError
 
 __all__ = ["HEADER_LINE", "header_tokens", "parse_response_head"]
 
+# RFC 9112 section 4: HTAB, SP, visible ASCII and obs-text; a bare CR is not a character
+# of a reason phrase but a way to hide a second status line from one parser of two.
+_REASON = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\x00\r\n]*?)[ \t]*")
 
 
@@ -34,6 +37,7 @@ def parse_response_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], bo
         not code.isdigit()
         or not b"100" <= code <= b"599"
         or (len(status_line) > 12 and status_line[12] != 32)
+        or _REASON.fullmatch(status_line, 13) is None
     ):
         # A status outside 100-599 (`000` included) is no HTTP answer: RFC 9110 section 15.
         raise UpstreamProtocolError(

@@ -44,6 +44,8 @@ CASES: dict[str, bytes] = {
     "status 600": head(b"HTTP/1.1 600 High", b"content-length: 0"),
     "status 999": head(b"HTTP/1.1 999 Nope", JSON_CL) + GOOD_JSON,
     "HTTP/2.0 status line": head(b"HTTP/2.0 200 OK", JSON_CL) + GOOD_JSON,
+    "bare CR in the status line": head(b"HTTP/1.1 200 OK\rHTTP/1.1 200 OK", JSON_CL) + GOOD_JSON,
+    "control byte in the reason": head(b"HTTP/1.1 200 O\x00K", JSON_CL) + GOOD_JSON,
     "1xx storm": head(b"HTTP/1.1 100 Continue") * 50 + head(b"HTTP/1.1 200 OK", JSON_CL) + GOOD_JSON,
     "101 unasked": head(b"HTTP/1.1 101 Switching Protocols", b"upgrade: h2c"),
     "content-length shorter than the body": head(b"HTTP/1.1 200 OK", b"content-length: 5") + GOOD_JSON,
