@@ -16,7 +16,9 @@ __all__ = ["HEADER_LINE", "header_tokens", "parse_response_head"]
 # RFC 9112 section 4: HTAB, SP, visible ASCII and obs-text; a bare CR is not a character
 # of a reason phrase but a way to hide a second status line from one parser of two.
 _REASON = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
-HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\x00\r\n]*?)[ \t]*")
+# A field value is visible characters, obs-text, spaces and tabs (RFC 9110 section 5.5):
+# a control byte in a worker's header would reach the client, or split a line there.
+HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([\t\x20-\x7e\x80-\xff]*?)[ \t]*")
 
 
 def parse_response_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool]:

@@ -66,6 +66,9 @@ CASES: dict[str, bytes] = {
     "header section too large": head(b"HTTP/1.1 200 OK", b"x-junk: " + b"a" * 70_000, JSON_CL) + GOOD_JSON,
     "malformed header line": head(b"HTTP/1.1 200 OK", b"no colon here", JSON_CL) + GOOD_JSON,
     "obs-fold header": head(b"HTTP/1.1 200 OK", JSON_CL, b"x-a: b", b" folded") + GOOD_JSON,
+    "control byte in a relayed header": head(b"HTTP/1.1 200 OK", b"content-type:\x0bapplication/json", JSON_CL)
+    + GOOD_JSON,
+    "control byte in a header": head(b"HTTP/1.1 200 OK", b"x-a: b\x1fc", JSON_CL) + GOOD_JSON,
 }
 # Answers that break off: the worker closes where the framing says more is coming.
 BREAKS: dict[str, bytes] = {
