@@ -113,6 +113,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("body_timeout_s", float, 30.0, "time for a client to send a whole request body (408 beyond)", minimum=0.001),
     Option("client_write_timeout_s", float, 60.0, "longest a client may take no byte of its answer before the request is aborted", minimum=0.001),
     Option("max_buffered_body_bytes", int, 1024**3, "request-body bytes buffered at once across all client connections (503 beyond)", minimum=1),
+    Option("max_connections_per_worker", int, 256, "open upstream connections per worker; a checkout beyond it waits (FIFO) up to the connect timeout, then 503 router_overloaded", minimum=1),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
@@ -181,6 +182,7 @@ class Settings:
     body_timeout_s: float = 30.0
     client_write_timeout_s: float = 60.0
     max_buffered_body_bytes: int = 1024**3
+    max_connections_per_worker: int = 256
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:

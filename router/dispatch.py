@@ -1,11 +1,13 @@
 """Upstream calls for one attempt: headers out, the answer judged, SSE relayed as bytes.
 
 This is the edge where pool, h11 and socket errors become `AttemptFailed` (retryable,
-with or without a worker's answer) so the attempt loop sees one vocabulary.
+with or without a worker's answer) so the attempt loop sees one vocabulary; the router's
+own shortages (`LocalShortage`) become `RouterOverloaded`, a 503 that blames no worker.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,8 +16,10 @@ from types import TracebackType
 import orjson
 import trio
 
+from router.errors import RouterOverloaded, WorkerUnreachable
 from router.http.messages import Headers, ResponseWriter
 from router.http.pool import (
+    LocalShortage,
     PooledRequest,
     UpstreamConnectError,
     UpstreamConnectTimeout,
@@ -23,6 +27,9 @@ from router.http.pool import (
     UpstreamPool,
     UpstreamResponse,
 )
+from router.sse_framing import EventCutter
+
+log = logging.getLogger("router.dispatch")
 
 # Request headers a worker needs from the client; everything else stays at the router.
 FORWARDED_REQUEST_HEADERS = frozenset(
@@ -71,6 +78,13 @@ class AttemptFailed(Exception):
         self.fault = fault
         self.answer = answer
         self.worker_id: str | None = None
+
+
+def unexpected_failure(url: str, exc: Exception) -> WorkerUnreachable:
+    """A 502 naming the worker for an exception no upstream error explains (a bug of ours
+    or a request the pool refused): the lease's owner releases it without a verdict."""
+    log.error("request to %s failed unexpectedly", url, exc_info=exc)
+    return WorkerUnreachable(f"the request to worker {url} failed: {type(exc).__name__}: {exc}")
 
 
 def upstream_headers(
@@ -134,6 +148,12 @@ class UpstreamAttempt:
                 raise AttemptFailed("connect_error", str(exc), fault=True) from None
             except UpstreamError as exc:
                 raise AttemptFailed("transport_error", f"{url} broke the connection: {exc}", fault=True) from None
+            except LocalShortage as exc:
+                # The router's own trouble: no verdict on the worker, no other worker tried
+                # (it would meet the same shortage).
+                raise RouterOverloaded(str(exc), exc.kind) from None
+            except Exception as exc:
+                raise unexpected_failure(url, exc) from exc
         assert deadline.cancelled_caught
         raise AttemptFailed(
             "first_byte_timeout", f"{url} sent no response headers within {first_byte_s:g}s", fault=True
@@ -159,6 +179,8 @@ async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> An
                 parts.append(chunk)
         except UpstreamError as exc:
             raise AttemptFailed("transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True) from None
+        except Exception as exc:
+            raise unexpected_failure(url, exc) from exc
     if idle.cancelled_caught:
         raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
     return Answer(response.status, response.headers, parts[0] if len(parts) == 1 else b"".join(parts))
@@ -190,6 +212,8 @@ async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float
             chunk = await response.receive_some()
     except UpstreamError as exc:
         raise AttemptFailed("transport_error", f"{url} broke the stream before its first event: {exc}", fault=True) from None
+    except Exception as exc:
+        raise unexpected_failure(url, exc) from exc
     if idle.cancelled_caught:
         raise AttemptFailed("first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True)
     if not chunk:
@@ -208,32 +232,26 @@ async def relay_stream(
 ) -> int:
     """Relay SSE bytes as they arrive; returns the number of body bytes relayed.
 
-    Whole events only go out when the worker breaks mid-event: bytes after the last event
-    boundary are held back until their event completes, so a broken stream ends with a
-    well-formed error event (`error_event(message, code)`: the route's dialect) and never
-    with half an event. `ClientDisconnected` from the
-    writer propagates (the caller's scope closes the upstream connection).
+    Everything up to the last complete event of what arrived goes out at once (an event
+    ends at LF LF, CRLF CRLF or CR CR: `EventCutter`); bytes of an unfinished event are
+    held until it completes, or until more than 64 KiB are held. When the worker breaks
+    or stalls mid-stream, the complete events already received have gone out and the held
+    remainder is dropped, so the stream ends with a well-formed error event (`error_event(message, code)`: the route's dialect) (after a
+    blank line if a 64 KiB flush left the client inside an event). `ClientDisconnected`
+    from the writer propagates (the caller's scope closes the upstream connection).
     """
     relayed = 0
-    pending = b""
+    cutter = EventCutter()
     chunk = first
     error: bytes | None = None
     # One scope for the whole relay: its deadline is set for each read from the worker and
     # lifted for each write to the client (a slow client is not a stalled worker).
     with trio.CancelScope() as idle:
         while True:
-            if pending:
-                chunk = pending + chunk
-            if chunk.endswith(b"\n\n"):
-                pending = b""
-                await writer.write(chunk)
-                relayed += len(chunk)
-            else:
-                cut = chunk.rfind(b"\n\n") + 2
-                pending = chunk[cut:] if cut > 1 else chunk
-                if cut > 1:
-                    await writer.write(chunk[:cut])
-                    relayed += cut
+            ready = cutter.feed(chunk)
+            if ready:
+                await writer.write(ready)
+                relayed += len(ready)
             idle.deadline = trio.current_time() + idle_s
             try:
                 chunk = await response.receive_some()
@@ -242,13 +260,14 @@ async def relay_stream(
                 break
             idle.deadline = math.inf
             if not chunk:
-                if pending:
-                    await writer.write(pending)
-                    relayed += len(pending)
+                rest = cutter.flush()
+                if rest:
+                    await writer.write(rest)
+                    relayed += len(rest)
                 break
     if idle.cancelled_caught:
         error = error_event(f"worker {url} stalled for {idle_s:g}s mid-stream", "stream_idle_timeout")
     if error is not None:
-        await writer.write(error)
+        await writer.write(b"\n\n" + error if cutter.mid_event else error)
     await writer.finish()
     return relayed

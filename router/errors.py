@@ -117,3 +117,20 @@ class ServerBusy(RouterError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"retry-after", b"1")]
+
+
+class RouterOverloaded(RouterError):
+    """The router itself ran short (file descriptors, local ports, a worker's connection
+    cap): no worker is at fault, and the client may retry shortly. `kind` names the
+    shortage, as `router_local_errors_total{kind}` counts it."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "router_overloaded"
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", b"1")]

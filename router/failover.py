@@ -33,7 +33,7 @@ from router.dispatch import (
     upstream_headers,
 )
 from router.error_shapes import STREAM_ERROR_EVENTS, error_body
-from router.errors import RouterError, WorkerUnreachable
+from router.errors import RouterError, RouterOverloaded, WorkerUnreachable
 from router.generation import GenerationRequest, parse_generation_request
 from router.http.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.pool import UpstreamPool
@@ -171,6 +171,8 @@ class GenerationService:
             status = await self._serve(generation, request, writer, started)
         except RouterError as error:
             status = error.status
+            if isinstance(error, RouterOverloaded):
+                self.metrics.count_local_error(error.kind)
             await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, spec.dialect))
         except ClientDisconnected:
             status = CLIENT_LEFT

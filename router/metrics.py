@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from router.http.pool import UpstreamPool
 from router.workers import Fleet
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -44,6 +45,10 @@ class RouterMetrics:
         self.discovery_up = Gauge("router_discovery_up", "1 while the discovery source answers, 0 while it does not", registry=r)
         self.discovery_events = Counter("router_discovery_events", "Discovery events applied, by type", ["type"], registry=r)
         self.discovery_relists = Counter("router_discovery_relists", "Full relists of the discovery source", registry=r)
+        self.local_errors = Counter(
+            "router_local_errors", "Requests refused for the router's own shortage (no worker blamed), by kind",
+            ["kind"], registry=r,
+        )
         self.discovery_up.set(1)
         r.register(_FleetCollector(fleet))
         self._children: dict[tuple[object, ...], object] = {}
@@ -80,6 +85,13 @@ class RouterMetrics:
             self.breaker_trips.remove(worker_id)
         except KeyError:
             pass  # it never tripped
+
+    def count_local_error(self, kind: str) -> None:
+        self.child(self.local_errors, kind).inc()  # type: ignore[attr-defined]
+
+    def watch_pool(self, pool: UpstreamPool) -> None:
+        """Export the upstream pool's connections, waiting checkouts and stale discards."""
+        self.registry.register(_PoolCollector(pool))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -132,3 +144,29 @@ class _FleetCollector(Collector):
         yield inflight
         yield healthy
         yield state
+
+
+class _PoolCollector(Collector):
+    """The upstream pool's figures, read at scrape time (the request path pays nothing)."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._pool.statistics()
+        connections = GaugeMetricFamily(
+            "router_upstream_connections", "Open upstream connections by state", labels=["state"]
+        )
+        connections.add_metric(["idle"], stats.idle_total)
+        connections.add_metric(["in_use"], stats.in_use)
+        yield connections
+        yield GaugeMetricFamily(
+            "router_upstream_checkouts_waiting",
+            "Requests waiting for a connection to a worker at --max-connections-per-worker",
+            value=stats.waiting,
+        )
+        yield CounterMetricFamily(
+            "router_upstream_stale_discarded",
+            "Pooled connections found closed by the worker at checkout, discarded before any write",
+            value=stats.stale_discarded,
+        )

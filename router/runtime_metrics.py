@@ -1,8 +1,8 @@
-"""What the router process itself holds: upstream connections and trio tasks, read at scrape.
+"""The trio tasks alive in the router process, read at scrape time.
 
-Both are resources a leak would grow without bound, so both are visible. They are read
-when `/metrics` is scraped, never counted on the request path: the pool keeps its own
-counters, and the task tree is walked from trio's root task.
+Tasks are a resource a leak grows without bound (a reader per client connection, a task
+per request leg), so their number is visible. It is read when `/metrics` is scraped by
+walking trio's task tree from its root, never counted on the request path.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from collections.abc import Iterator
 import trio
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from router.http.pool import UpstreamPool
 
 
 def count_tasks() -> int | None:
@@ -34,20 +32,10 @@ def count_tasks() -> int | None:
     return count
 
 
-class RuntimeCollector(Collector):
-    """`router_upstream_connections{state}` and `router_tasks`, read at scrape time."""
-
-    def __init__(self, pool: UpstreamPool) -> None:
-        self._pool = pool
+class TaskCollector(Collector):
+    """`router_tasks`, read at scrape time."""
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        stats = self._pool.statistics()
-        connections = GaugeMetricFamily(
-            "router_upstream_connections", "Upstream connections held, by state", labels=["state"]
-        )
-        connections.add_metric(["idle"], stats.idle_total)
-        connections.add_metric(["in_use"], stats.in_use)
-        yield connections
         tasks = count_tasks()
         # Outside a trio run (the registry's first collect at registration) the count is
         # unknown: the family is left out rather than reported as zero.

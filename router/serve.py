@@ -40,7 +40,7 @@ from router.http.server import ServerLoad, serve_http
 from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
 from router.request_id import current_request_id
-from router.runtime_metrics import RuntimeCollector
+from router.runtime_metrics import TaskCollector
 from router.tracing import open_tracing, otel_installed
 from router.worker_wait import WorkerWaitCollector
 from router.workers import BreakerFactory, Fleet
@@ -182,6 +182,7 @@ async def run_router(
     pool_settings = PoolSettings(
         max_idle_per_worker=settings.pool_max_idle_per_worker,
         idle_expiry_s=settings.pool_idle_expiry_s,
+        max_connections_per_worker=settings.max_connections_per_worker,
     )
     async with (
         open_upstream_pool(pool_settings) as pool,
@@ -189,7 +190,8 @@ async def run_router(
         open_tracing(settings.otlp_traces_endpoint) as tracing,
         trio.open_nursery() as nursery,
     ):
-        metrics.registry.register(RuntimeCollector(pool))
+        metrics.watch_pool(pool)
+        metrics.registry.register(TaskCollector())
         # Before discovery, so a worker named without its facts is asked at once.
         await nursery.start(
             partial(serve_engine_facts, fleet, http, FactsSettings(timeout_s=settings.health_timeout_s))

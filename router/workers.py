@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from router.http.worker_url import InvalidWorkerUrl, parse_worker_url
+
 if TYPE_CHECKING:
     from router.breaker import CircuitBreaker
 
@@ -75,9 +77,13 @@ class WorkerRecord:
         if not isinstance(data, dict):
             raise InvalidWorkerRecord(f"a worker record must be an object, got {type(data).__name__}")
         url = data.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise InvalidWorkerRecord(f"'url' must be an http(s) URL, got {url!r}")
+        if not isinstance(url, str):
+            raise InvalidWorkerRecord(f"'url' must be an http:// URL, got {url!r}")
         url = url.rstrip("/")
+        try:
+            parse_worker_url(url)
+        except InvalidWorkerUrl as exc:
+            raise InvalidWorkerRecord(str(exc)) from None
         worker_id = data.get("id", url)
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidWorkerRecord(f"'id' must be a non-empty string, got {worker_id!r}")

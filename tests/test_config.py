@@ -154,7 +154,9 @@ def test_spec_options() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("localhost:8000", "'url' must be an http(s) URL"),
+        ("localhost:8000", "worker URL 'localhost:8000' must start with http://"),
+        ("https://a:1", "TLS to workers is not supported"),
+        ("http://a:99999", "is malformed"),
         ("http://a:1,gpu=8", "unknown option 'gpu'"),
         ("http://a:1,role", "expected key=value, got 'role'"),
         ("http://a:1,dp_size=two", "dp_size must be an integer, got 'two'"),
@@ -230,7 +232,7 @@ def test_a_workers_file_may_be_a_mapping_with_a_workers_list(tmp_path: Path) -> 
     ("text", "message"),
     [
         ("url: http://a:1\n", "workers must be a list of records"),
-        ("- url: http://a:1\n- url: ftp://b\n", "worker #2: 'url' must be an http(s) URL"),
+        ("- url: http://a:1\n- url: ftp://b\n", "worker #2: worker URL 'ftp://b' must start with http://"),
         ("- {url: 'http://a:1', dp_size: 0}\n", "worker #1: 'dp_size' must be an integer >= 1"),
         ("- [\n", "fleet.yaml"),
     ],

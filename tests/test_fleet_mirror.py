@@ -124,3 +124,23 @@ def test_two_keys_claiming_one_id_leave_only_with_the_last_key(
     assert fleet.get("w").url == "http://10.0.0.1:1"  # type: ignore[union-attr]
     mirror.apply(delete("k1"))
     assert len(fleet) == 0
+
+
+def test_a_malformed_record_is_logged_once_however_often_it_is_seen_again(
+    setup: tuple[Fleet, RouterMetrics, FleetMirror], caplog: pytest.LogCaptureFixture
+) -> None:
+    fleet, _, mirror = setup
+    tls = orjson.dumps({"id": "t", "url": "https://10.0.0.9:1", "model": "m"})
+    listing = [KeyValue(P + "a", value("a", 1), 5, 0), KeyValue(P + "tls", tls, 6, 0)]
+    with caplog.at_level(logging.WARNING, logger="router.discovery.etcd"):
+        mirror.relist(listing, 10)
+        mirror.relist(listing, 20)  # after a compaction: the same bad record again
+        mirror.apply(put("tls", tls, 21))  # rewritten with the same value
+        assert len([r for r in caplog.records if "malformed" in r.getMessage()]) == 1
+        mirror.apply(put("tls", b"{}", 22))  # a different bad value is news
+        mirror.apply(delete("tls", 23))
+        mirror.apply(put("tls", tls, 24))  # deleted, then back: news again
+    messages = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(messages) == 3
+    assert "TLS to workers is not supported" in messages[0]
+    assert [w.id for w in fleet.workers()] == ["a"]

@@ -74,24 +74,32 @@ class FleetMirror:
     """Keeps the fleet equal to the valid records under the prefix, and knows which key
     holds which worker (a DELETE event names only the key).
 
-    A malformed value is logged and skipped; when it overwrites a valid record, that
-    worker leaves the fleet, as it would on a relist. Two keys claiming one worker id are
-    an operator error: the latest write wins and a warning names both keys.
+    A malformed value is logged (once per key and value, however many relists see it)
+    and skipped; when it overwrites a valid record, that worker leaves the fleet, as it
+    would on a relist. Two keys claiming one worker id are an operator error: the latest
+    write wins and a warning names both keys.
     """
 
     def __init__(self, fleet: Fleet, metrics: RouterMetrics) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self._records: dict[str, WorkerRecord] = {}
+        # The refused value per key: a relist (after compaction or a lost watch) finds
+        # the same bad record again, and the operator was already told about it.
+        self._refused: dict[str, bytes] = {}
 
     def relist(self, kvs: Iterable[KeyValue], revision: int) -> None:
         """Make the fleet exactly the valid records of a listing taken at `revision`."""
         records: dict[str, WorkerRecord] = {}
+        refused: dict[str, bytes] = {}
         for kv in kvs:
             try:
                 records[kv.key] = parse_record(kv.value)
             except InvalidWorkerRecord as exc:
-                log.warning("skipping the malformed worker record at %s: %s", kv.key, exc)
+                if self._refused.get(kv.key) != kv.value:
+                    log.warning("skipping the malformed worker record at %s: %s", kv.key, exc)
+                refused[kv.key] = kv.value
+        self._refused = refused
         before = {worker.id for worker in self._fleet.workers()}
         self._records = records
         self._fleet.replace_all(records.values())
@@ -106,14 +114,16 @@ class FleetMirror:
         kind = "put" if event.type == "PUT" else "delete"
         self._metrics.discovery_events.labels(kind).inc()
         if event.type == "DELETE":
+            self._refused.pop(event.key, None)
             self._forget(event.key)
             return
         try:
             record = parse_record(event.value)
         except InvalidWorkerRecord as exc:
-            log.warning("skipping the malformed worker record at %s: %s", event.key, exc)
+            self._refuse(event.key, event.value, exc)
             self._forget(event.key)
             return
+        self._refused.pop(event.key, None)
         previous = self._records.get(event.key)
         if previous is not None and previous.id != record.id:
             self._forget(event.key)
@@ -135,6 +145,12 @@ class FleetMirror:
             )  # fmt: skip
         elif known.record.status is not record.status:
             log.info("worker %s is now %s", record.id, record.status.value)
+
+    def _refuse(self, key: str, value: bytes, exc: InvalidWorkerRecord) -> None:
+        """Logs a record that cannot be used, once per key and value."""
+        if self._refused.get(key) != value:
+            self._refused[key] = value
+            log.warning("skipping the malformed worker record at %s: %s", key, exc)
 
     def _forget(self, key: str) -> None:
         record = self._records.pop(key, None)

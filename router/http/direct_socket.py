@@ -107,6 +107,21 @@ class DirectSocket:
         except OSError as exc:
             raise _translate(exc) from exc
 
+    def peer_is_silent(self) -> bool:
+        """Whether the peer has neither sent a byte nor closed: one non-blocking peek, no
+        checkpoint, nothing consumed.
+
+        False when it closed (EOF), reset, or has bytes waiting: an idle connection in any
+        of those states must not carry a request (urllib3 and httpcore check the same).
+        """
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
+
     async def send_eof(self) -> None:
         """Half-closes the sending side (idempotent). A checkpoint."""
         await trio.lowlevel.checkpoint()

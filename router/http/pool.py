@@ -9,6 +9,17 @@ keep-alive timeout does. No request ever walks the pooled connections.
 A connection goes back to the pool only after a response read to its end, on HTTP/1.1, with
 no `connection: close` and no byte beyond the response. Anything else (an error, a cancellation, a
 body left unread) closes it.
+
+A request is never sent twice by the pool. A pooled connection is checked at checkout,
+before anything is written: one non-blocking peek tells whether the worker closed it (or
+sent bytes nobody asked for) while it was idle, and such a connection is discarded. Once a
+request is written, any failure is the caller's: the worker may have read the request and
+started working on it, and a generation is not idempotent.
+
+Each worker's open connections are capped (`max_connections_per_worker`); a checkout
+beyond the cap waits in line (FIFO) for a returned connection or a freed slot, no longer
+than its connect timeout, and then raises `LocalShortage`: a local overload, not a fault
+of the worker. So does a connect that fails for want of a local resource (`EMFILE`, ...).
 """
 
 from __future__ import annotations
@@ -17,12 +28,15 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
-from urllib.parse import urlsplit
 
 import trio
 
+from router.http.connection_slots import ConnectionSlots, SlotWaitTimeout
+from router.http.local_errors import POOL_WAIT_KIND, LocalShortage
+from router.http.pool_settings import PoolSettings, PoolStatistics
+from router.http.upstream_connect import UpstreamConnectTimeout, open_upstream_connection
 from router.http.upstream_connection import (
     UpstreamConnectError,
     UpstreamConnection,
@@ -30,8 +44,11 @@ from router.http.upstream_connection import (
     UpstreamProtocolError,
     encode_request,
 )
+from router.http.upstream_response import UpstreamResponse
+from router.http.worker_url import parse_worker_url
 
 __all__ = [
+    "LocalShortage",
     "PoolSettings",
     "PoolStatistics",
     "PooledRequest",
@@ -45,84 +62,26 @@ __all__ = [
 ]
 
 
-class UpstreamConnectTimeout(UpstreamConnectError):
-    """No connection was made within the caller's connect deadline."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSettings:
-    max_idle_per_worker: int = 64
-    """Idle connections kept per worker; a connection returned beyond it is closed."""
-    idle_expiry_s: float = 4.0
-    """Idle connections older than this are closed (uvicorn closes idle ones after 5 s)."""
-    sweep_interval_s: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStatistics:
-    idle_per_worker: dict[str, int]
-    idle_total: int
-    in_use: int
-    """Connections checked out by a request right now."""
-    opened: int
-    closed: int
-    reused: int
-    """Checkouts served from the pool (including those that turned out stale)."""
-    stale_retries: int
-    """Pooled connections that failed before any response byte, retried on a fresh one."""
+DEFAULT_POOL_SETTINGS = PoolSettings()
 
 
 class _Endpoint:
     """One worker's address, parsed once, and its idle connections (oldest on the left)."""
 
-    __slots__ = ("base_url", "host", "host_header", "idle", "port", "prefix")
+    __slots__ = ("base_url", "host", "host_header", "idle", "port", "prefix", "slots")
 
-    def __init__(self, base_url: str) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme == "https":
-            raise UpstreamConnectError(
-                f"https upstreams are not supported by the native pool: {base_url!r}"
-            )
-        try:
-            port = parts.port or 80
-        except ValueError as exc:
-            raise UpstreamConnectError(f"bad port in upstream URL {base_url!r}") from exc
-        if parts.scheme != "http" or not parts.hostname:
-            raise UpstreamConnectError(f"not an http://host[:port] URL: {base_url!r}")
+    def __init__(self, base_url: str, max_connections: int) -> None:
+        # Worker records are validated with the same rules when parsed, so a URL refused
+        # here (InvalidWorkerUrl, a ValueError) reached the pool some other way: a bug on
+        # our side, not a worker fault to fail over from.
+        address = parse_worker_url(base_url)
         self.base_url = base_url
-        self.host = parts.hostname
-        self.port = port
-        self.host_header = parts.netloc.rpartition("@")[2].encode("ascii")
-        self.prefix = parts.path.rstrip("/")
+        self.host = address.host
+        self.port = address.port
+        self.host_header = address.host_header
+        self.prefix = address.prefix
         self.idle: deque[UpstreamConnection] = deque()
-
-
-class UpstreamResponse:
-    """A response whose head has arrived; the body is read on demand."""
-
-    __slots__ = ("_connection", "headers", "status")
-
-    def __init__(
-        self, connection: UpstreamConnection, status: int, headers: list[tuple[bytes, bytes]]
-    ) -> None:
-        self._connection = connection
-        self.status = status
-        self.headers = headers
-
-    async def receive_some(self) -> bytes:
-        """The next body bytes as they arrive; b"" once the body has ended.
-
-        Raises `UpstreamProtocolError` (response_started=True) when the body breaks off.
-        Cancellation: the request's context manager closes the connection.
-        """
-        return await self._connection.receive_data()
-
-    async def read(self) -> bytes:
-        """The whole remaining body. Errors and cancellation as `receive_some`."""
-        chunks = []
-        while chunk := await self._connection.receive_data():
-            chunks.append(chunk)
-        return b"".join(chunks)
+        self.slots: ConnectionSlots[UpstreamConnection] = ConnectionSlots(max_connections)
 
 
 class PooledRequest:
@@ -179,7 +138,7 @@ class UpstreamPool:
     `fail_after`, and a cancellation anywhere closes the connection it hit.
     """
 
-    def __init__(self, settings: PoolSettings = PoolSettings()) -> None:
+    def __init__(self, settings: PoolSettings = DEFAULT_POOL_SETTINGS) -> None:
         self._settings = settings
         # close_idle() sets this to 0 so that connections still checked out are closed on
         # return instead of landing in a pool nobody sweeps.
@@ -191,7 +150,8 @@ class UpstreamPool:
         self._opened = 0
         self._closed = 0
         self._reused = 0
-        self._stale_retries = 0
+        self._stale_discarded = 0
+        self._local_errors: dict[str, int] = {}
 
     def request(
         self,
@@ -207,15 +167,18 @@ class UpstreamPool:
         response once its head arrived.
 
         `host` and `content-length` are set here; `headers` are forwarded as given and must
-        carry neither, nor `transfer-encoding`. A pooled connection that fails before any
-        response byte (the worker closed it while idle) is retried once on a fresh one.
+        carry neither, nor `transfer-encoding`. A pooled connection the worker closed while
+        idle is discarded at checkout, before the request is written; once written, the
+        request is never sent again by the pool, whatever happens.
         On exit the connection returns to the pool only if the body was read to its end
         (`receive_some` gave b"", or `read()`) and the worker keeps it alive.
-        `connect_timeout_s` bounds opening a new connection only (a pooled one needs no
-        connect): past it, `UpstreamConnectTimeout`. Any deadline on the whole exchange
-        stays the caller's.
-        Raises `UpstreamConnectError` / `UpstreamProtocolError`, and ValueError for a
-        request HTTP/1.1 cannot carry (before any connection is touched).
+        `connect_timeout_s` bounds opening a new connection (past it,
+        `UpstreamConnectTimeout`), and separately the wait for a connection when the worker
+        is at its connection cap (past it, `LocalShortage`). Any deadline on the whole
+        exchange stays the caller's.
+        Raises `UpstreamConnectError` / `UpstreamProtocolError`, `LocalShortage` (the
+        router's own trouble, not the worker's), and ValueError for a URL or request
+        HTTP/1.1 cannot carry (before any connection is touched).
         Cancellation: the connection in use is closed, the pool stays consistent.
         """
         return PooledRequest(self, base_url, method, target, headers, body, connect_timeout_s)
@@ -225,9 +188,11 @@ class UpstreamPool:
         base_url = request.base_url
         endpoint = self._endpoints.get(base_url)
         if endpoint is None:
-            endpoint = self._endpoints[base_url] = _Endpoint(base_url)
+            endpoint = self._endpoints[base_url] = _Endpoint(
+                base_url, self._settings.max_connections_per_worker
+            )
         # Built (and validated) before any connection is touched, so a malformed request
-        # costs no connection, and reused as-is for the stale retry.
+        # costs no connection.
         data = encode_request(
             request.method, endpoint.prefix + request.target, endpoint.host_header,
             request.headers, request.body,
@@ -244,70 +209,107 @@ class UpstreamPool:
         """`PooledRequest.__aexit__`: back to the pool, or closed."""
         self._in_use -= 1
         idle = endpoint.idle
-        if not failed and len(idle) < self._max_idle and connection.recycle():
+        if failed or not connection.recycle():
+            self._close(endpoint, connection)
+        elif endpoint.slots.offer(connection):
+            pass  # handed to the first checkout waiting at the cap
+        elif len(idle) < self._max_idle:
             connection.idle_since = trio.current_time()
             idle.append(connection)
         else:
-            self._close(connection)
+            self._close(endpoint, connection)
 
     async def _start(
         self, endpoint: _Endpoint, data: bytes, bodyless: bool, connect_timeout_s: float | None
     ) -> tuple[UpstreamConnection, int, list[tuple[bytes, bytes]]]:
         """Runs the exchange up to the response head on a pooled or a fresh connection.
 
-        Cancellation: the connection in use is closed.
+        The request is written once. Cancellation: the connection in use is closed.
         """
-        idle = endpoint.idle
-        if idle:
-            connection = idle.pop()
-            if trio.current_time() - connection.idle_since < self._settings.idle_expiry_s:
-                self._reused += 1
-                try:
-                    return connection, *await connection.exchange(data, bodyless=bodyless)
-                except UpstreamProtocolError as exc:
-                    self._close(connection)
-                    if exc.response_started:
-                        raise
-                    self._stale_retries += 1
-                except BaseException:
-                    self._close(connection)
-                    raise
-            else:
-                # The freshest idle connection outlived the expiry, so every older one did
-                # too; the sweep has not run yet. Each is closed once: amortised O(1).
-                self._close(connection)
-                while idle:
-                    self._close(idle.pop())
-        connection = await self._connect(endpoint, connect_timeout_s)
+        connection = await self._checkout(endpoint, connect_timeout_s)
         try:
             return connection, *await connection.exchange(data, bodyless=bodyless)
         except BaseException:
-            self._close(connection)
+            self._close(endpoint, connection)
             raise
 
-    async def _connect(self, endpoint: _Endpoint, timeout_s: float | None) -> UpstreamConnection:
-        """A new connection to `endpoint`, within `timeout_s` when given.
+    async def _checkout(self, endpoint: _Endpoint, timeout_s: float | None) -> UpstreamConnection:
+        """A live idle connection, else a new one, else (at the cap) one handed over in turn.
 
-        Cancellation: any half-made connection is closed by trio; nothing is counted.
+        Cancellation: nothing is left taken; a slot or connection handed over meanwhile
+        goes to the next in line.
         """
-        # A connect that hangs (a SYN dropped by a full backlog or a firewall) would
-        # otherwise eat the whole first-byte deadline, which is sized for a slow prefill,
-        # not for a worker that is not there.
-        with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as deadline:
+        connection = self._take_idle(endpoint)
+        if connection is not None:
+            return connection
+        slots = endpoint.slots
+        if not slots.try_take():
+            wait_s = math.inf if timeout_s is None else timeout_s
             try:
-                stream = await trio.open_tcp_stream(endpoint.host, endpoint.port)
-            except OSError as exc:
-                raise UpstreamConnectError(f"cannot connect to {endpoint.base_url}: {exc}") from exc
-        if deadline.cancelled_caught:
-            raise UpstreamConnectTimeout(
-                f"cannot connect to {endpoint.base_url}: no connection within {timeout_s:g}s"
-            )
-        self._opened += 1
-        return UpstreamConnection(stream)
+                handed = await slots.wait(wait_s, partial(self._close, endpoint))
+            except SlotWaitTimeout:
+                raise self._local_error(
+                    POOL_WAIT_KIND,
+                    f"no connection to {endpoint.base_url} freed within {wait_s:g}s: "
+                    f"all {slots.cap} are in use",
+                ) from None
+            if handed is not None:
+                if handed.peer_is_silent():
+                    self._reused += 1
+                    return handed
+                self._stale_discarded += 1
+                handed.close()  # its slot stays taken: this checkout connects with it
+                self._closed += 1
+        try:
+            return await self._connect(endpoint, timeout_s)
+        except BaseException:
+            slots.release()
+            raise
 
-    def _close(self, connection: UpstreamConnection) -> None:
+    def _take_idle(self, endpoint: _Endpoint) -> UpstreamConnection | None:
+        """The freshest idle connection still fit to carry a request, or None.
+
+        Expired ones are closed (the freshest expired means every older one did too; each
+        is closed once: amortised O(1)); one the worker closed, or wrote to, while idle is
+        discarded before anything was written on it.
+        """
+        idle = endpoint.idle
+        expiry_s = self._settings.idle_expiry_s
+        while idle:
+            connection = idle.pop()
+            if trio.current_time() - connection.idle_since >= expiry_s:
+                self._close(endpoint, connection)
+                while idle:
+                    self._close(endpoint, idle.pop())
+                return None
+            if connection.peer_is_silent():
+                self._reused += 1
+                return connection
+            self._stale_discarded += 1
+            self._close(endpoint, connection)
+        return None
+
+    async def _connect(self, endpoint: _Endpoint, timeout_s: float | None) -> UpstreamConnection:
+        """A new connection (see `open_upstream_connection`), its local shortages counted."""
+        try:
+            connection = await open_upstream_connection(
+                endpoint.host, endpoint.port, endpoint.base_url, timeout_s
+            )
+        except LocalShortage as exc:
+            self._local_errors[exc.kind] = self._local_errors.get(exc.kind, 0) + 1
+            raise
+        self._opened += 1
+        return connection
+
+    def _local_error(self, kind: str, message: str) -> LocalShortage:
+        self._local_errors[kind] = self._local_errors.get(kind, 0) + 1
+        return LocalShortage(kind, message)
+
+    def _close(self, endpoint: _Endpoint, connection: UpstreamConnection) -> None:
+        """Closes a connection counted against `endpoint`'s cap and frees its slot."""
         connection.close()
         self._closed += 1
+        endpoint.slots.release()
 
     def sweep(self, now: float) -> int:
         """Closes idle connections that have been idle for `idle_expiry_s` or more at `now`.
@@ -321,7 +323,7 @@ class UpstreamPool:
         for endpoint in self._endpoints.values():
             idle = endpoint.idle
             while idle and idle[0].idle_since <= oldest_kept:
-                self._close(idle.popleft())
+                self._close(endpoint, idle.popleft())
                 closed += 1
         return closed
 
@@ -348,7 +350,9 @@ class UpstreamPool:
             opened=self._opened,
             closed=self._closed,
             reused=self._reused,
-            stale_retries=self._stale_retries,
+            stale_discarded=self._stale_discarded,
+            waiting=sum(endpoint.slots.waiting for endpoint in self._endpoints.values()),
+            local_errors=dict(self._local_errors),
         )
 
     def forget(self, base_url: str) -> bool:
@@ -361,7 +365,7 @@ class UpstreamPool:
         if endpoint is None:
             return False
         while endpoint.idle:
-            self._close(endpoint.idle.pop())
+            self._close(endpoint, endpoint.idle.pop())
         return True
 
     def close_idle(self) -> None:
@@ -371,7 +375,7 @@ class UpstreamPool:
         for endpoint in self._endpoints.values():
             idle = endpoint.idle
             while idle:
-                self._close(idle.pop())
+                self._close(endpoint, idle.pop())
 
     async def aclose(self) -> None:
         """As `close_idle`. Cancellation: everything is closed before the checkpoint."""
@@ -381,7 +385,7 @@ class UpstreamPool:
 
 @asynccontextmanager
 async def open_upstream_pool(
-    settings: PoolSettings = PoolSettings(),
+    settings: PoolSettings = DEFAULT_POOL_SETTINGS,
 ) -> AsyncIterator[UpstreamPool]:
     """A pool with its sweeper running in a nursery owned here; on exit the sweeper stops
     and every connection is closed (those still in use when their request ends)."""

@@ -19,17 +19,31 @@ import re
 import trio
 
 from router.http.direct_socket import DirectSocket
+from router.http.request_encoding import encode_request
+from router.http.response_head import HEADER_LINE, header_tokens, parse_response_head
+from router.http.upstream_errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+)
+
+__all__ = [
+    "UpstreamConnectError",
+    "UpstreamConnection",
+    "UpstreamError",
+    "UpstreamProtocolError",
+    "encode_request",
+]
 
 _RECEIVE_SIZE = 65536
 # Bounds on what is buffered while looking for a line end: h11's default for a head is
 # 16 KiB; engines send a few hundred bytes.
 _MAX_HEAD_BYTES = 65536
 _MAX_CHUNK_LINE_BYTES = 4096
+# 100 Continue and 103 Early Hints come once or twice; a worker sending more is broken,
+# and each would otherwise cost a head parse while the client waits.
+_MAX_INTERIM_RESPONSES = 8
 
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
-_FIELD_VALUE = re.compile(rb"[^\x00\r\n]*")
-_HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\x00\r\n]*?)[ \t]*")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 # What a worker (or the network) can do to an open connection.
@@ -47,50 +61,6 @@ _CHUNK_SIZE_LINE = 0
 _CHUNK_DATA = 1
 _CHUNK_DATA_END = 2
 _CHUNK_TRAILER = 3
-
-
-class UpstreamError(Exception):
-    """The upstream exchange failed; `response_started` says whether any response byte arrived.
-
-    Before the first response byte the request may be sent elsewhere; after it, the worker
-    has begun to answer and the failure belongs to this attempt.
-    """
-
-    def __init__(self, message: str, *, response_started: bool = False) -> None:
-        super().__init__(message)
-        self.response_started = response_started
-
-
-class UpstreamConnectError(UpstreamError):
-    """No connection could be made: refused, unresolvable, unreachable, or a scheme we lack."""
-
-
-class UpstreamProtocolError(UpstreamError):
-    """The connection broke or the answer was not valid HTTP/1.1: reset, early EOF, garbage."""
-
-
-def encode_request(
-    method: str, target: str, host: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-) -> bytes:
-    """The request's bytes: head (with `host` and `content-length`) and body, in one join.
-
-    Raises ValueError for a method, target or header that HTTP/1.1 cannot carry: our own
-    request is malformed, a bug to see, not a worker fault to fail over from.
-    """
-    method_bytes = method.encode("ascii")
-    target_bytes = target.encode("ascii")
-    if _TOKEN.fullmatch(method_bytes) is None or _TARGET.fullmatch(target_bytes) is None:
-        raise ValueError(f"cannot send request line {method!r} {target!r}")
-    parts = [
-        method_bytes, b" ", target_bytes, b" HTTP/1.1\r\nhost: ", host,
-        b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n",
-    ]
-    for name, value in headers:
-        if _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
-            raise ValueError(f"cannot send header {name!r}: {value!r}")
-        parts += (name, b": ", value, b"\r\n")
-    parts += (b"\r\n", body)
-    return b"".join(parts)
 
 
 class UpstreamConnection:
@@ -142,28 +112,35 @@ class UpstreamConnection:
         try:
             # One write: with TCP_NODELAY, separate writes would be separate packets.
             await self._socket.send_all(request)
+            interim = 0
             while True:
                 end = self._buffer.find(b"\r\n\r\n", self._position)
-                while end < 0:
-                    if len(self._buffer) - self._position > _MAX_HEAD_BYTES:
-                        raise UpstreamProtocolError(
-                            f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
-                            response_started=True,
-                        )
+                if end < 0 and self._position == len(self._buffer):
+                    # The common case: the whole head arrives in the first read.
                     if not await self._receive():
-                        raise UpstreamProtocolError(
-                            "upstream closed the connection before the response head",
-                            response_started=self.response_started,
-                        )
+                        raise self._closed_before_head()
                     end = self._buffer.find(b"\r\n\r\n", self._position)
+                if end < 0:
+                    end = await self._receive_split_head()
+                if end - self._position > _MAX_HEAD_BYTES:
+                    raise UpstreamProtocolError(
+                        f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
+                        response_started=True,
+                    )
                 head = self._buffer[self._position : end]
                 self._position = end + 4
-                status, headers, keep_alive = _parse_head(head)
+                status, headers, keep_alive = parse_response_head(head)
                 if status >= 200:
                     break
                 if status == 101:
                     raise UpstreamProtocolError(
                         "upstream switched protocols unasked", response_started=True
+                    )
+                interim += 1
+                if interim > _MAX_INTERIM_RESPONSES:
+                    raise UpstreamProtocolError(
+                        f"upstream sent more than {_MAX_INTERIM_RESPONSES} interim (1xx) "
+                        "responses", response_started=True,
                     )
         except _TRANSPORT_ERRORS as exc:
             raise UpstreamProtocolError(
@@ -174,9 +151,43 @@ class UpstreamConnection:
         self._start_body(status, headers, bodyless)
         return status, headers
 
+    async def _receive_split_head(self) -> int:
+        """Reads until a head that spans several reads is whole; returns where it ends.
+
+        The pieces gather in one bytearray and each read is searched only where the end
+        can be (its bytes and the three before), so a worker that drips its head byte by
+        byte costs linear time, not quadratic. Raises `UpstreamProtocolError` past
+        `_MAX_HEAD_BYTES` or when the worker closes first.
+        """
+        pending = bytearray(self._buffer[self._position :])
+        while len(pending) <= _MAX_HEAD_BYTES:
+            searched = len(pending)
+            data = await self._socket.receive_some(_RECEIVE_SIZE)
+            if not data:
+                raise self._closed_before_head()
+            self.response_started = True
+            pending += data
+            end = pending.find(b"\r\n\r\n", max(0, searched - 3))
+            if end >= 0:
+                self._buffer = bytes(pending)
+                self._position = 0
+                return end
+        raise UpstreamProtocolError(
+            f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes", response_started=True
+        )
+
+    def _closed_before_head(self) -> UpstreamProtocolError:
+        return UpstreamProtocolError(
+            "upstream closed the connection before the response head",
+            response_started=self.response_started,
+        )
+
     def _start_body(self, status: int, headers: list[tuple[bytes, bytes]], bodyless: bool) -> None:
         """Sets the body framing from the head (RFC 9112 section 6.3)."""
         if bodyless or status == 204 or status == 304:
+            # No body whatever the head says, but a `connection: close` still holds.
+            if any(n == b"connection" and b"close" in header_tokens(v) for n, v in headers):
+                self._keep_alive = False
             self._framing = _ENDED
             return
         length: bytes | None = None
@@ -190,7 +201,7 @@ class UpstreamConnection:
                 length = value
             elif name == b"transfer-encoding":
                 coding = value if coding is None else coding + b", " + value
-            elif name == b"connection" and b"close" in _tokens(value):
+            elif name == b"connection" and b"close" in header_tokens(value):
                 self._keep_alive = False
         if coding is not None:
             if length is not None or coding.lower() != b"chunked":
@@ -317,7 +328,7 @@ class UpstreamConnection:
                     if not line:
                         self._framing = _ENDED
                         break
-                    if _HEADER_LINE.fullmatch(line) is None:
+                    if HEADER_LINE.fullmatch(line) is None:
                         raise UpstreamProtocolError(
                             f"upstream sent a malformed trailer {line[:40]!r}",
                             response_started=True,
@@ -362,6 +373,10 @@ class UpstreamConnection:
             and self._position == len(self._buffer)
         )
 
+    def peer_is_silent(self) -> bool:
+        """Whether the worker has neither closed this idle connection nor written to it."""
+        return self._socket.peer_is_silent()
+
     def close(self) -> None:
         """Closes the socket at once (no checkpoint), waking any task blocked on it.
 
@@ -369,39 +384,6 @@ class UpstreamConnection:
         deserves.
         """
         self._socket.close()
-
-
-def _parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool]:
-    """The status, the headers (names lower-case) and whether the version allows keep-alive."""
-    lines = head.split(b"\r\n")
-    status_line = lines[0]
-    version = status_line[:9]
-    if version == b"HTTP/1.1 ":
-        keep_alive = True
-    elif version == b"HTTP/1.0 ":
-        keep_alive = False
-    else:
-        raise UpstreamProtocolError(
-            f"upstream sent no HTTP/1.1 status line: {status_line[:40]!r}", response_started=True
-        )
-    code = status_line[9:12]
-    if not code.isdigit() or (len(status_line) > 12 and status_line[12] != 32):
-        raise UpstreamProtocolError(
-            f"upstream sent a malformed status line: {status_line[:40]!r}", response_started=True
-        )
-    headers = []
-    for line in lines[1:]:
-        match = _HEADER_LINE.fullmatch(line)
-        if match is None:
-            raise UpstreamProtocolError(
-                f"upstream sent a malformed header line: {line[:40]!r}", response_started=True
-            )
-        headers.append((match[1].lower(), match[2]))
-    return int(code), headers, keep_alive
-
-
-def _tokens(value: bytes) -> list[bytes]:
-    return [token.strip() for token in value.lower().split(b",")]
 
 
 def _describe(exc: BaseException, where: str) -> str:

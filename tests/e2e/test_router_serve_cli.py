@@ -144,7 +144,13 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0() -> None:
     [
         (["--port", "abc"], "router serve: --port must be an integer, got 'abc'"),
         (["--policy", "fastest"], "router serve: --policy must be one of round_robin, random, "),
-        (["--worker", "localhost:8000"], "router serve: --worker 'localhost:8000': 'url' must be an http(s) URL"),
+        (["--worker", "localhost:8000"], "router serve: --worker 'localhost:8000': worker URL 'localhost:8000' must start with http://"),
+        (
+            ["--worker", "http://127.0.0.1:1,model=m", "--worker", "https://gpu-7:8000,model=m"],
+            "router serve: --worker 'https://gpu-7:8000,model=m': worker URL 'https://gpu-7:8000': "
+            "TLS to workers is not supported",
+        ),
+        (["--worker", "http://gpü-7:8000"], "router serve: --worker 'http://gpü-7:8000': worker URL 'http://gpü-7:8000' must be ASCII"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )

@@ -93,7 +93,7 @@ async def test_after_a_burst_the_pool_keeps_its_bound_and_c1_latency_holds() -> 
     # After the burst c1 traffic reuses pooled connections: no new one, no stale one.
     assert settled.opened == burst.opened
     assert settled.reused - burst.reused == C1_REQUESTS
-    assert settled.stale_retries == 0
+    assert settled.stale_discarded == 0
     assert settled.idle_total == IDLE_BOUND
     median_before = statistics.median(before)
     median_after = statistics.median(after)

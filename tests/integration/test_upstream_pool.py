@@ -6,6 +6,7 @@ the server saw.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -15,6 +16,7 @@ import trio
 import trio.testing
 
 from router.http.pool import (
+    LocalShortage,
     PoolSettings,
     UpstreamConnectError,
     UpstreamConnectTimeout,
@@ -22,8 +24,10 @@ from router.http.pool import (
     UpstreamProtocolError,
     open_upstream_pool,
 )
+from router.http.worker_url import InvalidWorkerUrl
 from tests.support.ports import unanswered_port
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
+from tests.support.waiting import wait_until
 
 GUARD_S = 10
 
@@ -184,19 +188,71 @@ async def test_expired_connection_is_not_handed_out_before_the_sweep() -> None:
             assert (stats.opened, stats.reused, stats.closed, stats.idle_total) == (2, 0, 1, 1)
 
 
-async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one() -> None:
-    async def answer_then_close(exchange: Exchange) -> None:
+@pytest.mark.parametrize("hang_up", [Exchange.close, Exchange.reset])
+async def test_pooled_connection_closed_while_idle_is_discarded_before_writing(
+    hang_up: Callable[[Exchange], None],
+) -> None:
+    async def answer_then_hang_up(exchange: Exchange) -> None:
         await ok(exchange)
-        exchange.close()
+        hang_up(exchange)
 
     with trio.fail_after(GUARD_S):
-        async with pool_and_upstream(answer_then_close) as (pool, upstream):
+        async with pool_and_upstream(answer_then_hang_up) as (pool, upstream):
             assert await get(pool, upstream) == b"1"
+            await upstream.wait_ended(1)  # the worker closed the idle connection
             assert await get(pool, upstream) == b"2"
 
             stats = pool.statistics()
-            assert (stats.opened, stats.reused, stats.stale_retries, stats.closed) == (2, 1, 1, 1)
+            # Detected at checkout: nothing was written on it, so nothing was sent twice.
+            assert (stats.opened, stats.reused, stats.stale_discarded, stats.closed) == (2, 0, 1, 1)
             assert (upstream.accepted, upstream.requests) == (2, 2)
+
+
+async def test_pooled_connection_with_unasked_bytes_is_discarded() -> None:
+    returned = trio.Event()
+    babbled = trio.Event()
+
+    async def answer_then_babble(exchange: Exchange) -> None:
+        await ok(exchange)
+        if exchange.index == 0:
+            await returned.wait()
+            await exchange.send_raw(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            babbled.set()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(answer_then_babble) as (pool, upstream):
+            assert await get(pool, upstream) == b"1"
+            assert pool.statistics().idle_total == 1
+            returned.set()
+            await babbled.wait()
+            await trio.sleep(0.05)  # real time: the stray bytes cross loopback
+            assert await get(pool, upstream) == b"2"
+            stats = pool.statistics()
+            assert (stats.opened, stats.stale_discarded) == (2, 1)
+
+
+async def test_pooled_connection_failing_after_the_write_is_never_resent() -> None:
+    """The worker reads the whole request, works 200 ms, and closes without a word: it
+    may have started the generation, so the pool must not send it again."""
+
+    async def first_ok_then_read_and_vanish(exchange: Exchange) -> None:
+        if exchange.index == 0:
+            await ok(exchange)
+            return
+        await trio.sleep(0.2)
+        exchange.close()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(first_ok_then_read_and_vanish) as (pool, upstream):
+            assert await get(pool, upstream) == b"1"
+            with pytest.raises(UpstreamProtocolError) as caught:
+                await get(pool, upstream)
+            assert caught.value.response_started is False
+
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused, stats.stale_discarded, stats.closed) == (1, 1, 0, 1)
+            # Received once; the error is the caller's to count as an attempt.
+            assert (upstream.accepted, upstream.requests) == (1, 2)
 
 
 @pytest.mark.parametrize("hang_up", [Exchange.close, Exchange.reset])
@@ -213,7 +269,7 @@ async def test_fresh_connection_failure_is_not_retried(
             assert caught.value.response_started is False
 
             stats = pool.statistics()
-            assert (stats.opened, stats.stale_retries, stats.closed, stats.in_use) == (1, 0, 1, 0)
+            assert (stats.opened, stats.stale_discarded, stats.closed, stats.in_use) == (1, 0, 1, 0)
             assert upstream.requests == 1
 
 
@@ -233,7 +289,7 @@ async def test_pooled_connection_failing_after_a_response_byte_is_not_retried() 
             assert caught.value.response_started is True
 
             stats = pool.statistics()
-            assert (stats.opened, stats.reused, stats.stale_retries, stats.closed) == (1, 1, 0, 1)
+            assert (stats.opened, stats.reused, stats.stale_discarded, stats.closed) == (1, 1, 0, 1)
             assert upstream.requests == 2
 
 
@@ -301,14 +357,14 @@ async def test_connect_timeout_is_exact_on_a_mock_clock(
     assert pool.statistics().opened == 0
 
 
-async def test_https_and_malformed_urls_raise_connect_error() -> None:
+async def test_https_and_malformed_urls_are_refused_before_any_connection() -> None:
     pool = UpstreamPool()
     for url, message in [
-        ("https://127.0.0.1:1", "https upstreams are not supported"),
-        ("ftp://127.0.0.1:1", "not an http"),
-        ("http://127.0.0.1:notaport", "bad port"),
+        ("https://127.0.0.1:1", "TLS to workers is not supported"),
+        ("ftp://127.0.0.1:1", "must start with http://"),
+        ("http://127.0.0.1:notaport", "malformed"),
     ]:
-        with pytest.raises(UpstreamConnectError, match=message):
+        with pytest.raises(InvalidWorkerUrl, match=message):
             async with pool.request(url, "GET", "/", [], b""):
                 pytest.fail("no response expected")
     assert pool.statistics().opened == 0
@@ -438,3 +494,158 @@ async def test_aclose_closes_idle_now_and_in_use_on_return() -> None:
 
             stats = pool.statistics()
             assert (stats.opened, stats.closed, stats.idle_total, stats.in_use) == (2, 2, 0, 0)
+
+
+# -- the per-worker connection cap ------------------------------------------------------
+
+
+async def test_checkouts_beyond_the_cap_wait_in_line_and_get_the_returned_connection() -> None:
+    release = trio.Event()
+
+    async def held_until_released(exchange: Exchange) -> None:
+        if exchange.index == 0 and exchange.connection_id == 1:
+            await release.wait()
+        await ok(exchange)
+
+    order: list[int] = []
+
+    async def one(index: int) -> None:
+        await get(pool, upstream)
+        order.append(index)
+
+    with trio.fail_after(GUARD_S):
+        settings = PoolSettings(max_connections_per_worker=1)
+        async with pool_and_upstream(held_until_released, settings) as (pool, upstream):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0)
+                await wait_until(lambda: upstream.requests == 1)
+                for index in (1, 2, 3):
+                    nursery.start_soon(one, index)
+                    await wait_until(lambda index=index: pool.statistics().waiting == index)
+                release.set()
+            stats = pool.statistics()
+            # One socket carried all four, handed from each request to the next in line.
+            assert (stats.opened, stats.reused, stats.waiting, upstream.accepted) == (1, 3, 0, 1)
+            assert order == [0, 1, 2, 3]
+
+
+async def test_a_wait_at_the_cap_ends_with_a_local_shortage_after_the_connect_timeout() -> None:
+    async def never_answers(exchange: Exchange) -> None:
+        await trio.sleep_forever()
+
+    with trio.fail_after(GUARD_S):
+        settings = PoolSettings(max_connections_per_worker=1)
+        async with pool_and_upstream(never_answers, settings) as (pool, upstream), trio.open_nursery() as nursery:
+            nursery.start_soon(get, pool, upstream)
+            await wait_until(lambda: upstream.requests == 1)
+            with pytest.raises(LocalShortage) as caught:
+                async with pool.request(upstream.url, "GET", "/", [], b"", connect_timeout_s=0.2):
+                    pytest.fail("no response expected")
+            assert caught.value.kind == "pool_wait_timeout"
+            stats = pool.statistics()
+            assert (stats.opened, stats.waiting, stats.local_errors) == (1, 0, {"pool_wait_timeout": 1})
+            assert upstream.accepted == 1
+            nursery.cancel_scope.cancel()
+        assert pool.statistics().in_use == 0
+
+
+async def test_a_waiter_cancelled_in_line_leaves_no_slot_taken() -> None:
+    release = trio.Event()
+
+    async def held_until_released(exchange: Exchange) -> None:
+        if exchange.connection_id == 1 and exchange.index == 0:
+            await release.wait()
+        await ok(exchange)
+
+    with trio.fail_after(GUARD_S):
+        settings = PoolSettings(max_connections_per_worker=1)
+        async with pool_and_upstream(held_until_released, settings) as (pool, upstream):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(get, pool, upstream)
+                await wait_until(lambda: upstream.requests == 1)
+                with trio.move_on_after(0.1):
+                    await get(pool, upstream)
+                assert pool.statistics().waiting == 0
+                release.set()
+            # The slot came back: the next checkout reuses the connection at once.
+            assert await get(pool, upstream) == b"1"
+            assert pool.statistics().opened == 1
+
+
+async def test_emfile_on_connect_is_a_local_shortage_not_a_connect_error() -> None:
+    """The process out of file descriptors: the router's own trouble, not the worker's."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with socket.socket() as listener, trio.fail_after(GUARD_S):
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        pool = UpstreamPool()
+        hoard: list[socket.socket] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+            with contextlib.suppress(OSError):
+                while True:
+                    hoard.append(socket.socket())
+            with pytest.raises(LocalShortage) as caught:
+                async with pool.request(url, "GET", "/", [], b""):
+                    pytest.fail("no response expected")
+        finally:
+            for sock in hoard:
+                sock.close()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert caught.value.kind == "emfile"
+        assert pool.statistics().local_errors == {"emfile": 1}
+        assert pool.statistics().opened == 0
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_bodyless_answer_with_connection_close_is_not_pooled(status: int) -> None:
+    """Found by the upstream fuzz: a 204/304 skipped the head's `connection: close`."""
+
+    async def bodyless_then_hold(exchange: Exchange) -> None:
+        await exchange.send_raw(b"HTTP/1.1 %d No Body\r\nconnection: close\r\n\r\n" % status)
+        await exchange.hold_until_peer_closes()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(bodyless_then_hold) as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                assert response.status == status
+                assert await response.read() == b""
+            stats = pool.statistics()
+            assert (stats.idle_total, stats.closed) == (0, 1)
+
+
+async def test_a_head_dripped_byte_by_byte_is_read_whole() -> None:
+    head = b"HTTP/1.1 200 OK\r\nx-pad: " + b"p" * 2000 + b"\r\ncontent-length: 2\r\n\r\n"
+
+    async def drip(exchange: Exchange) -> None:
+        for index in range(len(head)):
+            await exchange.send_raw(head[index : index + 1])
+            if index % 200 == 0:
+                await trio.sleep(0.001)  # real time: separate reads on the router's side
+        await exchange.send_raw(b"ok")
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(drip) as (pool, upstream):
+            async with pool.request(upstream.url, "GET", "/", [], b"") as response:
+                assert response.status == 200
+                assert dict(response.headers)[b"x-pad"] == b"p" * 2000
+                assert await response.read() == b"ok"
+
+
+async def test_a_head_over_the_bound_in_many_reads_is_refused() -> None:
+    async def endless_head(exchange: Exchange) -> None:
+        await exchange.send_raw(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(80):
+            await exchange.send_raw(b"x-pad: " + b"p" * 1000 + b"\r\n")
+            await trio.sleep(0.001)  # real time: separate reads on the router's side
+        await exchange.hold_until_peer_closes()
+
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream(endless_head) as (pool, upstream):
+            with pytest.raises(UpstreamProtocolError, match="head exceeds 65536 bytes"):
+                async with pool.request(upstream.url, "GET", "/", [], b""):
+                    pytest.fail("no response expected")
+            assert pool.statistics().closed == 1

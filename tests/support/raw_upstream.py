@@ -67,6 +67,16 @@ class Exchange:
         """Bytes on the wire, past h11: for heads that break off half-way."""
         await self._stream.send_all(data)
 
+    async def hold_until_peer_closes(self) -> None:
+        """Keeps the connection open, reading and dropping bytes, until the client closes
+        it; then closes it here. For answers after which a client must not reuse it."""
+        try:
+            while await self._stream.receive_some(65536):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        self.close()
+
     def close(self) -> None:
         """A clean close (FIN); the connection serves nothing more."""
         self.closed = True

@@ -1,0 +1,35 @@
+"""A request to a worker as bytes: one join of head and body, checked as it is built."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["encode_request"]
+
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
+_FIELD_VALUE = re.compile(rb"[^\x00\r\n]*")
+
+
+def encode_request(
+    method: str, target: str, host: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    """The request's bytes: head (with `host` and `content-length`) and body, in one join.
+
+    Raises ValueError for a method, target or header that HTTP/1.1 cannot carry: our own
+    request is malformed, a bug to see, not a worker fault to fail over from.
+    """
+    method_bytes = method.encode("ascii")
+    target_bytes = target.encode("ascii")
+    if _TOKEN.fullmatch(method_bytes) is None or _TARGET.fullmatch(target_bytes) is None:
+        raise ValueError(f"cannot send request line {method!r} {target!r}")
+    parts = [
+        method_bytes, b" ", target_bytes, b" HTTP/1.1\r\nhost: ", host,
+        b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n",
+    ]
+    for name, value in headers:
+        if _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+            raise ValueError(f"cannot send header {name!r}: {value!r}")
+        parts += (name, b": ", value, b"\r\n")
+    parts += (b"\r\n", body)
+    return b"".join(parts)
