@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from router.cache_aware import CacheAware, CacheAwareSettings
 from router.selection import PolicyKey, RoundRobin
-from router.workers import Role, Worker, WorkerRecord
+from router.worker_record import Role, WorkerRecord
+from router.workers import Worker
 
 PROMPT_CHARS = 4096
 TREE_CHARS = 1_000_000

@@ -25,7 +25,8 @@ import trio
 
 from router.http.messages import Request
 from router.tracing import OtlpTracing, Tracing, current_trace, otel_installed
-from router.workers import Worker, WorkerRecord
+from router.worker_record import WorkerRecord
+from router.workers import Worker
 
 ROUTER_US_PER_REQUEST = 250.0
 HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"bench-1")]

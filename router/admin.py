@@ -26,7 +26,8 @@ from router.config import ConfigError, parse_worker_spec
 from router.discovery.static import fetch_models
 from router.errors import BadRequest, MethodNotAllowed, NotFound, RouterError
 from router.http.messages import Request
-from router.workers import Fleet, InvalidWorkerRecord, Status, Worker, WorkerRecord
+from router.worker_record import InvalidWorkerRecord, Status, WorkerRecord
+from router.workers import Fleet, Worker
 
 log = logging.getLogger("router.admin")
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.prefix_tree import PrefixTree
-from router.workers import Role, Worker
+from router.worker_record import Role
+from router.workers import Worker
 
 
 @dataclass(frozen=True, slots=True)

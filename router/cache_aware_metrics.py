@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.cache_aware import CacheAware
-from router.workers import Role
+from router.worker_record import Role
 
 
 class CacheAwareCollector(Collector):

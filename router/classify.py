@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from router.errors import ModelNotFound, NoAvailableWorkers
 from router.selection import AllOpenMode, LegPool, filter_leg
-from router.workers import Role, Worker
+from router.worker_record import Role
+from router.workers import Worker
 
 
 class Mode(enum.StrEnum):

@@ -24,7 +24,8 @@ import trio
 from router.discovery.backoff import Backoff
 from router.discovery.static import fetch_models
 from router.discovery.streams import close_stream
-from router.workers import Fleet, Role, WorkerRecord
+from router.worker_record import Role, WorkerRecord
+from router.workers import Fleet
 
 log = logging.getLogger("router.engine_facts")
 

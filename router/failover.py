@@ -44,8 +44,9 @@ from router.routes import ROUTES
 from router.routing_text import routing_text
 from router.selection import AllOpenMode, PolicyKey, make_policy, pick_excluding, routing_key
 from router.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
+from router.worker_record import Role
 from router.worker_wait import WorkerWait, WorkerWaitSettings
-from router.workers import Fleet, Role, Worker
+from router.workers import Fleet, Worker
 
 log = logging.getLogger("router.failover")
 

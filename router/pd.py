@@ -28,7 +28,8 @@ from router.generation import GenerationRequest
 from router.handoff_body import UnspliceableBody, splice_handoff
 from router.http.messages import Request, ResponseWriter
 from router.request_id import current_request_id
-from router.workers import Role, Worker
+from router.worker_record import Role
+from router.workers import Worker
 
 if TYPE_CHECKING:
     from router.failover import AttemptLog, GenerationService, Lease

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from router.cache_aware import CacheAware, CacheAwareSettings
-from router.workers import Role, Worker
+from router.worker_record import Role
+from router.workers import Worker
 
 Verdict = Literal["ok", "empty", "unavailable"]
 

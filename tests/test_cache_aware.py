@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from router.cache_aware import CacheAware, CacheAwareSettings
 from router.selection import PolicyKey, make_policy
-from router.workers import Fleet, Role, Worker, WorkerRecord
+from router.worker_record import Role, WorkerRecord
+from router.workers import Fleet, Worker
 
 LONG = "system: you are a helpful assistant who answers in full sentences.\n" * 8
 

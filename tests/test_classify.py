@@ -8,7 +8,8 @@ from router.breaker import BreakerSettings, CircuitBreaker, Outcome
 from router.classify import Mode, Plan, plan_request
 from router.errors import ModelNotFound, NoAvailableWorkers
 from router.selection import AllOpenMode
-from router.workers import Fleet, Role, Status, Worker, WorkerRecord
+from router.worker_record import Role, Status, WorkerRecord
+from router.workers import Fleet, Worker
 
 NOW = 100.0
 DISPATCH = AllOpenMode.DISPATCH

@@ -18,7 +18,8 @@ from router.breaker import BreakerSettings, CircuitBreaker, Outcome
 from router.classify import Mode, Plan, plan_request
 from router.errors import ModelNotFound, NoAvailableWorkers
 from router.selection import AllOpenMode
-from router.workers import Fleet, Role, Status, Worker, WorkerRecord
+from router.worker_record import Role, Status, WorkerRecord
+from router.workers import Fleet, Worker
 
 NOW = 1000.0
 BREAKER_STATES = ("disabled", "closed", "open", "half_open", "probing")

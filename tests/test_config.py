@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from router.config import (
-    OPTIONS,
     ConfigError,
     Settings,
     add_arguments,
@@ -21,6 +20,7 @@ from router.config import (
     parse_worker_spec,
     read_workers_file,
 )
+from router.options import OPTIONS
 from router.workers import Role, Status
 
 

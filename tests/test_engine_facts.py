@@ -10,7 +10,8 @@ import pytest
 
 from router.config import parse_worker_spec
 from router.engine_facts import FactsUnavailable, complete_record
-from router.workers import Fleet, Status, WorkerRecord
+from router.worker_record import Status, WorkerRecord
+from router.workers import Fleet
 
 PREFILL_INFO: dict[str, Any] = {
     "disaggregation_mode": "prefill",

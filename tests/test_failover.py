@@ -26,7 +26,8 @@ from router.http.messages import Headers, Request
 from router.http.pool import UpstreamConnectError, UpstreamPool
 from router.metrics import RouterMetrics
 from router.selection import PolicyKey
-from router.workers import Fleet, Role, Worker, WorkerRecord
+from router.worker_record import Role, WorkerRecord
+from router.workers import Fleet, Worker
 
 MODEL = "m"
 CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry
 from router.discovery.etcd import FleetMirror
 from router.discovery.etcd_client import KeyValue, WatchEvent
 from router.metrics import RouterMetrics
-from router.workers import Fleet, Status
+from router.worker_record import Status
+from router.workers import Fleet
 
 P = "/router/workers/"
 

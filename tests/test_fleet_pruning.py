@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from router.workers import Fleet, Worker, WorkerRecord
+from router.worker_record import WorkerRecord
+from router.workers import Fleet, Worker
 
 
 class Recorder:

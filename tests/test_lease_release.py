@@ -33,7 +33,8 @@ from router.failover import GenerationService, Lease
 from router.http.messages import ClientDisconnected, Headers, Request
 from router.http.pool import UpstreamConnectError, UpstreamPool
 from router.metrics import RouterMetrics
-from router.workers import Fleet, Role, WorkerRecord
+from router.worker_record import Role, WorkerRecord
+from router.workers import Fleet
 
 MODEL = "m"
 OK_BODY = orjson.dumps({"choices": [{"message": {"content": "hello"}}]})

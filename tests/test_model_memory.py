@@ -21,7 +21,8 @@ from router.http.messages import Headers, Request
 from router.http.pool import UpstreamPool
 from router.metrics import RouterMetrics
 from router.selection import AllOpenMode
-from router.workers import Fleet, WorkerRecord
+from router.worker_record import WorkerRecord
+from router.workers import Fleet
 
 MEMORY_S = 300.0
 DISPATCH = AllOpenMode.DISPATCH

@@ -20,7 +20,8 @@ from router.pd import (
     handoff_fields,
     make_room,
 )
-from router.workers import Role, Worker, WorkerRecord
+from router.worker_record import Role, WorkerRecord
+from router.workers import Worker
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 

@@ -16,7 +16,7 @@ from router.fake_worker.pooling import POOLING_ROUTES
 from router.generation import parse_generation_request
 from router.routes import ROUTES, Dialect, Kind
 from router.selection import AllOpenMode
-from router.workers import Role
+from router.worker_record import Role
 from tests.test_classify import NOW, fleet_of, record, trip
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -17,7 +17,8 @@ from router.selection import (
     pick_excluding,
     routing_key,
 )
-from router.workers import Role, Status, Worker, WorkerRecord
+from router.worker_record import Role, Status, WorkerRecord
+from router.workers import Worker
 
 NOW = 100.0
 

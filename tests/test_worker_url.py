@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.http.worker_url import InvalidWorkerUrl, WorkerAddress, parse_worker_url
-from router.workers import InvalidWorkerRecord, WorkerRecord
+from router.worker_record import InvalidWorkerRecord, WorkerRecord
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,9 @@ from router.admission import QueueTimeout
 from router.classify import Plan, plan_request
 from router.errors import ModelNotFound, NoAvailableWorkers
 from router.selection import AllOpenMode, filter_leg
+from router.worker_record import Role, Status, WorkerRecord
 from router.worker_wait import WorkerWait, WorkerWaitSettings
-from router.workers import Fleet, Role, Status, WorkerRecord
+from router.workers import Fleet
 
 MODEL = "m"
 

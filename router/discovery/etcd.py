@@ -35,7 +35,8 @@ from router.discovery.etcd_client import (
 )
 from router.discovery.liveness import SilenceWatch
 from router.metrics import RouterMetrics
-from router.workers import Fleet, InvalidWorkerRecord, WorkerRecord
+from router.worker_record import InvalidWorkerRecord, WorkerRecord
+from router.workers import Fleet
 
 log = logging.getLogger("router.discovery.etcd")
 

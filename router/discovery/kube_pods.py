@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.workers import Fleet, InvalidWorkerRecord, Role, Status, WorkerRecord
+from router.worker_record import InvalidWorkerRecord, Role, Status, WorkerRecord
+from router.workers import Fleet
 
 log = logging.getLogger("router.discovery.kubernetes")
 

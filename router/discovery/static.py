@@ -15,7 +15,8 @@ import trio
 
 from router.discovery import DiscoveryHealth
 from router.discovery.backoff import Backoff
-from router.workers import Fleet, WorkerRecord
+from router.worker_record import WorkerRecord
+from router.workers import Fleet
 
 log = logging.getLogger("router.discovery.static")
 

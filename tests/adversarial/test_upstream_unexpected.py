@@ -8,7 +8,7 @@ import logging
 import pytest
 import trio
 
-from router.workers import Role, WorkerRecord
+from router.worker_record import Role, WorkerRecord
 from tests.adversarial.upstream_stubs import chat, open_edge
 from tests.support.raw_upstream import Exchange
 

@@ -25,7 +25,7 @@ from router.fake_worker.behaviour import FailMode
 from router.fake_worker.settings import FakeWorkerSettings
 from router.selection import ConsistentHash, PolicyKey
 from router.serve import RunningRouter
-from router.workers import Role
+from router.worker_record import Role
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.ports import free_port, free_ports, unanswered_port
 from tests.support.router_instance import open_router

@@ -22,7 +22,7 @@ from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.settings import FakeWorkerSettings
 from router.http.messages import Request, ResponseWriter
 from router.http.server import serve_http
-from router.workers import WorkerRecord
+from router.worker_record import WorkerRecord
 from tests.integration.test_failover_breaker import scrape
 from tests.support.etcd_server import EtcdServer
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet

@@ -21,7 +21,7 @@ import trio
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from router.serve import RunningRouter
-from router.workers import Status
+from router.worker_record import Status
 from tests.support.cli_process import sse_text
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.fake_kube_api import FakeKubeApi

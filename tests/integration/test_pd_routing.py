@@ -19,7 +19,7 @@ import trio
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from router.serve import RunningRouter
-from router.workers import Status, WorkerRecord
+from router.worker_record import Status, WorkerRecord
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router

@@ -13,7 +13,7 @@ import trio
 
 from router.agent.advertise import worker_record
 from router.agent.registration import Registration, serve_registration
-from router.workers import WorkerRecord
+from router.worker_record import WorkerRecord
 
 PREFIX = "/test/workers/"
 MODEL = "fake-model"
