@@ -76,8 +76,6 @@ class AttemptLog:
     tried: dict[Role, set[str]] = field(default_factory=lambda: {role: set() for role in Role})
     last_answer: tuple[Answer, str] | None = None
     reasons: list[str] = field(default_factory=list)
-    number: int = 0
-    """How many attempts have begun (the loop's count, for logs and limits)."""
 
     def untried_left(self, plan: Plan) -> bool:
         """Whether every leg of `plan` still has a candidate the request has not tried.

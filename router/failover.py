@@ -133,7 +133,6 @@ class GenerationService:
         attempts = ctx.log
         retry_reason: str | None = None
         for attempt in range(self.settings.max_attempts):
-            attempts.number = attempt + 1
             now = trio.current_time()
             try:
                 plan_at = partial(self._plan, generation)

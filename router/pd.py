@@ -212,7 +212,7 @@ class PDStrategy:
 
 def _one_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The one error a PD attempt reports: cancellation first (trio must see it), then a
-    leg's AttemptFailed, then anything else (e.g. the client leaving)."""
+    leg's WorkerFailed, then anything else (e.g. the client leaving)."""
     leaves = list(_leaves(group))
     for leaf in leaves:
         if isinstance(leaf, trio.Cancelled):
