@@ -8,19 +8,17 @@ import trio
 from router.admin import AdminApi, is_admin_route
 from router.admission import AdmissionGate, AdmissionSettings
 from router.auth import ClientKeys
-from router.config import Settings
 from router.discovery import DiscoveryHealth
 from router.dispatch import JSON_HEADERS
 from router.error_shapes import error_body
 from router.errors import MethodNotAllowed, NotFound, RouterError
 from router.failover import GenerationService
 from router.http.messages import Request, ResponseWriter
-from router.http.pool import UpstreamPool
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.request_id import IdentifiedWriter, forget, identify
 from router.routes import ROUTES, Dialect
 from router.tracing import Tracing
-from router.workers import Fleet, Worker
+from router.workers import Worker
 
 _POST = b"POST"
 _GET = b"GET, HEAD"
@@ -28,21 +26,20 @@ _GET = b"GET, HEAD"
 
 class RouterApp:
     def __init__(
-        self, settings: Settings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics,
-        discovery: DiscoveryHealth, *, keys: ClientKeys | None = None, admission: AdmissionGate | None = None,
+        self, generation: GenerationService, metrics: RouterMetrics, discovery: DiscoveryHealth, *,
+        protect_metrics: bool = False, keys: ClientKeys | None = None, admission: AdmissionGate | None = None,
         admin: AdminApi | None = None, tracing: Tracing | None = None,
     ) -> None:
         self.admin = admin
         self.tracing = tracing if tracing is not None else Tracing()
-        self.settings = settings
         self.keys = keys if keys is not None else ClientKeys()
         self.admission = admission if admission is not None else AdmissionGate(AdmissionSettings(0, 0, 1.0))
         # Routes open to anyone even when client keys are checked (probes and scrapers).
-        self._open_routes = {"/health", "/readiness"} | (set() if settings.protect_metrics else {"/metrics"})
-        self.fleet = fleet
+        self._open_routes = {"/health", "/readiness"} | (set() if protect_metrics else {"/metrics"})
+        self.fleet = generation.fleet
         self.metrics = metrics
         self.discovery = discovery
-        self.generation = GenerationService(settings, fleet, pool, metrics)
+        self.generation = generation
         self._get_routes = {
             "/v1/models": self._models,
             "/health": self._health,

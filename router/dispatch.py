@@ -77,7 +77,6 @@ class AttemptFailed(Exception):
         self.detail = detail
         self.fault = fault
         self.answer = answer
-        self.worker_id: str | None = None
 
 
 def unexpected_failure(url: str, exc: Exception) -> WorkerUnreachable:

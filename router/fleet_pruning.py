@@ -12,7 +12,7 @@ import logging
 
 from router.http.pool import UpstreamPool
 from router.metrics import RouterMetrics
-from router.pd import RankChooser
+from router.ranks import RankChooser
 from router.workers import Worker
 
 log = logging.getLogger("router.fleet")

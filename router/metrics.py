@@ -1,29 +1,38 @@
 """Prometheus metrics of one router instance (a fresh registry each, so tests never share).
 
-Per-request counters are cached label children, so the hot path pays one dict lookup and
-one increment. Fleet-shaped gauges (workers, in-flight, breaker state) are read from the
-fleet at scrape time by a collector: the request path never touches them.
+Per-request series are typed label children bound once per label value, so the hot path
+pays one dict lookup and one increment, never a `labels()` call. Fleet-shaped gauges
+(workers, in-flight, breaker state) are read from the fleet at scrape time by a
+collector: the request path never touches them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeVar
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from router.classify import Mode
 from router.http.pool import UpstreamPool
+from router.worker_record import Role
 from router.workers import Fleet
+
+_Family = TypeVar("_Family", Counter, Histogram)
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class RouterMetrics:
-    def __init__(self, fleet: Fleet, registry: CollectorRegistry | None = None, *, key_label: bool = False) -> None:
+    """The router's metric families, and their typed children, each bound once per label
+    value the first time it is used (bounded sets: routes, statuses, modes, roles,
+    reasons, kinds, the fleet's workers; a departed worker's child is dropped)."""
+
+    def __init__(self, fleet: Fleet | None = None, registry: CollectorRegistry | None = None, *, key_label: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         # The `key` label exists only with named client keys; its values are those names.
@@ -50,44 +59,67 @@ class RouterMetrics:
             ["kind"], registry=r,
         )
         self.discovery_up.set(1)
-        r.register(_FleetCollector(fleet))
-        self._children: dict[tuple[object, ...], object] = {}
+        # Children bound once, when first used (a series appears with its first event, as
+        # before): `labels()` takes a lock and builds a tuple every call.
+        self._duration: dict[str, Histogram] = {}
+        self._ttfb: dict[str, Histogram] = {}
+        self._modes: dict[str, Counter] = {}
+        self._leg_failures: dict[str, Counter] = {}
+        self._requests: dict[tuple[str, str, int, str], Counter] = {}
+        self._retries: dict[str, Counter] = {}
+        self._local_errors: dict[str, Counter] = {}
+        self._trips: dict[str, Counter] = {}
+        self._fleet: Fleet | None = None
+        if fleet is not None:
+            self.watch_fleet(fleet)
 
-    def child(self, metric: MetricWrapperBase, *labels: str) -> object:
-        """A cached labelled child: `labels()` takes a lock and builds a tuple every call."""
-        key = (id(metric), *labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
+    def watch_fleet(self, fleet: Fleet) -> None:
+        """Export the fleet's gauges (read at scrape time); breaker trips are counted only
+        for workers still in it."""
+        self._fleet = fleet
+        self.registry.register(_FleetCollector(fleet))
 
     def count_request(self, model: str, route: str, status: int, key: str | None = None) -> None:
         """Count one answered request; `key` is the client key's name (`-`: none), used only
         when the counter has the `key` label."""
-        if self.key_label:
-            self.child(self.requests, model, route, str(status), key or "-").inc()  # type: ignore[attr-defined]
-        else:
-            self.child(self.requests, model, route, str(status)).inc()  # type: ignore[attr-defined]
+        name = key or "-"
+        child = self._requests.get((model, route, status, name))
+        if child is None:
+            values = (model, route, str(status), name) if self.key_label else (model, route, str(status))
+            child = self._requests[(model, route, status, name)] = self.requests.labels(*values)
+        child.inc()
 
     def observe_duration(self, route: str, seconds: float) -> None:
-        self.child(self.duration, route).observe(seconds)  # type: ignore[attr-defined]
+        _bound(self._duration, self.duration, route).observe(seconds)
 
     def observe_ttfb(self, route: str, seconds: float) -> None:
-        self.child(self.ttfb, route).observe(seconds)  # type: ignore[attr-defined]
+        _bound(self._ttfb, self.ttfb, route).observe(seconds)
 
     def count_retry(self, reason: str) -> None:
-        self.child(self.retries, reason).inc()  # type: ignore[attr-defined]
+        _bound(self._retries, self.retries, reason).inc()
+
+    def count_mode(self, mode: Mode) -> None:
+        """Count a generation request under the mode it was first planned in."""
+        _bound(self._modes, self.pd_requests, mode.value).inc()
+
+    def count_leg_failure(self, role: Role) -> None:
+        _bound(self._leg_failures, self.leg_failures, role.value).inc()
+
+    def count_trip(self, worker_id: str) -> None:
+        """Count a breaker trip of `worker_id`, unless the worker already left the fleet (its
+        last request failing after it left): a departed worker gets no series back."""
+        if self._fleet is not None and self._fleet.get(worker_id) is None:
+            return
+        _bound(self._trips, self.breaker_trips, worker_id).inc()
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop the labelled series of a worker that left the fleet (the fleet-shaped
         gauges are read from the fleet at scrape time and need nothing)."""
-        try:
+        if self._trips.pop(worker_id, None) is not None:
             self.breaker_trips.remove(worker_id)
-        except KeyError:
-            pass  # it never tripped
 
     def count_local_error(self, kind: str) -> None:
-        self.child(self.local_errors, kind).inc()  # type: ignore[attr-defined]
+        _bound(self._local_errors, self.local_errors, kind).inc()
 
     def watch_pool(self, pool: UpstreamPool) -> None:
         """Export the upstream pool's connections, waiting checkouts and stale discards."""
@@ -95,6 +127,14 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _bound(children: dict[str, _Family], family: _Family, value: str) -> _Family:
+    """The child of `family` for one label value, bound the first time it is asked for."""
+    child = children.get(value)
+    if child is None:
+        child = children[value] = family.labels(value)
+    return child
 
 
 class _FleetCollector(Collector):

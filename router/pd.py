@@ -1,4 +1,4 @@
-"""Prefill/decode pairing: the handoff fields, DP ranks and rooms, and the two-leg attempt.
+"""The PD strategy: the handoff fields and rooms, and the two-leg attempt (a prefill and a decode).
 
 The handoff must be right by construction: a malformed one does not fail fast in a real
 engine, it hangs far from the router. So both legs get the same body, built once here.
@@ -9,30 +9,20 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
 
-from router.breaker import Outcome
+from router.attempt import AttemptRunner, Lease, RequestContext, WorkerFailed
 from router.classify import Plan
-from router.dispatch import (
-    AttemptFailed,
-    judge_answer,
-    open_upstream_response,
-    read_answer,
-    upstream_headers,
-)
 from router.errors import BadRequest
 from router.generation import GenerationRequest
 from router.handoff_body import UnspliceableBody, splice_handoff
-from router.http.messages import Request, ResponseWriter
+from router.metrics import RouterMetrics
 from router.request_id import current_request_id
 from router.worker_record import Role
 from router.workers import Worker
-
-if TYPE_CHECKING:
-    from router.failover import AttemptLog, GenerationService, Lease
 
 log = logging.getLogger("router.pd")
 
@@ -129,45 +119,6 @@ def handoff_fields(
     return fields
 
 
-class RankChooser:
-    """Which DP rank of a rank-multiplexed worker takes the next request.
-
-    The least-loaded rank by the router's own in-flight counts; among equally loaded ranks
-    the scan starts one place further on each time, so an idle worker's ranks take turns
-    instead of rank 0 taking every request that arrives alone.
-    """
-
-    __slots__ = ("_start",)
-
-    def __init__(self) -> None:
-        # Keyed by worker id: one small int per rank-multiplexed worker in the fleet,
-        # never scanned; `forget` drops a worker that left.
-        self._start: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._start)
-
-    def forget(self, worker_id: str) -> None:
-        """Drop the rotation state of a worker that left the fleet."""
-        self._start.pop(worker_id, None)
-
-    def choose(self, worker: Worker) -> int | None:
-        """A rank for `worker`, or None when the worker picks its own (one rank, or a
-        worker registered as a single rank)."""
-        if not worker.record.rank_multiplexed:
-            return None
-        loads = worker.rank_inflight
-        size = len(loads)
-        start = self._start.get(worker.id, 0) % size
-        self._start[worker.id] = (start + 1) % size
-        best = start
-        for offset in range(1, size):
-            rank = (start + offset) % size
-            if loads[rank] < loads[best]:
-                best = rank
-        return best
-
-
 def check_batch(generation: GenerationRequest, max_n: int) -> None:
     """Refuse (400) a request that would need more than `max_n` rooms, before any list is built."""
     size = batch_size(generation)
@@ -187,21 +138,21 @@ def pd_body(generation: GenerationRequest, fields: dict[str, Any]) -> bytes:
         raise BadRequest(f"request body cannot carry the prefill/decode handoff: {exc}") from None
 
 
-class PDDispatcher:
-    """Runs one PD attempt: a prefill and a decode chosen independently, dispatched together."""
+class PDStrategy:
+    """One PD attempt: a prefill and a decode chosen independently, dispatched together."""
 
-    def __init__(self, service: GenerationService, rng: random.Random | None = None) -> None:
-        self.service = service
+    def __init__(
+        self, runner: AttemptRunner, metrics: RouterMetrics, max_n: int, rng: random.Random | None = None
+    ) -> None:
+        self.runner = runner
+        self.metrics = metrics
+        self.max_n = max_n
         self.rng = rng or random.Random()
-        self.ranks = RankChooser()
 
-    async def attempt(
-        self, plan: Plan, generation: GenerationRequest, request: Request, writer: ResponseWriter,
-        key_bytes: bytes | None, attempts: AttemptLog, started: float,
-    ) -> int | None:
+    async def attempt(self, plan: Plan, ctx: RequestContext) -> int | None:
         """One pair, or None when a leg has no untried candidate left.
 
-        A pre-first-byte failure of either leg cancels the other and raises AttemptFailed:
+        A pre-first-byte failure of either leg cancels the other and raises WorkerFailed:
         only the failing worker records the fault and joins its leg's tried set, so the
         next attempt pairs a new worker for that leg with any partner, including this one.
         Cancellation (client gone): both upstream connections close, both permits are
@@ -209,87 +160,65 @@ class PDDispatcher:
         any lease is taken, for a batch beyond `--max-n` or a body the handoff cannot be
         spliced into. Every lease taken is released on every path.
         """
-        service = self.service
-        check_batch(generation, service.settings.max_n)
-        prefill = service.pick(plan, Role.PREFILL, generation.model, key_bytes, attempts, generation.routing_text)
-        decode = service.pick(plan, Role.DECODE, generation.model, key_bytes, attempts, generation.routing_text)
+        runner = self.runner
+        generation = ctx.generation
+        check_batch(generation, self.max_n)
+        prefill = runner.pick(plan, Role.PREFILL, ctx)
+        decode = runner.pick(plan, Role.DECODE, ctx)
         if prefill is None or decode is None:
             return None
         # Everything that can fail on the client's input runs before a lease is taken.
-        prefill_rank = self.ranks.choose(prefill)
-        decode_rank = self.ranks.choose(decode)
+        prefill_rank = runner.ranks.choose(prefill)
+        decode_rank = runner.ranks.choose(decode)
         raw = pd_body(generation, handoff_fields(generation, prefill, prefill_rank, self.rng))
         now = trio.current_time()
         leases: list[Lease] = []
         status: int | None = None
         try:
-            prefill_lease = service.take(prefill, plan.legs[Role.PREFILL].forced, now, prefill_rank, leases)
-            decode_lease = service.take(decode, plan.legs[Role.DECODE].forced, now, decode_rank, leases)
+            prefill_lease = runner.take(prefill, plan.legs[Role.PREFILL].forced, now, prefill_rank, leases)
+            decode_lease = runner.take(decode, plan.legs[Role.DECODE].forced, now, decode_rank, leases)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._prefill_leg, prefill_lease, decode_lease, raw, generation, request, attempts)
+                nursery.start_soon(self._prefill_leg, prefill_lease, decode_lease, raw, ctx)
                 try:
-                    status = await service.exchange(decode_lease, raw, generation, request, writer, started)
-                except AttemptFailed:
-                    self._leg_failed(decode, attempts)
+                    status = await runner.exchange(decode_lease, raw, ctx)
+                except WorkerFailed:
+                    self.metrics.count_leg_failure(Role.DECODE)
                     raise
         except BaseExceptionGroup as group:
             raise _one_exception(group) from None
         finally:
-            service.release_all(leases)
+            runner.release_all(leases)
         return status
 
-    async def _prefill_leg(
-        self, lease: Lease, decode_lease: Lease, raw: bytes, generation: GenerationRequest,
-        request: Request, attempts: AttemptLog,
-    ) -> None:
+    async def _prefill_leg(self, lease: Lease, decode_lease: Lease, raw: bytes, ctx: RequestContext) -> None:
         """Send the prefill request, read its answer and discard it.
 
         Its failure cancels the decode leg only while nothing reached the client; after
         that the decode's own stream says how the generation ended. Cancellation: the
         upstream connection closes and the lease records no verdict.
         """
-        service = self.service
-        worker = lease.worker
-        headers = lease.trace.inject(upstream_headers(request.headers, lease.rank, service.credential(worker)))
-        timeouts = service.timeouts
         try:
-            async with open_upstream_response(service.pool, worker.url, generation.path, headers, raw, timeouts) as response:
-                lease.trace.answered(response.status)
-                answer = await read_answer(response, worker.url, timeouts.stream_idle_s)
-            judge_answer(answer, worker.url, expect_json=not generation.stream)
-            if answer.status >= 400:
-                raise AttemptFailed(
-                    f"prefill_status_{answer.status}", f"prefill {worker.url} answered {answer.status}",
-                    fault=False, answer=answer, retryable=False,
-                )
-        except AttemptFailed as failure:
-            lease.judge(Outcome.FAULT if failure.fault else Outcome.NEUTRAL)
-            failure.worker_id = worker.id
-            self._leg_failed(worker, attempts)
+            await self.runner.consume(lease, raw, ctx)
+        except WorkerFailed as failed:
+            self.metrics.count_leg_failure(Role.PREFILL)
             if decode_lease.committed:
                 log.warning(
                     "prefill %s failed after the decode answered: %s [request %s]",
-                    worker.id, failure.detail, current_request_id(),
+                    failed.worker.id, failed.failure.detail, current_request_id(),
                 )
                 return
             raise
-        lease.judge(Outcome.SUCCESS)
-
-    def _leg_failed(self, worker: Worker, attempts: AttemptLog) -> None:
-        attempts.tried[worker.role].add(worker.id)
-        metrics = self.service.metrics
-        metrics.child(metrics.leg_failures, worker.role.value).inc()  # type: ignore[attr-defined]
 
 
 def _one_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The one error a PD attempt reports: cancellation first (trio must see it), then a
-    leg's AttemptFailed, then anything else (e.g. the client leaving)."""
+    leg's WorkerFailed, then anything else (e.g. the client leaving)."""
     leaves = list(_leaves(group))
     for leaf in leaves:
         if isinstance(leaf, trio.Cancelled):
             return group
     for leaf in leaves:
-        if isinstance(leaf, AttemptFailed):
+        if isinstance(leaf, WorkerFailed):
             return leaf
     return leaves[0]
 

@@ -26,13 +26,16 @@ from router.admission import AdmissionCollector, AdmissionGate, AdmissionSetting
 from router.app import RouterApp
 from router.auth import ClientKeys, KeysFileError, serve_key_reloads
 from router.breaker import BreakerSettings, BreakerState, make_breaker
+from router.cache_aware import CacheAwareSettings
 from router.config import ConfigError, Settings, add_arguments, load_settings
 from router.discovery import DiscoveryHealth
 from router.discovery.kube_config import KubeConfigError
 from router.discovery.kube_pods import pod_sources
 from router.discovery.kubernetes import KubeDiscoverySettings, serve_kubernetes_discovery
 from router.discovery.static import serve_static_discovery
+from router.dispatch import Timeouts
 from router.engine_facts import FactsSettings, serve_engine_facts
+from router.failover import FailoverSettings, GenerationService
 from router.fleet_pruning import DepartedWorkerPruner
 from router.health import serve_health_checks
 from router.http.pool import PoolSettings, open_upstream_pool
@@ -41,8 +44,9 @@ from router.http.server_settings import ServerSettings
 from router.metrics import RouterMetrics
 from router.request_id import current_request_id
 from router.runtime_metrics import TaskCollector
+from router.selection import AllOpenMode
 from router.tracing import open_tracing, otel_installed
-from router.worker_wait import WorkerWaitCollector
+from router.worker_wait import WorkerWaitCollector, WorkerWaitSettings
 from router.workers import BreakerFactory, Fleet
 
 log = logging.getLogger("router")
@@ -60,12 +64,13 @@ def http_url(host: str, port: int) -> str:
 
 @dataclass(slots=True)
 class RunningRouter:
+    host: str
     port: int
     app: RouterApp
 
     @property
     def url(self) -> str:
-        return http_url(self.app.settings.host, self.port)
+        return http_url(self.host, self.port)
 
     @property
     def fleet(self) -> Fleet:
@@ -76,7 +81,7 @@ class RunningRouter:
         return self.app.metrics
 
 
-def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics], fleet_ref: list[Fleet]) -> BreakerFactory:
+def _breaker_factory(settings: Settings, metrics: RouterMetrics) -> BreakerFactory:
     breaker_settings = BreakerSettings(
         failure_threshold=settings.breaker_failure_threshold,
         cooldown_s=settings.breaker_cooldown_s,
@@ -88,12 +93,12 @@ def _breaker_factory(settings: Settings, metrics_ref: list[RouterMetrics], fleet
             # A trip is an outage beginning (closed -> open), as `/v1/workers` counts it; a
             # failed probe extends the outage and shows in the state gauge and the log.
             # A worker that already left (its last request failing) gets no new series.
-            if old is BreakerState.CLOSED and fleet_ref[0].get(name) is not None:
-                metrics_ref[0].breaker_trips.labels(name).inc()
+            if old is BreakerState.CLOSED:
+                metrics.count_trip(name)
             # Runs inside the request whose verdict tripped it: the log names that request.
             log.warning("breaker of %s opened (was %s) [request %s]", name, old.name.lower(), current_request_id())
         elif new is BreakerState.HALF_OPEN:
-            # The probe itself is logged when it is dispatched (router.failover).
+            # The probe itself is logged when it is dispatched (router/attempt.py).
             log.debug("breaker of %s is half-open: the next request to it is the probe", name)
         else:
             log.info("breaker of %s closed: the worker recovered", name)
@@ -107,6 +112,26 @@ def client_keys(settings: Settings) -> ClientKeys:
         return ClientKeys(settings.api_key, settings.api_keys_file)
     except KeysFileError as error:
         raise ConfigError(str(error)) from None
+
+
+def failover_settings(settings: Settings) -> FailoverSettings:
+    """What the generation path reads of `settings`."""
+    all_open = AllOpenMode(settings.breaker_all_open)
+    return FailoverSettings(
+        policy=settings.policy, prefill_policy=settings.prefill_policy, decode_policy=settings.decode_policy,
+        cache=CacheAwareSettings(
+            cache_threshold=settings.cache_threshold, balance_abs_threshold=settings.balance_abs_threshold,
+            balance_rel_threshold=settings.balance_rel_threshold, max_tree_size=settings.max_tree_size,
+        ),
+        all_open=all_open,
+        timeouts=Timeouts(settings.connect_timeout_s, settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
+        wait=WorkerWaitSettings(
+            capacity_wait_s=settings.queue_timeout_s, workers_wait_s=settings.wait_for_workers_s,
+            all_open=all_open, retry_after_s=settings.retry_after_s,
+        ),
+        max_attempts=settings.max_attempts, max_n=settings.max_n, retry_after_s=settings.retry_after_s,
+        model_memory_s=settings.model_memory_s, worker_api_key=settings.worker_api_key,
+    )
 
 
 def admission_settings(settings: Settings) -> AdmissionSettings:
@@ -166,17 +191,14 @@ async def run_router(
     Cancellation: every connection, upstream or client, is closed at once.
     """
     shutdown = shutdown if shutdown is not None else trio.Event()
-    metrics_ref: list[RouterMetrics] = []
-    fleet_ref: list[Fleet] = []
+    keys = client_keys(settings)
+    metrics = RouterMetrics(registry=registry, key_label=keys.named)
     fleet = Fleet(
-        _breaker_factory(settings, metrics_ref, fleet_ref),
+        _breaker_factory(settings, metrics),
         model_memory_s=settings.model_memory_s, clock=trio.current_time,
         max_inflight=settings.worker_max_inflight,
     )
-    fleet_ref.append(fleet)
-    keys = client_keys(settings)
-    metrics = RouterMetrics(fleet, registry, key_label=keys.named)
-    metrics_ref.append(metrics)
+    metrics.watch_fleet(fleet)
     admission = AdmissionGate(admission_settings(settings))
     metrics.registry.register(AdmissionCollector(admission))
     pool_settings = PoolSettings(
@@ -216,11 +238,15 @@ async def run_router(
                 fleet, http, nursery, admin_key=settings.admin_api_key, worker_api_key=settings.worker_api_key,
                 discovery_owns_fleet=settings.discovery != "static", drain_timeout_s=settings.shutdown_grace_s,
             )
-        app = RouterApp(settings, fleet, pool, metrics, discovery, keys=keys, admission=admission, admin=admin, tracing=tracing)
-        metrics.registry.register(WorkerWaitCollector(app.generation.waits))
+        generation = GenerationService(failover_settings(settings), fleet, pool, metrics)
+        app = RouterApp(
+            generation, metrics, discovery, protect_metrics=settings.protect_metrics,
+            keys=keys, admission=admission, admin=admin, tracing=tracing,
+        )
+        metrics.registry.register(WorkerWaitCollector(generation.waits))
         # Attached once the app exists: a worker that left before it (during the first
         # listing) had no request, so no pool endpoint, rank state or series to prune.
-        fleet.add_listener(DepartedWorkerPruner(pool, app.generation.pd.ranks, metrics))
+        fleet.add_listener(DepartedWorkerPruner(pool, generation.ranks, metrics))
 
         serve: Callable[..., Awaitable[None]]
         if settings.server == "hypercorn":
@@ -243,7 +269,7 @@ async def run_router(
         # Operators and scripts read the bound URL from this line (with --port 0 it is
         # the only place the port shows up).
         log.info("router listening on %s with %d workers", http_url(settings.host, port), len(fleet))
-        task_status.started(RunningRouter(port=port, app=app))
+        task_status.started(RunningRouter(host=settings.host, port=port, app=app))
 
 
 async def serve_discovery(
@@ -251,9 +277,12 @@ async def serve_discovery(
     *, task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     if settings.discovery == "etcd":
-        from router.discovery.etcd import serve_etcd_discovery
+        from router.discovery.etcd import EtcdDiscoveryTiming, serve_etcd_discovery
 
-        await serve_etcd_discovery(settings, fleet, metrics, task_status=task_status)
+        await serve_etcd_discovery(
+            settings.etcd_endpoint, settings.etcd_prefix, fleet, metrics,
+            timing=EtcdDiscoveryTiming(silence_s=settings.discovery_silence_s), task_status=task_status,
+        )
     elif settings.discovery == "kubernetes":
         await serve_kubernetes_discovery(kube_settings(settings), fleet, metrics, task_status=task_status)
     else:

@@ -26,6 +26,7 @@ from router.http.messages import Headers, Request
 from router.http.pool import UpstreamConnectError, UpstreamPool
 from router.metrics import RouterMetrics
 from router.selection import PolicyKey
+from router.serve import failover_settings
 from router.worker_record import Role, WorkerRecord
 from router.workers import Fleet, Worker
 
@@ -156,7 +157,7 @@ def make_router(scripts: dict[str, Script], **overrides: Any) -> Router:
     for url in scripts:
         fleet.upsert(WorkerRecord(id=url, url=url, models=(MODEL,)))
     pool = ScriptedPool(scripts)
-    service = GenerationService(settings, fleet, cast(UpstreamPool, pool), RouterMetrics(fleet))
+    service = GenerationService(failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet))
     return Router(service, pool, fleet)
 
 

@@ -20,6 +20,7 @@ import pytest
 import trio
 import trio.testing
 
+from router.attempt import Lease
 from router.breaker import (
     BreakerSettings,
     BreakerState,
@@ -29,10 +30,11 @@ from router.breaker import (
     make_breaker,
 )
 from router.config import Settings
-from router.failover import GenerationService, Lease
+from router.failover import GenerationService
 from router.http.messages import ClientDisconnected, Headers, Request
 from router.http.pool import UpstreamConnectError, UpstreamPool
 from router.metrics import RouterMetrics
+from router.serve import failover_settings
 from router.worker_record import Role, WorkerRecord
 from router.workers import Fleet
 
@@ -123,7 +125,7 @@ def service_over(workers: dict[str, Role], behaviour: dict[str, int | str]) -> t
     for url, role in workers.items():
         fleet.upsert(WorkerRecord(id=url, url=url, models=(MODEL,), role=role, dp_size=2))
     pool = Pool(behaviour)
-    return GenerationService(settings, fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)), pool
+    return GenerationService(failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)), pool
 
 
 def half_open_every_breaker(service: GenerationService) -> None:
@@ -254,10 +256,10 @@ async def test_a_verdict_that_raises_still_ends_every_lease(autojump_clock: trio
         worker.breaker = cast(CircuitBreaker, BrokenBreaker())
     leases: list[Lease] = []
     for worker in workers:
-        service.take(worker, False, trio.current_time(), 1, leases)
+        service.runner.take(worker, False, trio.current_time(), 1, leases)
     assert [worker.inflight for worker in workers] == [1, 1]
     with pytest.raises(RuntimeError, match="the verdict failed"):
-        service.release_all(leases)
+        service.runner.release_all(leases)
     assert [worker.inflight for worker in workers] == [0, 0]
     assert [worker.rank_inflight for worker in workers] == [[0, 0], [0, 0]]
     assert leases == []

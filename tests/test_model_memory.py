@@ -21,6 +21,7 @@ from router.http.messages import Headers, Request
 from router.http.pool import UpstreamPool
 from router.metrics import RouterMetrics
 from router.selection import AllOpenMode
+from router.serve import failover_settings
 from router.worker_record import WorkerRecord
 from router.workers import Fleet
 
@@ -103,7 +104,7 @@ async def test_a_request_in_the_gap_gets_503_with_retry_after_then_404_after_the
     fleet = Fleet(model_memory_s=MEMORY_S, clock=trio.current_time)
     fleet.upsert(record("a"))
     fleet.upsert(record("z", model="other"))  # so the model must be named, as clients do
-    service = GenerationService(settings, fleet, cast(UpstreamPool, None), RouterMetrics(fleet))
+    service = GenerationService(failover_settings(settings), fleet, cast(UpstreamPool, None), RouterMetrics(fleet))
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 
     async def send() -> Writer:

@@ -14,12 +14,12 @@ from router.generation import GenerationRequest, parse_generation_request
 from router.pd import (
     DEFAULT_BOOTSTRAP_PORT,
     ROOM_LIMIT,
-    RankChooser,
     batch_size,
     bootstrap_address,
     handoff_fields,
     make_room,
 )
+from router.ranks import RankChooser
 from router.worker_record import Role, WorkerRecord
 from router.workers import Worker
 

@@ -13,7 +13,6 @@ reports discovery down until etcd is heard again.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from contextlib import aclosing
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 import orjson
 import trio
 
-from router.config import Settings
 from router.discovery import DiscoveryHealth
 from router.discovery.backoff import Backoff
 from router.discovery.etcd_client import (
@@ -215,14 +213,15 @@ class _Link:
 
 
 async def serve_etcd_discovery(
-    settings: Settings,
+    endpoint: str,
+    prefix: str,
     fleet: Fleet,
     metrics: RouterMetrics,
     *,
     timing: EtcdDiscoveryTiming = EtcdDiscoveryTiming(),
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Follow the worker records under `settings.etcd_prefix` until cancelled.
+    """Follow the worker records under `prefix` at etcd `endpoint` until cancelled.
 
     Ready after the first successful listing; when etcd cannot be reached at start, ready
     at once with an empty fleet and `up=False`, and the listing is retried. Failures are
@@ -232,12 +231,10 @@ async def serve_etcd_discovery(
 
     Cancellation: the watch stream is closed; the fleet keeps its last state.
     """
-    endpoint = settings.etcd_endpoint
-    timing = dataclasses.replace(timing, silence_s=settings.discovery_silence_s)
     health = DiscoveryHealth(source="etcd", up=False, detail=f"connecting to {endpoint}")
     metrics.discovery_up.set(0)
     async with open_etcd_client(endpoint, timeout_s=timing.request_timeout_s) as client:
-        follower = _Follower(client, settings.etcd_prefix, fleet, metrics, health, timing)
+        follower = _Follower(client, prefix, fleet, metrics, health, timing)
         await follower.run(task_status)
 
 

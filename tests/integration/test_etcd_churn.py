@@ -47,7 +47,7 @@ async def test_workers_that_leave_through_etcd_leave_no_state_behind(etcd: EtcdS
 
             present = {f"w{i}" for i in range(WORKERS - STAYING, WORKERS)}
             assert {worker.id for worker in router.fleet.workers()} == present
-            assert len(router.app.generation.pd.ranks) == STAYING
+            assert len(router.app.generation.ranks) == STAYING
             stats = router.app.generation.pool.statistics()
             assert set(stats.idle_per_worker) == {f"{upstream.url}/{worker_id}" for worker_id in present}
             scrape = (await client.get("/metrics")).text

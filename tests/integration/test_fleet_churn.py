@@ -58,7 +58,7 @@ async def test_state_and_series_are_held_only_for_workers_present() -> None:
             present_urls = {str(value["url"]) for _, value in present}
 
             assert {worker.id for worker in router.fleet.workers()} == present_ids
-            assert len(router.app.generation.pd.ranks) <= STAYING
+            assert len(router.app.generation.ranks) <= STAYING
             pool = router.app.generation.pool
             stats = pool.statistics()
             assert set(stats.idle_per_worker) <= present_urls
