@@ -56,7 +56,9 @@ async def start_fake_kube_api(sidecars: Sidecars) -> str:
     """Start the fake API server as the sidecar `kube-api` and write a kubeconfig that
     reaches it; its URL. Stores URL, token and kubeconfig path in `sidecars.values`."""
     if not (REPOSITORY / "tests" / "support" / "fake_kube_api_process.py").is_file():
-        raise ProcessFailed(f"the fake Kubernetes API server is not in {REPOSITORY}/tests/support (a source checkout is needed)")
+        raise ProcessFailed(
+            f"the fake Kubernetes API server is not in {REPOSITORY}/tests/support (a source checkout is needed)"
+        )
     token = secrets.token_hex(16)
     argv = [sys.executable, "-m", SERVER_MODULE, "--token", token]
     child = await sidecars.start(
@@ -66,7 +68,9 @@ async def start_fake_kube_api(sidecars: Sidecars) -> str:
     url = match.group(1).rstrip("/")
     path = sidecars.workdir / "kubeconfig"
     path.write_text(yaml.safe_dump(kubeconfig(url, token)))
-    sidecars.values.update({URL_KEY: url, TOKEN_KEY: token, KUBECONFIG_KEY: str(path), PODS_KEY: {}})
+    sidecars.values.update(
+        {URL_KEY: url, TOKEN_KEY: token, KUBECONFIG_KEY: str(path), PODS_KEY: {}}
+    )
     return url
 
 
@@ -76,7 +80,12 @@ def kubeconfig(url: str, token: str) -> dict[str, Any]:
         "kind": "Config",
         "clusters": [{"name": "conformance", "cluster": {"server": url}}],
         "users": [{"name": "plane", "user": {"token": token}}],
-        "contexts": [{"name": "conformance", "context": {"cluster": "conformance", "user": "plane", "namespace": NAMESPACE}}],
+        "contexts": [
+            {
+                "name": "conformance",
+                "context": {"cluster": "conformance", "user": "plane", "namespace": NAMESPACE},
+            }
+        ],
         "current-context": "conformance",
     }
 
@@ -85,7 +94,9 @@ def shared_port(workers: list[RunningWorker]) -> int:
     """The one port every worker of a Kubernetes fleet listens on."""
     ports = {urlsplit(worker.url).port for worker in workers}
     if len(ports) != 1 or None in ports:
-        raise ProcessFailed(f"a Kubernetes fleet listens on one port; got {sorted(map(str, ports))}")
+        raise ProcessFailed(
+            f"a Kubernetes fleet listens on one port; got {sorted(map(str, ports))}"
+        )
     port = ports.pop()
     assert port is not None
     return port
@@ -112,7 +123,11 @@ def pod(worker: RunningWorker, ready: bool, generation: int) -> dict[str, Any]:
             "annotations": annotations,
         },
         "spec": {"containers": [{"name": "engine", "image": "fake-worker"}]},
-        "status": {"phase": "Running", "podIP": urlsplit(worker.url).hostname, "conditions": [_ready(ready)]},
+        "status": {
+            "phase": "Running",
+            "podIP": urlsplit(worker.url).hostname,
+            "conditions": [_ready(ready)],
+        },
     }
 
 
@@ -120,13 +135,17 @@ def _ready(ready: bool) -> dict[str, str]:
     return {"type": "Ready", "status": "True" if ready else "False"}
 
 
-async def publish(client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker, status: str) -> None:
+async def publish(
+    client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker, status: str
+) -> None:
     """Make the worker's Pod show `status` (`active`, `not_ready` or `draining`)."""
     pods: dict[str, str] = sidecars.values[PODS_KEY]
     name = worker.spec.name
     now = pods.get(name)
     if now == "draining":
-        raise ProcessFailed(f"pod {name} is terminating; a deletion cannot be undone (remove and add it)")
+        raise ProcessFailed(
+            f"pod {name} is terminating; a deletion cannot be undone (remove and add it)"
+        )
     if status == "draining":
         if now is None:
             raise ProcessFailed(f"pod {name} does not exist, so it cannot begin terminating")
@@ -136,7 +155,13 @@ async def publish(client: httpx.AsyncClient, sidecars: Sidecars, worker: Running
         sidecars.values[f"kube_generation_{name}"] = generation
         await _call(client, sidecars, "POST", "", pod(worker, status == "active", generation))
     else:
-        await _call(client, sidecars, "PATCH", f"/{name}/status", {"status": {"conditions": [_ready(status == "active")]}})
+        await _call(
+            client,
+            sidecars,
+            "PATCH",
+            f"/{name}/status",
+            {"status": {"conditions": [_ready(status == "active")]}},
+        )
     pods[name] = status
 
 
@@ -148,7 +173,11 @@ async def withdraw(client: httpx.AsyncClient, sidecars: Sidecars, worker: Runnin
 
 
 async def _call(
-    client: httpx.AsyncClient, sidecars: Sidecars, method: str, tail: str, payload: dict[str, Any] | None = None
+    client: httpx.AsyncClient,
+    sidecars: Sidecars,
+    method: str,
+    tail: str,
+    payload: dict[str, Any] | None = None,
 ) -> None:
     url = f"{sidecars.values[URL_KEY]}/api/v1/namespaces/{NAMESPACE}/pods{tail}"
     headers = {"authorization": f"Bearer {sidecars.values[TOKEN_KEY]}"}
@@ -159,4 +188,6 @@ async def _call(
     except httpx.HTTPError as exc:
         raise ProcessFailed(f"kube api {method} {tail or '/'}: {exc!r}") from None
     if response.status_code not in (200, 201):
-        raise ProcessFailed(f"kube api {method} {tail or '/'}: {response.status_code} {response.text[:200]}")
+        raise ProcessFailed(
+            f"kube api {method} {tail or '/'}: {response.status_code} {response.text[:200]}"
+        )

@@ -140,9 +140,11 @@ class CaseReader:
 
     def check_no_pod_states(self, fleet_node: Node, fleet: Sequence[WorkerSpec], steps: Sequence[Step], nodes: Sequence[Node]) -> None:
         """`not_ready` is a Pod's state; no other fleet has it."""
+        nodes_by_name = {name: value for name, _, value in self.r.items(fleet_node, "fleet")}
         for worker in fleet:
             if worker.status == "not_ready":
-                raise self.r.fail(fleet_node, join(join("fleet", worker.name), "status"), "not_ready needs `discovery: kubernetes`")
+                field = join(join("fleet", worker.name), "status")
+                raise self.r.fail(nodes_by_name[worker.name], field, "not_ready needs `discovery: kubernetes`")
         for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
             if isinstance(step, FleetChangeStep) and step.status == "not_ready":
                 raise self.r.fail(node, join(join("steps", index), "set_status"), "not_ready needs `discovery: kubernetes`")

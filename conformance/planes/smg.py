@@ -7,7 +7,9 @@ Mapping notes, each observed on the binary rather than taken from its help text:
   "every fleet URL is listed by `GET /workers` and healthy";
 - `--retry-max-retries` counts total attempts, so `attempts` maps to it directly;
 - cooldowns and health intervals are whole seconds;
-- success threshold is set to 1 so that one good probe closes the breaker, as in the spec.
+- success threshold is set to 1 so that one good probe closes the breaker, as in the spec;
+- under Kubernetes discovery it reads the kubeconfig from `KUBECONFIG` and takes one
+  port (`--service-discovery-port`) for every Pod; a Pod that is not Ready is no worker.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ async def serve_until_killed(token: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="A fake Kubernetes API server for Pods, on 127.0.0.1")
+    parser = argparse.ArgumentParser(
+        description="A fake Kubernetes API server for Pods, on 127.0.0.1"
+    )
     parser.add_argument("--token", default="test-token", help="the bearer token it requires")
     trio.run(serve_until_killed, parser.parse_args().token)
 
