@@ -99,11 +99,13 @@ async def _each(
     return answers
 
 
-def worker_argv(spec: WorkerSpec, bootstrap_port: int | None, command: Sequence[str]) -> list[str]:
+def worker_argv(
+    spec: WorkerSpec, bootstrap_port: int | None, command: Sequence[str], host: str = "127.0.0.1", port: int = 0
+) -> list[str]:
     argv = [
         *command,
-        "--host", "127.0.0.1",
-        "--port", "0",
+        "--host", host,
+        "--port", str(port),
         "--model", spec.model,
         "--role", spec.role,
         "--dp-size", str(spec.dp_size),
@@ -123,18 +125,27 @@ async def open_fleet(
     Every worker's starting behaviour is applied through `/debug/behaviour`, the same way
     a `set_behaviour` step changes it later. On exit (or cancellation) every worker is
     killed.
+
+    In a case discovered through Kubernetes every worker listens on one port, each on a
+    loopback address of its own (127.0.0.1, 127.0.0.2, ...): a Pod IP each, and one
+    container port, which is all some planes take for every discovered Pod.
     """
     async with AsyncExitStack() as stack:
         children: dict[str, Child] = {}
         ports: dict[str, int | None] = {}
+        shared_port: int | None = 0 if case.discovery == "kubernetes" else None
         for index, spec in enumerate(case.fleet):
             port = spec.bootstrap_port
             if spec.role == "prefill" and port is None:
                 port = FIRST_BOOTSTRAP_PORT + index
             ports[spec.name] = port
-            children[spec.name] = await stack.enter_async_context(
-                open_process(worker_argv(spec, port, command), f"fake worker {spec.name}", stop_grace_s=0)
+            host = f"127.0.0.{index + 1}" if shared_port is not None else "127.0.0.1"
+            argv = worker_argv(spec, port, command, host, shared_port or 0)
+            child = children[spec.name] = await stack.enter_async_context(
+                open_process(argv, f"fake worker {spec.name}", stop_grace_s=0)
             )
+            if shared_port == 0:  # the first worker picks the port the others share
+                shared_port = await _listening_port(child)
         urls: dict[str, str] = {}
         problems: list[str] = []
 
@@ -163,3 +174,10 @@ async def open_fleet(
             if spec.behaviour:
                 await fleet.set_behaviour(client, [spec.name], spec.behaviour)
         yield fleet
+
+
+async def _listening_port(child: Child) -> int:
+    with trio.move_on_after(START_TIMEOUT_S):
+        match = await child.output.wait_for(LISTENING)
+        return int(match.group(1).rstrip("/").rsplit(":", 1)[1])
+    raise FleetError(f"the first fake worker did not start within {START_TIMEOUT_S:g}s:\n{child.output.tail(10)}")

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 ROLES = ("mixed", "prefill", "decode")
-STATUSES = ("active", "draining")
+# `not_ready`: listed but not serving (a Pod whose Ready condition is False); Kubernetes only.
+STATUSES = ("active", "draining", "not_ready")
 ROUTES = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -326,9 +327,10 @@ class Case:
                 needed.add("pd.mixed_fleet")
         if any(worker.dp_size > 1 for worker in self.fleet):
             needed.add("dp_rank")
-        if any(worker.status == "draining" for worker in self.fleet) or any(
+        # A terminating Pod is Kubernetes' own DRAINING: `discovery.kubernetes` covers it.
+        if self.discovery != "kubernetes" and (any(worker.status == "draining" for worker in self.fleet) or any(
             isinstance(step, FleetChangeStep) and step.status == "draining" for step in self.steps
-        ):
+        )):
             needed.add("worker.status")
         if self.settings.breaker.all_open is not None:
             needed.add(f"breaker.all_open_{self.settings.breaker.all_open}")

@@ -210,7 +210,7 @@ async def open_plane(
         launch = Launch(base.case, base.workers, base.host, port, base.workdir, base.sidecars)
         argv = plane.command(launch)
         async with open_process(
-            argv, f"plane {plane.name}", stop_grace_s=plane.stop_grace_s, env=dict(plane.environment())
+            argv, f"plane {plane.name}", stop_grace_s=plane.stop_grace_s, env=dict(plane.launch_environment(launch))
         ) as child:
             try:
                 url = await _wait_ready(plane, launch, child, client)

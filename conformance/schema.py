@@ -80,6 +80,10 @@ class CaseReader:
         discovery = r.choice(top["discovery"], "discovery", DISCOVERY_BACKENDS) if "discovery" in top else None
         steps = tuple(self.step(node, join("steps", i), names) for i, node in enumerate(step_nodes))
         self.check_steps(steps, step_nodes, discovery)
+        if discovery == "kubernetes":
+            self.check_pod_lifecycle(fleet, steps, step_nodes)
+        else:
+            self.check_no_pod_states(top["fleet"], fleet, steps, step_nodes)
         requires: frozenset[str] = frozenset()
         if "requires" in top:
             requires = frozenset(r.strings(top["requires"], "requires"))
@@ -115,6 +119,35 @@ class CaseReader:
         never = sorted(set(self.background) - awaited)
         if never:
             raise r.fail(nodes[-1], "steps", f"background send(s) never awaited: {', '.join(never)}")
+
+    def check_pod_lifecycle(self, fleet: Sequence[WorkerSpec], steps: Sequence[Step], nodes: Sequence[Node]) -> None:
+        """A terminating Pod cannot turn back: once `draining`, a worker only leaves
+        (`remove`, then maybe `add` as a new Pod)."""
+        now: dict[str, str | None] = {worker.name: worker.status for worker in fleet}
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            if not isinstance(step, FleetChangeStep):
+                continue
+            for name in step.workers:
+                if step.action == "remove":
+                    now[name] = None
+                elif step.action == "add" and now[name] is not None:
+                    raise self.r.fail(node, join(join("steps", index), "add"), f"pod {name} is still there; remove it first")
+                elif step.action == "set_status" and now[name] in ("draining", None):
+                    why = "is terminating, which cannot be undone" if now[name] else "is not there"
+                    raise self.r.fail(node, join(join("steps", index), "set_status"), f"pod {name} {why}")
+                else:
+                    now[name] = step.status or "active"
+
+    def check_no_pod_states(self, fleet_node: Node, fleet: Sequence[WorkerSpec], steps: Sequence[Step], nodes: Sequence[Node]) -> None:
+        """`not_ready` is a Pod's state; no other fleet has it."""
+        nodes_by_name = {name: value for name, _, value in self.r.items(fleet_node, "fleet")}
+        for worker in fleet:
+            if worker.status == "not_ready":
+                field = join(join("fleet", worker.name), "status")
+                raise self.r.fail(nodes_by_name[worker.name], field, "not_ready needs `discovery: kubernetes`")
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            if isinstance(step, FleetChangeStep) and step.status == "not_ready":
+                raise self.r.fail(node, join(join("steps", index), "set_status"), "not_ready needs `discovery: kubernetes`")
 
     # -- fleet -----------------------------------------------------------------------
 

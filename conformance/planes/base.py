@@ -110,6 +110,11 @@ class Plane(ABC):
         runner's environment. Default: none."""
         return {}
 
+    def launch_environment(self, launch: Launch) -> Mapping[str, str]:
+        """Variables the plane's own process gets for one case (a path a sidecar wrote,
+        such as `KUBECONFIG`). Default: `environment()`."""
+        return self.environment()
+
     async def start_sidecars(self, sidecars: Sidecars, case: Case) -> None:
         """Start what the plane needs before itself, through `sidecars` (which owns and
         stops it). Runs before the fleet starts. Default: nothing."""

@@ -10,7 +10,7 @@ from typing import ClassVar
 import httpx
 import yaml
 
-from conformance import etcd_sidecar
+from conformance import etcd_sidecar, kube_sidecar
 from conformance.fleet import RunningWorker
 from conformance.model import Case
 from conformance.planes.base import Launch, Plane, Unsupported
@@ -45,6 +45,8 @@ class PythonPlane(Plane):
             "pd.bootstrap",
             # The plane owns its etcd: a sidecar started for each case that needs one.
             "discovery.etcd",
+            # And its fake Kubernetes API server, likewise.
+            "discovery.kubernetes",
             "policy.cache_aware",
             "cache_aware.smallest_tree",
         }
@@ -56,14 +58,22 @@ class PythonPlane(Plane):
     async def start_sidecars(self, sidecars: Sidecars, case: Case) -> None:
         if case.discovery == "etcd":
             await etcd_sidecar.start_etcd(sidecars)
+        elif case.discovery == "kubernetes":
+            await kube_sidecar.start_fake_kube_api(sidecars)
         elif case.discovery is not None:
             raise Unsupported(f"discovery {case.discovery} is not built into router serve yet")
 
     async def publish(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str) -> None:
-        await etcd_sidecar.put_record(client, launch.sidecars, worker, status)
+        if launch.case.discovery == "kubernetes":
+            await kube_sidecar.publish(client, launch.sidecars, worker, status)
+        else:
+            await etcd_sidecar.put_record(client, launch.sidecars, worker, status)
 
     async def withdraw(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker) -> None:
-        await etcd_sidecar.delete_record(client, launch.sidecars, worker)
+        if launch.case.discovery == "kubernetes":
+            await kube_sidecar.withdraw(client, launch.sidecars, worker)
+        else:
+            await etcd_sidecar.delete_record(client, launch.sidecars, worker)
 
     def command(self, launch: Launch) -> list[str]:
         argv = [
@@ -78,6 +88,14 @@ class PythonPlane(Plane):
         return argv
 
     def fleet_flags(self, launch: Launch) -> list[str]:
+        if launch.case.discovery == "kubernetes":
+            return [
+                "--discovery", "kubernetes",
+                "--k8s-kubeconfig", launch.sidecars.values[kube_sidecar.KUBECONFIG_KEY],
+                "--k8s-namespace", kube_sidecar.NAMESPACE,
+                "--k8s-selector", kube_sidecar.SELECTOR,
+                "--k8s-port", str(kube_sidecar.shared_port(list(launch.workers))),
+            ]  # fmt: skip
         if launch.case.discovery == "etcd":
             values = launch.sidecars.values
             return [

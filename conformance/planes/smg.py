@@ -7,7 +7,9 @@ Mapping notes, each observed on the binary rather than taken from its help text:
   "every fleet URL is listed by `GET /workers` and healthy";
 - `--retry-max-retries` counts total attempts, so `attempts` maps to it directly;
 - cooldowns and health intervals are whole seconds;
-- success threshold is set to 1 so that one good probe closes the breaker, as in the spec.
+- success threshold is set to 1 so that one good probe closes the breaker, as in the spec;
+- under Kubernetes discovery it reads the kubeconfig from `KUBECONFIG` and takes one
+  port (`--service-discovery-port`) for every Pod; a Pod that is not Ready is no worker.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from typing import ClassVar
 import httpx
 import trio
 
+from conformance import kube_sidecar
+from conformance.fleet import RunningWorker
 from conformance.model import Case
 from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.planes.cache_flags import cache_aware_flags
 from conformance.processes import free_port
+from conformance.sidecars import Sidecars
 
 POLICIES = {
     "round_robin": "round_robin",
@@ -47,6 +52,8 @@ class SmgPlane(Plane):
             "pd.bootstrap",
             "dp_rank",
             "health.active",
+            # Through the fake API server a sidecar runs, with a kubeconfig (KUBECONFIG).
+            "discovery.kubernetes",
             *(f"policy.{name}" for name in POLICIES),
         }
     )
@@ -97,7 +104,33 @@ class SmgPlane(Plane):
         argv += self.settings_flags(launch.case)
         return argv
 
+    async def start_sidecars(self, sidecars: Sidecars, case: Case) -> None:
+        if case.discovery == "kubernetes":
+            await kube_sidecar.start_fake_kube_api(sidecars)
+        elif case.discovery is not None:
+            raise Unsupported(f"smg has no {case.discovery} discovery")
+
+    async def publish(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str) -> None:
+        await kube_sidecar.publish(client, launch.sidecars, worker, status)
+
+    async def withdraw(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker) -> None:
+        await kube_sidecar.withdraw(client, launch.sidecars, worker)
+
+    def launch_environment(self, launch: Launch) -> Mapping[str, str]:
+        if launch.case.discovery != "kubernetes":
+            return self.environment()
+        return {**self.environment(), "KUBECONFIG": launch.sidecars.values[kube_sidecar.KUBECONFIG_KEY]}
+
     def fleet_flags(self, launch: Launch) -> list[str]:
+        if launch.case.discovery == "kubernetes":
+            if launch.case.is_pd:
+                raise Unsupported("the Kubernetes form of PD cases is not mapped to smg's prefill/decode selectors")
+            return [
+                "--service-discovery",
+                "--selector", kube_sidecar.SELECTOR,
+                "--service-discovery-namespace", kube_sidecar.NAMESPACE,
+                "--service-discovery-port", str(kube_sidecar.shared_port(list(launch.workers))),
+            ]  # fmt: skip
         flags: list[str] = []
         if any(worker.spec.dp_size > 1 for worker in launch.workers):
             flags.append("--dp-aware")
@@ -153,7 +186,8 @@ class SmgPlane(Plane):
     async def wait_ready(self, client: httpx.AsyncClient, url: str, launch: Launch) -> None:
         """Every fleet URL is listed by `GET /workers` (as itself or as `URL@rank` under
         `--dp-aware`) and every listed worker is healthy."""
-        wanted = {worker.url for worker in launch.workers}
+        # Under discovery only the Pods that are Ready at the start are workers yet.
+        wanted = {worker.url for worker in launch.workers if worker.spec.status == "active"}
         while True:
             try:
                 response = await client.get(url + "/workers", timeout=2.0, headers=self.auth_headers(launch))

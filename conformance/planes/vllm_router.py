@@ -87,6 +87,8 @@ class VllmRouterPlane(SmgPlane):
         "(--kv-connector nixl|mooncake|moriio), not SGLang's bootstrap room the handoff checks read",
         "worker.status": "static workers have no DRAINING state to learn",
         "discovery.etcd": "no etcd discovery (--service-discovery follows Kubernetes Pods)",
+        "discovery.kubernetes": "it has --service-discovery (Kubernetes Pods); the Kubernetes cases have not "
+        "been mapped to it or run against it yet",
         "policy.cache_aware": "it has a cache_aware policy; the cache_aware cases have not been run against it yet",
     }
     log_level: ClassVar[str] = "warning"

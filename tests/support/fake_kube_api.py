@@ -10,11 +10,17 @@ What it serves, shaped like the real API server (and checked against the officia
   `gone_as_http`, an HTTP 410 answer); `timeoutSeconds` ends the stream;
 - `GET .../pods/NAME`, and `DELETE .../pods/NAME` as graceful deletion: it sets
   `deletionTimestamp` (a `MODIFIED` event), then emits `DELETED` after the grace period;
+- `POST .../pods` creates a Pod (409 when the name is taken), `PATCH .../pods/NAME/status`
+  merges a JSON merge patch into its `status` (lists replaced, as RFC 7386 says), and
+  `DELETE` with `gracePeriodSeconds=0` removes a Pod at once, terminating or not: what a
+  controller and the kubelet do, for a driver outside the process;
 - a bearer token is required (401 `Status` without the right one);
 - resource versions only grow, across every object.
 
 Tests drive the Pods directly (`add_pod`, `set_ready`, `begin_deletion`, ...) and can take
 the server away (`go_away`) and bring it back on the same port (`serve` again).
+
+`tests/support/fake_kube_api_process.py` runs it as a process of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import trio
 from tests.support.kube_objects import (
     make_pod,
     matches_selector,
+    merge_status_patch,
     now_rfc3339,
     parse_selector,
     status_object,
@@ -231,6 +238,9 @@ class FakeKubeApi:
             return True
         namespace = parts[3]
         name = parts[5] if len(parts) > 5 else None
+        if name is None and method == "POST":
+            await self._create(stream, conn, namespace, body)
+            return True
         if name is None and method == "GET":
             try:
                 selector = parse_selector(query.get("labelSelector", ""))
@@ -246,18 +256,44 @@ class FakeKubeApi:
         if pod is None:
             await self._respond(stream, conn, 404, status_object(404, "NotFound", f'pods "{name}" not found'))
             return True
-        if method == "GET":
+        if method == "PATCH" and parts[6:] == ["status"]:
+            await self._patch_status(stream, conn, namespace, name or "", body)
+        elif method == "GET":
             await self._respond(stream, conn, 200, pod)
         elif method == "DELETE":
             options = orjson.loads(body) if body else {}
             grace = int(query.get("gracePeriodSeconds", options.get("gracePeriodSeconds", 30)))
-            if pod["metadata"].get("deletionTimestamp") is None:
+            if grace == 0:
+                self.finish_deletion(name or "", namespace)
+            elif pod["metadata"].get("deletionTimestamp") is None:
                 pod = self.begin_deletion(name or "", grace, namespace)
                 nursery.start_soon(self._delete_after, namespace, name or "", grace)
             await self._respond(stream, conn, 200, pod)
         else:
             await self._respond(stream, conn, 405, status_object(405, "MethodNotAllowed", method))
         return True
+
+    async def _create(self, stream: trio.SocketStream, conn: h11.Connection, namespace: str, body: bytes) -> None:
+        try:
+            pod = orjson.loads(body)
+            pod["metadata"]["namespace"] = namespace
+            answer = (201, self.add_pod({"status": {}, **pod}))
+        except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+            answer = (400, status_object(400, "BadRequest", f"not a Pod: {exc}"))
+        except ValueError as exc:
+            answer = (409, status_object(409, "AlreadyExists", str(exc)))
+        await self._respond(stream, conn, *answer)
+
+    async def _patch_status(
+        self, stream: trio.SocketStream, conn: h11.Connection, namespace: str, name: str, body: bytes
+    ) -> None:
+        before = self.pods[(namespace, name)]
+        try:
+            after = merge_status_patch(before, orjson.loads(body))
+        except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+            await self._respond(stream, conn, 400, status_object(400, "BadRequest", f"not a status patch: {exc}"))
+            return
+        await self._respond(stream, conn, 200, self._record("MODIFIED", before, after))
 
     async def _delete_after(self, namespace: str, name: str, grace_s: int) -> None:
         await trio.sleep(grace_s)
@@ -360,3 +396,4 @@ class FakeKubeApi:
         self._bookmarks += 1
         self._changed.set()
         self._changed = trio.Event()
+

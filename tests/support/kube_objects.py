@@ -3,6 +3,7 @@ equality label selectors."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 from typing import Any
 
@@ -66,3 +67,18 @@ def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
         "kind": "Status", "apiVersion": "v1", "metadata": {},
         "status": "Failure", "message": message, "reason": reason, "code": code,
     }  # fmt: skip
+
+
+def merge_status_patch(pod: dict[str, Any], patch: Any) -> dict[str, Any]:
+    """`pod` with a JSON merge patch `{"status": {...}}` applied to its status (a key set to
+    null is removed, a list replaced whole); TypeError/KeyError when it is not one."""
+    changes = patch["status"]
+    if not isinstance(changes, dict):
+        raise TypeError("status is not an object")
+    after = copy.deepcopy(pod)
+    for key, value in changes.items():
+        if value is None:
+            after["status"].pop(key, None)
+        else:
+            after["status"][key] = value
+    return after
