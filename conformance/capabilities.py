@@ -34,6 +34,9 @@ CAPABILITIES: Mapping[str, str] = {
     "pd.bootstrap": "SGLang's handoff: bootstrap host, port and room injected into both legs",
     "pd.nixl": "vLLM's NIXL handoff: prefill first, its kv_transfer_params passed to the decode",
     "dp_rank": "a rank-multiplexed worker gets a rank per request",
+    # Admission
+    "auth.client_key": "a client key the plane requires (`Authorization: Bearer`), 401 without it",
+    "admission.queue": "a limit on requests served at once with a bounded queue; 429 when it is full",
     # Fleet state
     "worker.status": "a worker's own record can say DRAINING, and the plane honours it",
     "discovery.etcd": "the plane follows worker records in etcd",

@@ -345,4 +345,8 @@ class Case:
             needed.add("pd.bootstrap")
         if self.discovery is not None:
             needed.add(f"discovery.{self.discovery}")
+        if s.api_key is not None:
+            needed.add("auth.client_key")
+        if s.max_concurrent is not None or s.queue_size is not None:
+            needed.add("admission.queue")
         return frozenset(needed)

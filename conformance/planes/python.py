@@ -36,6 +36,8 @@ class PythonPlane(Plane):
             "dp_rank",
             # `--workers-file` records carry `status: DRAINING`, as an etcd record would.
             "worker.status",
+            "auth.client_key",
+            "admission.queue",
             "health.active",
             "policy.round_robin",
             "policy.random",

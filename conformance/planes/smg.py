@@ -51,6 +51,8 @@ class SmgPlane(Plane):
             "pd",
             "pd.bootstrap",
             "dp_rank",
+            "auth.client_key",
+            "admission.queue",
             "health.active",
             # Through the fake API server a sidecar runs, with a kubeconfig (KUBECONFIG).
             "discovery.kubernetes",

@@ -69,6 +69,7 @@ class VllmRouterPlane(SmgPlane):
             "pd",
             "pd.nixl",
             "dp_rank",
+            "admission.queue",
             "health.active",
             *(f"policy.{name}" for name in POLICIES),
         }
@@ -90,6 +91,8 @@ class VllmRouterPlane(SmgPlane):
         "discovery.kubernetes": "it has --service-discovery (Kubernetes Pods); the Kubernetes cases have not "
         "been mapped to it or run against it yet",
         "policy.cache_aware": "it has a cache_aware policy; the cache_aware cases have not been run against it yet",
+        "auth.client_key": "its --api-key is the key it sends to workers, not one it asks of clients: "
+        "with --api-key set, requests without an Authorization header were served (200) and dispatched",
     }
     log_level: ClassVar[str] = "warning"
 
@@ -173,6 +176,10 @@ class VllmRouterPlane(SmgPlane):
             flags += ["--health-success-threshold", str(h.success_threshold)]
         if s.max_body_bytes is not None:
             flags += ["--max-payload-size", str(s.max_body_bytes)]
+        if s.max_concurrent is not None:
+            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
+        if s.queue_size is not None:
+            flags += ["--queue-size", str(s.queue_size)]
         return flags
 
     @staticmethod
