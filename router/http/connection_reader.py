@@ -55,12 +55,12 @@ class ConnectionReader:
     __slots__ = (
         "_armed",
         "_broken",
-        "_conn",
         "_main_waiter",
         "_parked",
         "_scope",
         "_socket",
         "_task",
+        "conn",
         "idle_scope",
         "raw_bytes",
         "watch",
@@ -68,7 +68,8 @@ class ConnectionReader:
 
     def __init__(self, socket: DirectSocket, conn: h11.Connection) -> None:
         self._socket = socket
-        self._conn = conn
+        # The parser of the request being read; the connection swaps in a new one per request.
+        self.conn = conn
         self._task: trio.lowlevel.Task | None = None
         self._scope = trio.CancelScope()
         self._armed = False
@@ -112,9 +113,9 @@ class ConnectionReader:
                     if data or self._broken is None:
                         if data and self.raw_bytes is not None:
                             self.raw_bytes += data
-                        self._conn.receive_data(data)
+                        self.conn.receive_data(data)
                 elif watch.answer.ending:
-                    self._conn.receive_data(b"")
+                    self.conn.receive_data(b"")
                 else:
                     watch.request.client_gone = True
                     watch.scope.cancel()

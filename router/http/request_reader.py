@@ -21,22 +21,23 @@ from router.http.server_settings import ServerSettings, protocol_error
 
 __all__ = ["RequestReader"]
 
+# The interim answer to `Expect: 100-continue`, as h11 writes it.
+_CONTINUE = b"HTTP/1.1 100 \r\n\r\n"
+
 
 class RequestReader:
     """Reads requests off one connection through its `ConnectionReader`."""
 
-    __slots__ = ("_chunked", "_client", "_conn", "_reader", "_settings", "_socket", "method")
+    __slots__ = ("_chunked", "_client", "_reader", "_settings", "_socket", "http_version", "method")
 
     def __init__(
         self,
         reader: ConnectionReader,
-        conn: h11.Connection,
         socket: DirectSocket,
         settings: ServerSettings,
         client: tuple[str, int] | None,
     ) -> None:
         self._reader = reader
-        self._conn = conn
         self._socket = socket
         self._settings = settings
         self._client = client
@@ -45,6 +46,8 @@ class RequestReader:
         # The method of the request being read, once its head is in (a refusal of a HEAD
         # request has no body).
         self.method: bytes | None = None
+        # The HTTP version of the last request read (its answer's framing depends on it).
+        self.http_version = b"1.1"
 
     async def read(
         self, deadline: float | None, reservation: BodyReservation, *, shutting_down: bool
@@ -75,9 +78,9 @@ class RequestReader:
         `deadline` bounds the whole head (first request); None means a keep-alive wait: the
         idle timeout until a first byte, then the header timeout from that byte.
         """
-        conn = self._conn
         settings = self._settings
         reader = self._reader
+        conn = reader.conn
         # What h11 already holds (a pipelined request) starts the head's raw bytes.
         buffered = conn.trailing_data[0]
         reader.raw_bytes = raw = bytearray(buffered)
@@ -109,6 +112,7 @@ class RequestReader:
         if type(event) is not h11.Request:
             return None
         self.method = event.method
+        self.http_version = event.http_version
         head_length, chunked = check_framing(event, raw)
         if chunked:
             # h11 took it, so it is chunked: the body's raw bytes are checked as they come.
@@ -122,7 +126,7 @@ class RequestReader:
     async def _read_body(self, head: h11.Request, reservation: BodyReservation) -> Request:
         """Check the head's limits, then read the whole body (413 past `max_body_bytes`,
         408 when it is not complete within `body_timeout_s` of the head)."""
-        conn = self._conn
+        conn = self._reader.conn
         settings = self._settings
         limit = settings.max_body_bytes
         deadline = trio.current_time() + settings.body_timeout_s
@@ -141,7 +145,7 @@ class RequestReader:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         if conn.they_are_waiting_for_100_continue:
             await self._socket.send_all(
-                conn.send(h11.InformationalResponse(status_code=100, headers=[])),
+                _CONTINUE,
                 stall_timeout_s=settings.client_write_timeout_s,
             )
         chunks: list[bytes | bytearray] = []

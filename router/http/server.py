@@ -167,8 +167,7 @@ class _Server:
         try:
             async with stream:
                 with trio.move_on_after(_TURN_AWAY_S):
-                    conn = h11.Connection(h11.SERVER)
-                    data = encode_error(conn, error, self.date.now())
+                    data = encode_error(error, self.date.now())
                     try:
                         await stream.send_all(data)
                     except trio.BrokenResourceError:
@@ -197,12 +196,11 @@ class _Server:
 
 
 class _Connection:
-    """One client socket and its h11 state machine, serving requests one after another.
+    """One client socket serving requests one after another: each request read by an h11
+    parser of its own (what it holds past the request starts the next one), each answer
+    written by a `ResponseWriter`."""
 
-    What the `ResponseWriter` answers on (`ClientConnection`).
-    """
-
-    __slots__ = ("_server", "client", "h11", "reader", "requests", "socket", "write_timeout_s")
+    __slots__ = ("_server", "client", "reader", "requests", "socket", "write_timeout_s")
 
     def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
         self._server = server
@@ -210,18 +208,13 @@ class _Connection:
         # `DirectSocket`); closed by the connection's task when it ends.
         self.socket = DirectSocket.adopt(stream)
         settings = server.settings
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
         self.client = _peer(self.socket.sock)
-        self.reader = ConnectionReader(self.socket, self.h11)
-        self.requests = RequestReader(self.reader, self.h11, self.socket, settings, self.client)
+        self.reader = ConnectionReader(self.socket, _new_parser(settings))
+        self.requests = RequestReader(self.reader, self.socket, settings, self.client)
         self.write_timeout_s = settings.client_write_timeout_s
 
-    @property
-    def closing(self) -> bool:
+    def _closing(self) -> bool:
         return self._server.shutting_down
-
-    def http_date(self) -> bytes:
-        return self._server.date.now()
 
     async def serve(self) -> None:
         """Serve requests until the client leaves, a timeout, an error, or shutdown.
@@ -255,7 +248,7 @@ class _Connection:
                     return
             finally:
                 reservation.release()
-            self.h11.start_next_cycle()
+            self._next_parser()
             deadline = None
 
     async def _run_handler(self, request: Request) -> bool:
@@ -266,7 +259,14 @@ class _Connection:
         before the response's last bytes went out cancels the handler.
         Cancellation (shutdown grace over): the handler is cancelled with everything else.
         """
-        writer = ResponseWriter(self, request)
+        writer = ResponseWriter(
+            self.socket,
+            request,
+            http_version=self.requests.http_version,
+            date=self._server.date.now,
+            closing=self._closing,
+            write_timeout_s=self.write_timeout_s,
+        )
         handler_scope = trio.CancelScope()
         failure: Exception | None = None
         self.reader.watch = Watch(request, writer, handler_scope)
@@ -285,7 +285,7 @@ class _Connection:
             logger.error(
                 "handler %s: %s %s", outcome, request.method, request.path, exc_info=failure
             )
-        if not writer.started and self.h11.our_state is h11.SEND_RESPONSE:
+        if not writer.started:
             # Nothing went out yet: a clean 500 keeps the connection usable.
             error = RouterError("internal error while handling the request")
             try:
@@ -293,22 +293,29 @@ class _Connection:
             except ClientDisconnected:
                 return False
         # A half-sent response is never followed by another one on the same connection.
-        return (
-            writer.finished and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
-        )
+        return writer.keeps_connection
+
+    def _next_parser(self) -> None:
+        """A fresh parser for the next request, given what the last one held past its request
+        (pipelined bytes, and end-of-stream when the client already closed)."""
+        data, closed = self.reader.conn.trailing_data
+        parser = _new_parser(self._server.settings)
+        if data:
+            parser.receive_data(bytes(data))
+        if closed:
+            parser.receive_data(b"")
+        self.reader.conn = parser
 
     async def _refuse(self, error: RouterError) -> None:
         """Answer `error` with `connection: close` when h11 still allows an answer, then
         linger so the client can read it. Send failures are ignored: the client is gone.
         """
-        conn = self.h11
-        if conn.our_state is h11.IDLE or conn.our_state is h11.SEND_RESPONSE:
-            bodyless = self.requests.method == b"HEAD"
-            data = encode_error(conn, error, self._server.date.now(), bodyless=bodyless)
-            try:
-                await self.socket.send_all(data, stall_timeout_s=self.write_timeout_s)
-            except trio.BrokenResourceError:
-                return
+        bodyless = self.requests.method == b"HEAD"
+        data = encode_error(error, self._server.date.now(), bodyless=bodyless)
+        try:
+            await self.socket.send_all(data, stall_timeout_s=self.write_timeout_s)
+        except trio.BrokenResourceError:
+            return
         # The reader's pending read would compete with the linger's reads.
         self.reader.stop()
         await _linger(self.socket)
@@ -323,6 +330,10 @@ async def _linger(stream: trio.SocketStream | DirectSocket) -> None:
                 pass
         except trio.BrokenResourceError:
             pass
+
+
+def _new_parser(settings: ServerSettings) -> h11.Connection:
+    return h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
 
 
 def _peer(sock: socket.socket) -> tuple[str, int] | None:

@@ -71,12 +71,10 @@ def protocol_error(exc: h11.RemoteProtocolError, settings: ServerSettings) -> Ro
     return BadRequest(f"malformed HTTP request: {exc}")
 
 
-def encode_error(
-    conn: h11.Connection, error: RouterError, date: bytes, *, bodyless: bool = False
-) -> bytes:
+def encode_error(error: RouterError, date: bytes, *, bodyless: bool = False) -> bytes:
     """A complete JSON error response that also tells the client the connection closes.
 
-    `bodyless`: the answer to a HEAD request, its headers only (h11 refuses a body there).
+    `bodyless`: the answer to a HEAD request, its headers only (its length all the same).
     """
     body = error.body()
     head = [
@@ -87,12 +85,9 @@ def encode_error(
         SERVER_HEADER,
         (b"date", date),
     ]
-    response = h11.Response(status_code=error.status, headers=head)
-    if bodyless:
-        return conn.send(response) + conn.send(h11.EndOfMessage())
-    return b"".join(
-        (conn.send(response), conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
-    )
+    lines = b"".join(b"%s: %s\r\n" % (name, value) for name, value in head)
+    status_line = b"HTTP/1.1 %d \r\n" % error.status
+    return b"".join((status_line, lines, b"\r\n", b"" if bodyless else body))
 
 
 class HttpDate:
