@@ -63,7 +63,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("pool_max_idle_per_worker", int, 64, "idle upstream connections kept per worker", minimum=0),
     Option("pool_idle_expiry_s", float, 4.0, "idle upstream connections are closed after this", minimum=0.01),
     Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
-    Option("server", str, "native", "HTTP front: native (trio + h11), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
+    Option("server", str, "native", "HTTP front: native (trio + llhttp), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
     Option("processes", int, 1, "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port", minimum=1),
     Option("k8s_namespace", str, "", "namespace of the worker Pods (empty: the router's own Pod's in a cluster, or the kubeconfig context's, else default)"),
     Option("k8s_selector", str, "", "label selector k=v[,k=v] of mixed worker Pods"),

@@ -1,10 +1,10 @@
-"""The native HTTP/1.1 server: trio sockets driven by h11, one task per connection.
+"""The native HTTP/1.1 server: trio sockets, requests parsed by llhttp, one task per connection.
 
 `serve_http` accepts connections into a connection nursery. Each connection reads one
 request at a time (`router.http.request_reader`: the head within the header timeout and
 its framing checked, the whole body within the body timeout, bounded by `max_body_bytes`
 and by the server's global body budget), hands it to the handler with a `ResponseWriter`,
-and keeps the connection alive when h11 allows it. One reader task per connection does
+and keeps the connection alive when the exchange allows it. One reader task per connection does
 every read of the client socket (`router.http.connection_reader`); while the handler runs
 its pending read is the disconnect watch. Past `max_connections`, at most
 `_TURN_AWAY_TASKS` connections at once are answered 503, each within `_TURN_AWAY_S`; any
@@ -17,7 +17,6 @@ import errno
 import logging
 import socket
 
-import h11
 import trio
 
 from router.errors import RouterError, ServerBusy
@@ -25,6 +24,7 @@ from router.http.connection_reader import ConnectionReader, Watch
 from router.http.direct_socket import DirectSocket
 from router.http.listen import open_tcp_sockets
 from router.http.messages import ClientDisconnected, Handler, Request
+from router.http.request_parser import RequestParser
 from router.http.request_reader import RequestReader
 from router.http.response_writer import ResponseWriter
 from router.http.server_load import ServerLoad
@@ -196,7 +196,7 @@ class _Server:
 
 
 class _Connection:
-    """One client socket serving requests one after another: each request read by an h11
+    """One client socket serving requests one after another: each request read by a
     parser of its own (what it holds past the request starts the next one), each answer
     written by a `ResponseWriter`."""
 
@@ -298,13 +298,13 @@ class _Connection:
     def _next_parser(self) -> None:
         """A fresh parser for the next request, given what the last one held past its request
         (pipelined bytes, and end-of-stream when the client already closed)."""
-        data, closed = self.reader.conn.trailing_data
+        data, closed = self.reader.parser.trailing_data
         parser = _new_parser(self._server.settings)
         if data:
             parser.receive_data(bytes(data))
         if closed:
             parser.receive_data(b"")
-        self.reader.conn = parser
+        self.reader.parser = parser
 
     async def _refuse(self, error: RouterError) -> None:
         """Answer `error` with `connection: close` when h11 still allows an answer, then
@@ -332,8 +332,8 @@ async def _linger(stream: trio.SocketStream | DirectSocket) -> None:
             pass
 
 
-def _new_parser(settings: ServerSettings) -> h11.Connection:
-    return h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
+def _new_parser(settings: ServerSettings) -> RequestParser:
+    return RequestParser(settings.max_header_bytes, settings.max_body_bytes)
 
 
 def _peer(sock: socket.socket) -> tuple[str, int] | None:
