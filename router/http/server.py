@@ -20,6 +20,7 @@ import socket
 import trio
 
 from router.errors import RouterError, ServerBusy
+from router.http.batch_listener import BatchListener
 from router.http.connection_reader import ConnectionReader, Watch
 from router.http.direct_socket import DirectSocket
 from router.http.listen import open_tcp_sockets
@@ -68,11 +69,8 @@ async def serve_http(
     whatever is left is cancelled and this returns.
     Cancellation: every connection is closed at once, mid-response or not.
     """
-    if settings.reuse_port:
-        sockets = await open_tcp_sockets(settings.host, settings.port, reuse_port=True)
-        listeners = [trio.SocketListener(sock) for sock in sockets]
-    else:
-        listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+    sockets = await open_tcp_sockets(settings.host, settings.port, reuse_port=settings.reuse_port)
+    listeners = [BatchListener(sock) for sock in sockets]
     if load is None:
         load = ServerLoad(settings.max_buffered_body_bytes)
     server = _Server(handler, settings, load)
@@ -80,25 +78,23 @@ async def serve_http(
         async with trio.open_nursery() as nursery:
             for listener in listeners:
                 nursery.start_soon(server.accept_loop, listener, nursery)
-            task_status.started(listeners[0].socket.getsockname()[1])
+            task_status.started(listeners[0].port)
             if shutdown is None:
                 await trio.sleep_forever()
             else:
                 await shutdown.wait()
-            await _close_listeners(listeners)
+            _close_listeners(listeners)
             server.begin_shutdown()
             with trio.move_on_after(settings.shutdown_grace_s):
                 await server.wait_drained()
             nursery.cancel_scope.cancel()
     finally:
-        await _close_listeners(listeners)
+        _close_listeners(listeners)
 
 
-async def _close_listeners(listeners: list[trio.SocketListener]) -> None:
-    # Shielded: closing is instant, and a cancelled first close must not skip the rest.
-    with trio.CancelScope(shield=True):
-        for listener in listeners:
-            await listener.aclose()
+def _close_listeners(listeners: list[BatchListener]) -> None:
+    for listener in listeners:
+        listener.close()
 
 
 class _Server:
@@ -114,11 +110,14 @@ class _Server:
         self._next_capacity_warning = float("-inf")
         self.date = HttpDate()
 
-    async def accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        """Accept until the listener closes; each connection becomes a task in `nursery`."""
+    async def accept_loop(self, listener: BatchListener, nursery: trio.Nursery) -> None:
+        """Accept until the listener closes; each connection becomes a task in `nursery`.
+
+        Every connection waiting at a wake-up is taken at once (`BatchListener`).
+        """
         while True:
             try:
-                stream = await listener.accept()
+                accepted = await listener.accept()
             except trio.ClosedResourceError:
                 return
             except OSError as exc:
@@ -127,19 +126,23 @@ class _Server:
                 logger.error("accept failed (%s); retrying in %ss", exc, _ACCEPT_RETRY_S)
                 await trio.sleep(_ACCEPT_RETRY_S)
                 continue
-            if len(self.connections) >= self.settings.max_connections:
-                if self.load.turning_away >= _TURN_AWAY_TASKS:
-                    # Already answering as many as we allow: no answer, no task.
-                    stream.socket.close()
-                    continue
-                self.load.turning_away += 1
-                nursery.start_soon(self._turn_away, stream)
-                continue
-            # Registered before the task starts, so the cap counts it at once.
-            connection = _Connection(self, stream)
-            self.connections.add(connection)
-            self.load.connections += 1
-            nursery.start_soon(self._run_connection, connection)
+            for sock in accepted:
+                self._admit(sock, nursery)
+
+    def _admit(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+        if len(self.connections) >= self.settings.max_connections:
+            if self.load.turning_away >= _TURN_AWAY_TASKS:
+                # Already answering as many as we allow: no answer, no task.
+                sock.close()
+                return
+            self.load.turning_away += 1
+            nursery.start_soon(self._turn_away, DirectSocket(sock))
+            return
+        # Registered before the task starts, so the cap counts it at once.
+        connection = _Connection(self, sock)
+        self.connections.add(connection)
+        self.load.connections += 1
+        nursery.start_soon(self._run_connection, connection)
 
     async def _run_connection(self, connection: _Connection) -> None:
         try:
@@ -155,7 +158,7 @@ class _Server:
             self.load.connections -= 1
             self._maybe_drained()
 
-    async def _turn_away(self, stream: trio.SocketStream) -> None:
+    async def _turn_away(self, stream: DirectSocket) -> None:
         now = trio.current_time()
         if now >= self._next_capacity_warning:
             self._next_capacity_warning = now + _CAPACITY_WARNING_EVERY_S
@@ -165,15 +168,15 @@ class _Server:
             )
         error = ServerBusy(f"server at its limit of {self.settings.max_connections} connections")
         try:
-            async with stream:
-                with trio.move_on_after(_TURN_AWAY_S):
-                    data = encode_error(error, self.date.now())
-                    try:
-                        await stream.send_all(data)
-                    except trio.BrokenResourceError:
-                        return
-                    await _linger(stream)
+            with trio.move_on_after(_TURN_AWAY_S):
+                data = encode_error(error, self.date.now())
+                try:
+                    await stream.send_all(data)
+                except trio.BrokenResourceError:
+                    return
+                await _linger(stream)
         finally:
+            stream.close()
             self.load.turning_away -= 1
             self._maybe_drained()
 
@@ -202,11 +205,11 @@ class _Connection:
 
     __slots__ = ("_server", "client", "reader", "requests", "socket", "write_timeout_s")
 
-    def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
+    def __init__(self, server: _Server, sock: socket.socket) -> None:
         self._server = server
         # Called directly, without trio's per-operation checkpoint and reschedule (see
         # `DirectSocket`); closed by the connection's task when it ends.
-        self.socket = DirectSocket.adopt(stream)
+        self.socket = DirectSocket(sock)
         settings = server.settings
         self.client = _peer(self.socket.sock)
         self.reader = ConnectionReader(self.socket, _new_parser(settings))
@@ -321,7 +324,7 @@ class _Connection:
         await _linger(self.socket)
 
 
-async def _linger(stream: trio.SocketStream | DirectSocket) -> None:
+async def _linger(stream: DirectSocket) -> None:
     """Half-close, then drain what the client still sends, for at most `_LINGER_S`."""
     with trio.move_on_after(_LINGER_S):
         try:
