@@ -60,7 +60,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("header_timeout_s", float, 10.0, "time for a client to send request headers", minimum=0.001),
     Option("idle_timeout_s", float, 75.0, "keep-alive idle time before a client connection is closed", minimum=0.001),
     Option("shutdown_grace_s", float, 30.0, "time in-flight requests get to finish on SIGTERM", minimum=0),
-    Option("pool_max_idle_per_worker", int, 64, "idle upstream connections kept per worker", minimum=0),
+    Option("pool_max_idle_per_worker", int, 256, "idle upstream connections kept per worker", minimum=0),
     Option("pool_idle_expiry_s", float, 4.0, "idle upstream connections are closed after this", minimum=0.01),
     Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
     Option("server", str, "native", "HTTP front: native (trio + llhttp), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)", ("native", "hypercorn")),
