@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-burst", action="store_true", help="skip the burst-then-c=1 run")
     parser.add_argument("--profile", action="store_true", help="also run py-spy on `ours` under unary c=32 and report the top functions")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown file; its results block is replaced (default docs/performance.md)")
+    parser.add_argument("--stages", action="store_true", help="print the router's CPU per request stage by stage (bench/stages.py): micro-benchmarks, and the rest of one short unary c=32 run through ours")
     parser.add_argument("--cache", action="store_true", help="run the cache-aware benchmark instead (bench/cache.py): multi-turn conversations on fake workers with prefix caches; writes its own section of --out and of policies.md beside it")
     return parser
 
@@ -61,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.monotonic()
         return cache.main(args.out, args.quick, lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True))
     duration = args.duration if args.duration is not None else (1 if args.quick else 2)
+    if args.stages:
+        return _stages(duration)
     cases = _names(args.cases or ",".join(QUICK_CASES if args.quick else CASES), list(CASES), "case")
     contenders = _names(args.contenders, list(CONTENDERS), "contender")
     idle_count = args.idle_streams if args.idle_streams is not None else (2000 if args.quick else 10_000)
@@ -117,6 +120,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.write_doc(out, report.results_markdown(session, header, png.name))
     dump_json(out.with_suffix(".json"), {"header": header, **session.to_json()})
     log(f"wrote {out}, {png.name} and {out.with_suffix('.json').name}")
+    return 0
+
+
+def _stages(duration: int) -> int:
+    """The stage table on stdout: micro-benchmarks, and the whole from one unary c=32 run."""
+    from bench import stages
+
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    try:
+        wrk = find_wrk()
+    except BenchError as exc:
+        print(f"python -m bench: {exc}", file=sys.stderr)
+        return 2
+    nofile = raise_nofile_limit()
+    with tempfile.TemporaryDirectory(prefix="bench-") as work:
+        bench = Bench(Path(work), wrk, duration, log, nofile)
+        try:
+            bench.start_fleet()
+            bench.start_contenders(["ours"])
+            case = CASES["unary-c32"]
+            bench.wrk(bench.targets["ours"], case.body, case.connections, 1)
+            m = bench.measure(bench.targets["ours"], case, 0)
+        except BenchError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            bench.close()
+    total_us = m.cpu_s / m.requests * 1e6 if m.requests and m.cpu_s else None
+    log(f"unary c=32 through ours: {m.requests:,} requests, {m.cpu_s:.2f} CPU-s")
+    print(stages.stage_table(total_us))
     return 0
 
 

@@ -173,7 +173,7 @@ def results_markdown(session: Session, header: dict[str, str], png_name: str | N
         f"({header['cpu_model']}), Linux {header['kernel']}, load average at start {header['load_at_start']}."
     )
     out.append(
-        f"Versions: Python {header['python']}, trio {header['trio']}, h11 {header['h11']}, "
+        f"Versions: Python {header['python']}, trio {header['trio']}, httptools {header.get('httptools', 'n/a')}, h11 {header['h11']}, "
         f"hypercorn {header['hypercorn']}, smg {header['smg']}, {header['wrk']}."
     )
     out.append(

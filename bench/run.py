@@ -285,7 +285,7 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     found = {"python": sys.version.split()[0]}
-    for package in ("trio", "h11", "hypercorn", "smg", "orjson"):
+    for package in ("trio", "httptools", "h11", "hypercorn", "smg", "orjson"):
         try:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

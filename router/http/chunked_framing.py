@@ -1,9 +1,10 @@
-"""A strict check of a chunked request body, over the raw bytes h11 decodes.
+"""A strict check of a chunked request body, over the raw bytes the request parser decodes.
 
-h11 0.16 takes a chunk size of up to 20 hex digits (80 bits) and discards chunk
-extensions unread (`;` followed by anything but LF: a NUL, a bare CR, spaces). A front
-proxy that reads either differently frames the body differently, and a request can be
-smuggled in the difference. `ChunkedFraming` follows the body's framing next to h11 and
+Parsers differ on chunk sizes (h11 0.16 takes up to 20 hex digits) and on chunk
+extensions (h11 discards them unread). A front proxy that reads either differently frames
+the body differently, and a request can be smuggled in the difference. `ChunkedFraming`
+follows the body's framing next to the parser (`router.http.request_parser`, which hands
+the parser only the bytes this says belong to the body) and
 refuses what RFC 9112 section 7.1 does not allow: a size over 16 hex digits, an
 extension that is not `;name` or `;name=value` (token or quoted string), a CR or NUL in a
 chunk or trailer line, a folded trailer line, a chunk not followed by CRLF, a chunk line
@@ -49,7 +50,9 @@ class ChunkedFraming:
     def done(self) -> bool:
         return self._state == _DONE
 
-    def feed(self, data: bytes | bytearray) -> None:
+    def feed(self, data: bytes | bytearray) -> int:
+        """Follow `data`; the count of its bytes that belong to the body (all of them
+        until the body ends)."""
         index = 0
         end = len(data)
         while index < end and self._state != _DONE:
@@ -78,6 +81,7 @@ class ChunkedFraming:
                     raise FramingError(f"chunk line over {_MAX_LINE_BYTES} bytes")
                 if newline >= 0:
                     self._end_line()
+        return index
 
     def _end_line(self) -> None:
         line = bytes(self._line)

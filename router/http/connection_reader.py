@@ -1,25 +1,21 @@
 """The one reader of a client connection's socket, and how the connection's task waits on it.
 
 One reader task per connection does every read of the client socket. It reads only when
-armed: by the connection's task when h11 needs bytes, and when a handler starts. While the
+armed: by the connection's task when the parser needs bytes, and when a handler starts. While the
 handler runs, its pending read is the disconnect watch: end-of-stream means the client left
-and cancels the handler; bytes mean a pipelined next request, kept in h11's buffer for the
+and cancels the handler; bytes mean a pipelined next request, kept in the parser's buffer for the
 next cycle. No task is started per request (that cost a fifth of the router's CPU).
-
-While a request head (or a chunked body) is being read, the reader also keeps the raw
-bytes it hands h11 (`raw_bytes`), because h11 hides what the framing checks need (see
-`router.http.request_framing` and `router.http.chunked_framing`).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-import h11
 import trio
 
 from router.http.direct_socket import DirectSocket
 from router.http.messages import Request
+from router.http.request_parser import RequestParser
 
 __all__ = ["ConnectionReader", "Watch"]
 
@@ -46,36 +42,34 @@ class Watch:
 
 
 class ConnectionReader:
-    """Feeds h11 from the socket; `receive()` waits for the next bytes.
+    """Feeds the request parser from the socket; `receive()` waits for the next bytes.
 
-    `raw_bytes`: while not None, every byte handed to h11 is appended to it.
     `watch`: the handler running, while one runs.
     """
 
     __slots__ = (
         "_armed",
         "_broken",
-        "_conn",
         "_main_waiter",
         "_parked",
         "_scope",
         "_socket",
         "_task",
         "idle_scope",
-        "raw_bytes",
+        "parser",
         "watch",
     )
 
-    def __init__(self, socket: DirectSocket, conn: h11.Connection) -> None:
+    def __init__(self, socket: DirectSocket, parser: RequestParser) -> None:
         self._socket = socket
-        self._conn = conn
+        # The parser of the request being read; the connection swaps in a new one per request.
+        self.parser = parser
         self._task: trio.lowlevel.Task | None = None
         self._scope = trio.CancelScope()
         self._armed = False
         self._parked = False
         self._broken: trio.BrokenResourceError | None = None
         self._main_waiter: trio.lowlevel.Task | None = None
-        self.raw_bytes: bytearray | None = None
         # Set while waiting for the first byte of a request: shutdown cancels it.
         self.idle_scope: trio.CancelScope | None = None
         self.watch: Watch | None = None
@@ -87,7 +81,7 @@ class ConnectionReader:
     async def run(self) -> None:
         """The connection's only reader of the client socket, one read per arming.
 
-        What a read brings goes to h11's buffer: a request's bytes, or a pipelined next
+        What a read brings goes to the parser's buffer: a request's bytes, or a pipelined next
         request while a handler runs (the reader then stops until armed again, so a later
         disconnect shows as a failed send). End-of-stream while a handler runs, before the
         response's last bytes went out, means the client left: the handler is cancelled. A
@@ -110,11 +104,9 @@ class ConnectionReader:
                 watch = self.watch
                 if watch is None or data:
                     if data or self._broken is None:
-                        if data and self.raw_bytes is not None:
-                            self.raw_bytes += data
-                        self._conn.receive_data(data)
+                        self.parser.receive_data(data)
                 elif watch.answer.ending:
-                    self._conn.receive_data(b"")
+                    self.parser.receive_data(b"")
                 else:
                     watch.request.client_gone = True
                     watch.scope.cancel()
@@ -138,11 +130,11 @@ class ConnectionReader:
             trio.lowlevel.reschedule(self._task)
 
     async def receive(self) -> None:
-        """Wait until the reader gave h11 more bytes, or end-of-stream.
+        """Wait until the reader gave the parser more bytes, or end-of-stream.
 
         Raises BrokenResourceError when the client reset the connection. Cancellation
         (timeouts, shutdown): the reader's read stays pending; what it brings still goes
-        to h11.
+        to the parser.
         """
         if self._broken is not None:
             raise trio.BrokenResourceError("the client reset the connection")

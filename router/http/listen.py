@@ -2,7 +2,7 @@
 
 `trio.open_tcp_listeners` sets its socket options itself, and SO_REUSEPORT must be set
 before `bind`, so sharing a port needs sockets of our own making. Both fronts use them:
-the native server wraps them in `trio.SocketListener`, the hypercorn front hands their file
+the native server takes them over (`router.http.batch_listener`), the hypercorn front hands their file
 descriptors to hypercorn.
 """
 

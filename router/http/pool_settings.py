@@ -9,7 +9,7 @@ __all__ = ["PoolSettings", "PoolStatistics"]
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
-    max_idle_per_worker: int = 64
+    max_idle_per_worker: int = 256
     """Idle connections kept per worker; a connection returned beyond it is closed."""
     idle_expiry_s: float = 4.0
     """Idle connections older than this are closed (uvicorn closes idle ones after 5 s)."""

@@ -7,44 +7,43 @@ Every refusal is raised as a `RouterError` (400 framing, 408 timeout, 413 body, 
 
 from __future__ import annotations
 
-import h11
 import trio
 
-from router.errors import HeadersTooLarge, PayloadTooLarge, RequestTimeout
-from router.http.chunked_framing import ChunkedFraming
+from router.errors import HeadersTooLarge, PayloadTooLarge, RequestTimeout, RouterError
 from router.http.connection_reader import ConnectionReader
 from router.http.direct_socket import DirectSocket
 from router.http.messages import Request
-from router.http.request_framing import check_framing
+from router.http.request_parser import END, NEED_DATA, ParseError, RequestHead
 from router.http.server_load import BodyReservation
 from router.http.server_settings import ServerSettings, protocol_error
 
 __all__ = ["RequestReader"]
 
+# The interim answer to `Expect: 100-continue`.
+_CONTINUE = b"HTTP/1.1 100 \r\n\r\n"
+
 
 class RequestReader:
     """Reads requests off one connection through its `ConnectionReader`."""
 
-    __slots__ = ("_chunked", "_client", "_conn", "_reader", "_settings", "_socket", "method")
+    __slots__ = ("_client", "_reader", "_settings", "_socket", "http_version", "method")
 
     def __init__(
         self,
         reader: ConnectionReader,
-        conn: h11.Connection,
         socket: DirectSocket,
         settings: ServerSettings,
         client: tuple[str, int] | None,
     ) -> None:
         self._reader = reader
-        self._conn = conn
         self._socket = socket
         self._settings = settings
         self._client = client
-        # The strict check of the body being read, when it is chunked.
-        self._chunked: ChunkedFraming | None = None
         # The method of the request being read, once its head is in (a refusal of a HEAD
         # request has no body).
         self.method: bytes | None = None
+        # The HTTP version of the last request read (its answer's framing depends on it).
+        self.http_version = b"1.1"
 
     async def read(
         self, deadline: float | None, reservation: BodyReservation, *, shutting_down: bool
@@ -61,28 +60,28 @@ class RequestReader:
             if head is None:
                 return None
             return await self._read_body(head, reservation)
-        except h11.RemoteProtocolError as exc:
+        except ParseError as exc:
+            self.method = self.method or self._reader.parser.method
             raise protocol_error(exc, self._settings) from None
+        except RouterError:
+            self.method = self.method or self._reader.parser.method
+            raise
         except trio.BrokenResourceError:
             return None
-        finally:
-            self._reader.raw_bytes = None
-            self._chunked = None
 
-    async def _read_head(self, deadline: float | None, shutting_down: bool) -> h11.Request | None:
-        """Wait for the next request head, then check its framing.
+    async def _read_head(self, deadline: float | None, shutting_down: bool) -> RequestHead | None:
+        """Wait for the next request head (its framing checked by the parser).
 
         `deadline` bounds the whole head (first request); None means a keep-alive wait: the
         idle timeout until a first byte, then the header timeout from that byte.
         """
-        conn = self._conn
         settings = self._settings
         reader = self._reader
-        # What h11 already holds (a pipelined request) starts the head's raw bytes.
-        buffered = conn.trailing_data[0]
-        reader.raw_bytes = raw = bytearray(buffered)
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
+        parser = reader.parser
+        # What the parser already holds (a pipelined request) starts the head.
+        buffered = parser.buffered
+        event = parser.next_event()
+        if event is NEED_DATA:
             waiting = not buffered
             if waiting and shutting_down:
                 return None
@@ -90,7 +89,7 @@ class RequestReader:
             if deadline is None:
                 timeout = settings.idle_timeout_s if waiting else settings.header_timeout_s
                 deadline = trio.current_time() + timeout
-            while event is h11.NEED_DATA:
+            while event is NEED_DATA:
                 with trio.CancelScope(deadline=deadline) as scope:
                     if waiting:
                         reader.idle_scope = scope
@@ -105,57 +104,46 @@ class RequestReader:
                 if waiting and keep_alive_wait:
                     deadline = trio.current_time() + settings.header_timeout_s
                 waiting = False
-                event = conn.next_event()
-        if type(event) is not h11.Request:
+                event = parser.next_event()
+        if type(event) is not RequestHead:
             return None
         self.method = event.method
-        head_length, chunked = check_framing(event, raw)
-        if chunked:
-            # h11 took it, so it is chunked: the body's raw bytes are checked as they come.
-            self._chunked = ChunkedFraming(settings.max_body_bytes)
-            self._chunked.feed(raw[head_length:])
-            reader.raw_bytes = bytearray()
-        else:
-            reader.raw_bytes = None
+        self.http_version = event.http_version
         return event
 
-    async def _read_body(self, head: h11.Request, reservation: BodyReservation) -> Request:
+    async def _read_body(self, head: RequestHead, reservation: BodyReservation) -> Request:
         """Check the head's limits, then read the whole body (413 past `max_body_bytes`,
         408 when it is not complete within `body_timeout_s` of the head)."""
-        conn = self._conn
         settings = self._settings
         limit = settings.max_body_bytes
         deadline = trio.current_time() + settings.body_timeout_s
-        headers = list(head.headers)
-        # h11 bounds only a head still incomplete; one that arrived whole in a single read
-        # is measured here (lines without their CRLFs and colons: close enough for a bound).
+        headers = head.headers
+        # The parser bounds a head by its bytes; this bounds what it holds (lines without
+        # their CRLFs and colons: close enough for a bound).
         head_bytes = len(head.method) + len(head.target)
-        declared = 0
         for name, value in headers:
             head_bytes += len(name) + len(value)
-            if name == b"content-length":
-                declared = int(value)
         if head_bytes > settings.max_header_bytes:
             raise HeadersTooLarge(f"request headers exceed {settings.max_header_bytes} bytes")
-        if declared > limit:
+        if head.content_length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        if conn.they_are_waiting_for_100_continue:
+        if head.expects_continue:
             await self._socket.send_all(
-                conn.send(h11.InformationalResponse(status_code=100, headers=[])),
-                stall_timeout_s=settings.client_write_timeout_s,
+                _CONTINUE, stall_timeout_s=settings.client_write_timeout_s
             )
-        chunks: list[bytes | bytearray] = []
+        parser = self._reader.parser
+        chunks: list[bytes] = []
         size = 0
-        event = conn.next_event()
-        while type(event) is not h11.EndOfMessage:
-            if type(event) is h11.Data:
-                size += len(event.data)
+        event = parser.next_event()
+        while event is not END:
+            if type(event) is bytes:
+                size += len(event)
                 if size > limit:
                     raise PayloadTooLarge(f"request body exceeds {limit} bytes")
                 # Taken as the bytes come, not as declared: a head alone must not be able
                 # to hold the budget.
-                reservation.take(len(event.data))
-                chunks.append(event.data)
+                reservation.take(len(event))
+                chunks.append(event)
             else:
                 with trio.CancelScope(deadline=deadline) as scope:
                     await self._reader.receive()
@@ -163,11 +151,7 @@ class RequestReader:
                     raise RequestTimeout(
                         f"request body not received within {settings.body_timeout_s:g}s"
                     )
-                raw = self._reader.raw_bytes
-                if self._chunked is not None and raw is not None:
-                    self._chunked.feed(raw)
-                    raw.clear()
-            event = conn.next_event()
+            event = parser.next_event()
         return Request(
             method=head.method.decode("latin-1"),
             target=head.target.decode("latin-1"),

@@ -1,10 +1,10 @@
-"""The native HTTP/1.1 server: trio sockets driven by h11, one task per connection.
+"""The native HTTP/1.1 server: trio sockets, requests parsed by llhttp, one task per connection.
 
 `serve_http` accepts connections into a connection nursery. Each connection reads one
 request at a time (`router.http.request_reader`: the head within the header timeout and
 its framing checked, the whole body within the body timeout, bounded by `max_body_bytes`
 and by the server's global body budget), hands it to the handler with a `ResponseWriter`,
-and keeps the connection alive when h11 allows it. One reader task per connection does
+and keeps the connection alive when the exchange allows it. One reader task per connection does
 every read of the client socket (`router.http.connection_reader`); while the handler runs
 its pending read is the disconnect watch. Past `max_connections`, at most
 `_TURN_AWAY_TASKS` connections at once are answered 503, each within `_TURN_AWAY_S`; any
@@ -17,14 +17,15 @@ import errno
 import logging
 import socket
 
-import h11
 import trio
 
 from router.errors import RouterError, ServerBusy
+from router.http.batch_listener import BatchListener
 from router.http.connection_reader import ConnectionReader, Watch
 from router.http.direct_socket import DirectSocket
 from router.http.listen import open_tcp_sockets
 from router.http.messages import ClientDisconnected, Handler, Request
+from router.http.request_parser import RequestParser
 from router.http.request_reader import RequestReader
 from router.http.response_writer import ResponseWriter
 from router.http.server_load import ServerLoad
@@ -68,11 +69,8 @@ async def serve_http(
     whatever is left is cancelled and this returns.
     Cancellation: every connection is closed at once, mid-response or not.
     """
-    if settings.reuse_port:
-        sockets = await open_tcp_sockets(settings.host, settings.port, reuse_port=True)
-        listeners = [trio.SocketListener(sock) for sock in sockets]
-    else:
-        listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+    sockets = await open_tcp_sockets(settings.host, settings.port, reuse_port=settings.reuse_port)
+    listeners = [BatchListener(sock) for sock in sockets]
     if load is None:
         load = ServerLoad(settings.max_buffered_body_bytes)
     server = _Server(handler, settings, load)
@@ -80,25 +78,23 @@ async def serve_http(
         async with trio.open_nursery() as nursery:
             for listener in listeners:
                 nursery.start_soon(server.accept_loop, listener, nursery)
-            task_status.started(listeners[0].socket.getsockname()[1])
+            task_status.started(listeners[0].port)
             if shutdown is None:
                 await trio.sleep_forever()
             else:
                 await shutdown.wait()
-            await _close_listeners(listeners)
+            _close_listeners(listeners)
             server.begin_shutdown()
             with trio.move_on_after(settings.shutdown_grace_s):
                 await server.wait_drained()
             nursery.cancel_scope.cancel()
     finally:
-        await _close_listeners(listeners)
+        _close_listeners(listeners)
 
 
-async def _close_listeners(listeners: list[trio.SocketListener]) -> None:
-    # Shielded: closing is instant, and a cancelled first close must not skip the rest.
-    with trio.CancelScope(shield=True):
-        for listener in listeners:
-            await listener.aclose()
+def _close_listeners(listeners: list[BatchListener]) -> None:
+    for listener in listeners:
+        listener.close()
 
 
 class _Server:
@@ -114,11 +110,14 @@ class _Server:
         self._next_capacity_warning = float("-inf")
         self.date = HttpDate()
 
-    async def accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        """Accept until the listener closes; each connection becomes a task in `nursery`."""
+    async def accept_loop(self, listener: BatchListener, nursery: trio.Nursery) -> None:
+        """Accept until the listener closes; each connection becomes a task in `nursery`.
+
+        Every connection waiting at a wake-up is taken at once (`BatchListener`).
+        """
         while True:
             try:
-                stream = await listener.accept()
+                accepted = await listener.accept()
             except trio.ClosedResourceError:
                 return
             except OSError as exc:
@@ -127,19 +126,23 @@ class _Server:
                 logger.error("accept failed (%s); retrying in %ss", exc, _ACCEPT_RETRY_S)
                 await trio.sleep(_ACCEPT_RETRY_S)
                 continue
-            if len(self.connections) >= self.settings.max_connections:
-                if self.load.turning_away >= _TURN_AWAY_TASKS:
-                    # Already answering as many as we allow: no answer, no task.
-                    stream.socket.close()
-                    continue
-                self.load.turning_away += 1
-                nursery.start_soon(self._turn_away, stream)
-                continue
-            # Registered before the task starts, so the cap counts it at once.
-            connection = _Connection(self, stream)
-            self.connections.add(connection)
-            self.load.connections += 1
-            nursery.start_soon(self._run_connection, connection)
+            for sock in accepted:
+                self._admit(sock, nursery)
+
+    def _admit(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+        if len(self.connections) >= self.settings.max_connections:
+            if self.load.turning_away >= _TURN_AWAY_TASKS:
+                # Already answering as many as we allow: no answer, no task.
+                sock.close()
+                return
+            self.load.turning_away += 1
+            nursery.start_soon(self._turn_away, DirectSocket(sock))
+            return
+        # Registered before the task starts, so the cap counts it at once.
+        connection = _Connection(self, sock)
+        self.connections.add(connection)
+        self.load.connections += 1
+        nursery.start_soon(self._run_connection, connection)
 
     async def _run_connection(self, connection: _Connection) -> None:
         try:
@@ -155,7 +158,7 @@ class _Server:
             self.load.connections -= 1
             self._maybe_drained()
 
-    async def _turn_away(self, stream: trio.SocketStream) -> None:
+    async def _turn_away(self, stream: DirectSocket) -> None:
         now = trio.current_time()
         if now >= self._next_capacity_warning:
             self._next_capacity_warning = now + _CAPACITY_WARNING_EVERY_S
@@ -165,16 +168,15 @@ class _Server:
             )
         error = ServerBusy(f"server at its limit of {self.settings.max_connections} connections")
         try:
-            async with stream:
-                with trio.move_on_after(_TURN_AWAY_S):
-                    conn = h11.Connection(h11.SERVER)
-                    data = encode_error(conn, error, self.date.now())
-                    try:
-                        await stream.send_all(data)
-                    except trio.BrokenResourceError:
-                        return
-                    await _linger(stream)
+            with trio.move_on_after(_TURN_AWAY_S):
+                data = encode_error(error, self.date.now())
+                try:
+                    await stream.send_all(data)
+                except trio.BrokenResourceError:
+                    return
+                await _linger(stream)
         finally:
+            stream.close()
             self.load.turning_away -= 1
             self._maybe_drained()
 
@@ -197,31 +199,25 @@ class _Server:
 
 
 class _Connection:
-    """One client socket and its h11 state machine, serving requests one after another.
+    """One client socket serving requests one after another: each request read by a
+    parser of its own (what it holds past the request starts the next one), each answer
+    written by a `ResponseWriter`."""
 
-    What the `ResponseWriter` answers on (`ClientConnection`).
-    """
+    __slots__ = ("_server", "client", "reader", "requests", "socket", "write_timeout_s")
 
-    __slots__ = ("_server", "client", "h11", "reader", "requests", "socket", "write_timeout_s")
-
-    def __init__(self, server: _Server, stream: trio.SocketStream) -> None:
+    def __init__(self, server: _Server, sock: socket.socket) -> None:
         self._server = server
         # Called directly, without trio's per-operation checkpoint and reschedule (see
         # `DirectSocket`); closed by the connection's task when it ends.
-        self.socket = DirectSocket.adopt(stream)
+        self.socket = DirectSocket(sock)
         settings = server.settings
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
         self.client = _peer(self.socket.sock)
-        self.reader = ConnectionReader(self.socket, self.h11)
-        self.requests = RequestReader(self.reader, self.h11, self.socket, settings, self.client)
+        self.reader = ConnectionReader(self.socket, _new_parser(settings))
+        self.requests = RequestReader(self.reader, self.socket, settings, self.client)
         self.write_timeout_s = settings.client_write_timeout_s
 
-    @property
-    def closing(self) -> bool:
+    def _closing(self) -> bool:
         return self._server.shutting_down
-
-    def http_date(self) -> bytes:
-        return self._server.date.now()
 
     async def serve(self) -> None:
         """Serve requests until the client leaves, a timeout, an error, or shutdown.
@@ -255,7 +251,7 @@ class _Connection:
                     return
             finally:
                 reservation.release()
-            self.h11.start_next_cycle()
+            self._next_parser()
             deadline = None
 
     async def _run_handler(self, request: Request) -> bool:
@@ -266,7 +262,14 @@ class _Connection:
         before the response's last bytes went out cancels the handler.
         Cancellation (shutdown grace over): the handler is cancelled with everything else.
         """
-        writer = ResponseWriter(self, request)
+        writer = ResponseWriter(
+            self.socket,
+            request,
+            http_version=self.requests.http_version,
+            date=self._server.date.now,
+            closing=self._closing,
+            write_timeout_s=self.write_timeout_s,
+        )
         handler_scope = trio.CancelScope()
         failure: Exception | None = None
         self.reader.watch = Watch(request, writer, handler_scope)
@@ -285,7 +288,7 @@ class _Connection:
             logger.error(
                 "handler %s: %s %s", outcome, request.method, request.path, exc_info=failure
             )
-        if not writer.started and self.h11.our_state is h11.SEND_RESPONSE:
+        if not writer.started:
             # Nothing went out yet: a clean 500 keeps the connection usable.
             error = RouterError("internal error while handling the request")
             try:
@@ -293,28 +296,35 @@ class _Connection:
             except ClientDisconnected:
                 return False
         # A half-sent response is never followed by another one on the same connection.
-        return (
-            writer.finished and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
-        )
+        return writer.keeps_connection
+
+    def _next_parser(self) -> None:
+        """A fresh parser for the next request, given what the last one held past its request
+        (pipelined bytes, and end-of-stream when the client already closed)."""
+        data, closed = self.reader.parser.trailing_data
+        parser = _new_parser(self._server.settings)
+        if data:
+            parser.receive_data(bytes(data))
+        if closed:
+            parser.receive_data(b"")
+        self.reader.parser = parser
 
     async def _refuse(self, error: RouterError) -> None:
         """Answer `error` with `connection: close` when h11 still allows an answer, then
         linger so the client can read it. Send failures are ignored: the client is gone.
         """
-        conn = self.h11
-        if conn.our_state is h11.IDLE or conn.our_state is h11.SEND_RESPONSE:
-            bodyless = self.requests.method == b"HEAD"
-            data = encode_error(conn, error, self._server.date.now(), bodyless=bodyless)
-            try:
-                await self.socket.send_all(data, stall_timeout_s=self.write_timeout_s)
-            except trio.BrokenResourceError:
-                return
+        bodyless = self.requests.method == b"HEAD"
+        data = encode_error(error, self._server.date.now(), bodyless=bodyless)
+        try:
+            await self.socket.send_all(data, stall_timeout_s=self.write_timeout_s)
+        except trio.BrokenResourceError:
+            return
         # The reader's pending read would compete with the linger's reads.
         self.reader.stop()
         await _linger(self.socket)
 
 
-async def _linger(stream: trio.SocketStream | DirectSocket) -> None:
+async def _linger(stream: DirectSocket) -> None:
     """Half-close, then drain what the client still sends, for at most `_LINGER_S`."""
     with trio.move_on_after(_LINGER_S):
         try:
@@ -323,6 +333,10 @@ async def _linger(stream: trio.SocketStream | DirectSocket) -> None:
                 pass
         except trio.BrokenResourceError:
             pass
+
+
+def _new_parser(settings: ServerSettings) -> RequestParser:
+    return RequestParser(settings.max_header_bytes, settings.max_body_bytes)
 
 
 def _peer(sock: socket.socket) -> tuple[str, int] | None:

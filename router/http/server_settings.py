@@ -8,16 +8,15 @@ import time
 from dataclasses import dataclass
 from email.utils import formatdate
 
-import h11
-
 from router.errors import BadRequest, HeadersTooLarge, RouterError
+from router.http.request_parser import ParseError
 
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """Where the server listens and how much it accepts from a client.
 
-    - `max_header_bytes`: the request line plus headers (h11's `max_incomplete_event_size`);
+    - `max_header_bytes`: the request line plus headers, as bytes;
       over it the client gets 431 and the connection is closed.
     - `max_body_bytes`: over it 413; a declared Content-Length over the limit is refused
       before any body byte is read, a chunked body as soon as its running total passes it.
@@ -59,24 +58,21 @@ CLOSE_HEADER = (b"connection", b"close")
 JSON_HEADER = (b"content-type", b"application/json")
 
 
-def protocol_error(exc: h11.RemoteProtocolError, settings: ServerSettings) -> RouterError:
-    """The answer to a request h11 could not parse: 431 for an oversize head, else 400.
-
-    h11 hints 501 for a Transfer-Encoding other than a lone `chunked`; the answer is 400
-    all the same (RFC 9112 section 6.3): the body's end cannot be found, so the connection
-    closes and nothing behind the request is read as a request.
+def protocol_error(exc: ParseError, settings: ServerSettings) -> RouterError:
+    """The answer to a request that could not be parsed: 431 for an oversize head, else 400
+    (a Transfer-Encoding other than a lone `chunked` included, RFC 9112 section 6.3: the
+    body's end cannot be found, so the connection closes and nothing behind the request is
+    read as a request).
     """
-    if exc.error_status_hint == 431:
+    if exc.status_hint == 431:
         return HeadersTooLarge(f"request headers exceed {settings.max_header_bytes} bytes")
     return BadRequest(f"malformed HTTP request: {exc}")
 
 
-def encode_error(
-    conn: h11.Connection, error: RouterError, date: bytes, *, bodyless: bool = False
-) -> bytes:
+def encode_error(error: RouterError, date: bytes, *, bodyless: bool = False) -> bytes:
     """A complete JSON error response that also tells the client the connection closes.
 
-    `bodyless`: the answer to a HEAD request, its headers only (h11 refuses a body there).
+    `bodyless`: the answer to a HEAD request, its headers only (its length all the same).
     """
     body = error.body()
     head = [
@@ -87,12 +83,9 @@ def encode_error(
         SERVER_HEADER,
         (b"date", date),
     ]
-    response = h11.Response(status_code=error.status, headers=head)
-    if bodyless:
-        return conn.send(response) + conn.send(h11.EndOfMessage())
-    return b"".join(
-        (conn.send(response), conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
-    )
+    lines = b"".join(b"%s: %s\r\n" % (name, value) for name, value in head)
+    status_line = b"HTTP/1.1 %d \r\n" % error.status
+    return b"".join((status_line, lines, b"\r\n", b"" if bodyless else body))
 
 
 class HttpDate:

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from router.http.messages import Headers, Request, ResponseWriter
+from router.http.response_framing import ResponseError
 from router.http.server import ServerSettings, serve_http
 
 GUARD_S = 5.0
@@ -127,7 +128,7 @@ async def test_closing_exchanges_say_close_and_end_the_connection(
     ],
     ids=["newline", "leading-space", "space-in-name", "nul"],
 )
-async def test_header_h11_refuses_becomes_a_500_and_the_connection_keeps_serving(
+async def test_header_http_refuses_becomes_a_500_and_the_connection_keeps_serving(
     caplog: pytest.LogCaptureFixture, bad: tuple[bytes, bytes]
 ) -> None:
     handler = Answer([bad])
@@ -137,7 +138,7 @@ async def test_header_h11_refuses_becomes_a_500_and_the_connection_keeps_serving
     assert handler.seen == 2
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 2
-    assert errors[0].exc_info is not None and errors[0].exc_info[0] is h11.LocalProtocolError
+    assert errors[0].exc_info is not None and errors[0].exc_info[0] is ResponseError
 
 
 async def test_head_request_keeps_length_without_body() -> None:
