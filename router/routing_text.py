@@ -28,7 +28,7 @@ def routing_text(body: Mapping[str, Any]) -> str:
     messages = body.get("messages")
     if isinstance(messages, list):
         system = body.get("system")  # Anthropic Messages: the system prompt stands apart
-        head = "system\n" + _content_text(system) + "\n" if system is not None else ""
+        head = "system\n" + content_text(system) + "\n" if system is not None else ""
         return head + _chat_text(messages)
     responses_input = body.get("input")  # the Responses API: a string, or a list of messages
     if isinstance(responses_input, str):
@@ -50,12 +50,13 @@ def _chat_text(messages: list[Any]) -> str:
         role = message.get("role")
         parts.append(role if isinstance(role, str) else "")
         parts.append("\n")
-        parts.append(_content_text(message.get("content")))
+        parts.append(content_text(message.get("content")))
         parts.append("\n")
     return "".join(parts)
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """A message's text: its string content, or the text parts of a content list joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from router.cache_aware import CacheAware, CacheAwareSettings
+from router.routing_text import content_text
 from router.worker_record import Role
 from router.workers import Worker
 
@@ -326,25 +327,12 @@ def _chat_prefix(messages: list[Any]) -> str:
     for message in messages:
         if not isinstance(message, Mapping):
             continue
-        text = _content_text(message.get("content"))
+        text = content_text(message.get("content"))
         parts.append(text)
         size += len(text) + 1
         if size > _PREFIX_CHARS or message.get("role") == "user":
             break
     return "\n".join(parts)[:_PREFIX_CHARS]
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        # OpenAI content parts: only the text parts say what the prompt is.
-        return "".join(
-            part["text"]
-            for part in content
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
-        )
-    return ""
 
 
 def _input_prefix(value: Any) -> str:

@@ -75,6 +75,7 @@ class SmgPlane(Plane):
         "not the one with the smallest tree: with every load 0 a prompt matching 0.26 of worker "
         "a's text (threshold 0.5) went to a in some runs and to b in others, so no count holds",
     }
+    pd_flag: ClassVar[str] = "--pd-disaggregation"
     stop_grace_s = 0.3
     ready_timeout_s = 40.0
     command_prefix: ClassVar[tuple[str, ...]] = (sys.executable, "-m", "smg", "launch")
@@ -136,16 +137,20 @@ class SmgPlane(Plane):
         flags: list[str] = []
         if any(worker.spec.dp_size > 1 for worker in launch.workers):
             flags.append("--dp-aware")
+        return flags + self.worker_flags(launch)
+
+    def worker_flags(self, launch: Launch) -> list[str]:
+        """The workers as `--worker-urls`, or a PD fleet as `--prefill`/`--decode` pairs."""
         if not launch.case.is_pd:
-            return [*flags, "--worker-urls", *(worker.url for worker in launch.workers)]
-        flags.append("--pd-disaggregation")
+            return ["--worker-urls", *(worker.url for worker in launch.workers)]
+        flags = [self.pd_flag]
         for worker in launch.workers:
             if worker.spec.role == "prefill":
                 flags += ["--prefill", worker.url, str(worker.bootstrap_port)]
             elif worker.spec.role == "decode":
                 flags += ["--decode", worker.url]
             else:
-                raise Unsupported("smg serves either a PD fleet or mixed workers, not both at once")
+                raise Unsupported(f"{self.name} serves either a PD fleet or mixed workers, not both at once")
         return flags
 
     def settings_flags(self, case: Case) -> list[str]:

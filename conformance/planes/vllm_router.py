@@ -95,6 +95,7 @@ class VllmRouterPlane(SmgPlane):
         "with --api-key set, requests without an Authorization header were served (200) and dispatched",
     }
     log_level: ClassVar[str] = "warning"
+    pd_flag: ClassVar[str] = "--vllm-pd-disaggregation"
 
     def version_argv(self) -> list[str]:
         code = "import vllm_router.version as v; print(v.__version__)"
@@ -136,17 +137,7 @@ class VllmRouterPlane(SmgPlane):
         dp_size = max(worker.spec.dp_size for worker in launch.workers)
         if dp_size > 1:
             flags += ["--intra-node-data-parallel-size", str(dp_size), "--api-key", DP_API_KEY]
-        if not launch.case.is_pd:
-            return [*flags, "--worker-urls", *(worker.url for worker in launch.workers)]
-        flags.append("--vllm-pd-disaggregation")
-        for worker in launch.workers:
-            if worker.spec.role == "prefill":
-                flags += ["--prefill", worker.url, str(worker.bootstrap_port)]
-            elif worker.spec.role == "decode":
-                flags += ["--decode", worker.url]
-            else:
-                raise Unsupported("vllm-router serves either a PD fleet or mixed workers, not both at once")
-        return flags
+        return flags + self.worker_flags(launch)
 
     def settings_flags(self, case: Case) -> list[str]:
         s = case.settings
