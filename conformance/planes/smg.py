@@ -156,11 +156,11 @@ class SmgPlane(Plane):
     def settings_flags(self, case: Case) -> list[str]:
         s = case.settings
         # smg's own default policy is cache_aware; round_robin is the neutral default.
-        flags = ["--policy", POLICIES[s.policy or "round_robin"]]
+        flags = ["--policy", self._policy(s.policy or "round_robin")]
         if s.prefill_policy is not None:
-            flags += ["--prefill-policy", POLICIES[s.prefill_policy]]
+            flags += ["--prefill-policy", self._policy(s.prefill_policy)]
         if s.decode_policy is not None:
-            flags += ["--decode-policy", POLICIES[s.decode_policy]]
+            flags += ["--decode-policy", self._policy(s.decode_policy)]
         if s.attempts is not None:
             flags += ["--retry-max-retries", str(s.attempts)]
         b = s.breaker
@@ -189,6 +189,11 @@ class SmgPlane(Plane):
         if s.queue_size is not None:
             flags += ["--queue-size", str(s.queue_size)]
         return flags
+
+    @staticmethod
+    def _policy(name: str) -> str:
+        """The plane's own name for a neutral policy (every neutral one exists on smg)."""
+        return POLICIES[name]
 
     async def wait_ready(self, client: httpx.AsyncClient, url: str, launch: Launch) -> None:
         """Every fleet URL is listed by `GET /workers` (as itself or as `URL@rank` under

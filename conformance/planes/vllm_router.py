@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from conformance.model import Case
 from conformance.planes.base import Launch, Unsupported
-from conformance.planes.smg import SmgPlane, _whole_seconds
+from conformance.planes.smg import SmgPlane
 from conformance.processes import free_port
 
 POLICIES = {
@@ -138,40 +138,6 @@ class VllmRouterPlane(SmgPlane):
         if dp_size > 1:
             flags += ["--intra-node-data-parallel-size", str(dp_size), "--api-key", DP_API_KEY]
         return flags + self.worker_flags(launch)
-
-    def settings_flags(self, case: Case) -> list[str]:
-        s = case.settings
-        flags = ["--policy", self._policy(s.policy or "round_robin")]
-        if s.prefill_policy is not None:
-            flags += ["--prefill-policy", self._policy(s.prefill_policy)]
-        if s.decode_policy is not None:
-            flags += ["--decode-policy", self._policy(s.decode_policy)]
-        if s.attempts is not None:
-            flags += ["--retry-max-retries", str(s.attempts)]
-        b = s.breaker
-        if b.threshold == 0:
-            flags.append("--disable-circuit-breaker")
-        else:
-            flags += ["--cb-success-threshold", "1"]
-            if b.threshold is not None:
-                flags += ["--cb-failure-threshold", str(b.threshold)]
-            if b.cooldown_s is not None:
-                _whole_seconds(b.cooldown_s, "settings.breaker.cooldown_s")
-                flags += ["--cb-timeout-duration-secs", str(int(b.cooldown_s))]
-        h = s.health
-        if h.interval_s is not None:
-            flags += ["--health-check-interval-secs", str(int(h.interval_s)), "--health-check-timeout-secs", "1"]
-        if h.failure_threshold is not None:
-            flags += ["--health-failure-threshold", str(h.failure_threshold)]
-        if h.success_threshold is not None:
-            flags += ["--health-success-threshold", str(h.success_threshold)]
-        if s.max_body_bytes is not None:
-            flags += ["--max-payload-size", str(s.max_body_bytes)]
-        if s.max_concurrent is not None:
-            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
-        if s.queue_size is not None:
-            flags += ["--queue-size", str(s.queue_size)]
-        return flags
 
     @staticmethod
     def _policy(name: str) -> str:
