@@ -18,7 +18,7 @@ from router.fake_worker.formats import (
     Api,
     BadGenerationRequest,
     Generation,
-    count_words,
+    content_words,
     expected_text,
     token_bytes,
 )
@@ -48,11 +48,11 @@ def parse_message_request(body: Any, default_model: str) -> Generation:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadGenerationRequest("messages: must be a non-empty list")
-    prompt = _text_tokens(body.get("system"))
+    prompt = content_words(body.get("system"))
     for message in messages:
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise BadGenerationRequest("messages: each must be an object with role 'user' or 'assistant'")
-        prompt += _text_tokens(message.get("content"))
+        prompt += content_words(message.get("content"))
     return Generation(
         api=Api.MESSAGES,
         model=model,
@@ -63,17 +63,6 @@ def parse_message_request(body: Any, default_model: str) -> Generation:
         prompt_tokens=prompt,
         include_usage=True,
     )
-
-
-def _text_tokens(content: Any) -> int:
-    if isinstance(content, str):
-        return count_words(content)
-    total = 0
-    if isinstance(content, list):
-        for block in content:
-            if isinstance(block, dict) and isinstance(block.get("text"), str):
-                total += count_words(block["text"])
-    return total
 
 
 def _message(gen: Generation, message_id: str, *, done: bool) -> dict[str, Any]:

@@ -38,6 +38,16 @@ def count_words(text: str) -> int:
     return len(text.split())
 
 
+def content_words(content: Any) -> int:
+    """Words of a message's content: a string, or the text parts of a list of parts
+    (OpenAI content parts, Anthropic content blocks, Responses input parts alike)."""
+    if isinstance(content, str):
+        return count_words(content)
+    if not isinstance(content, list):
+        return 0
+    return sum(count_words(part["text"]) for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
+
+
 class Api(enum.Enum):
     CHAT = "chat"
     COMPLETIONS = "completions"
@@ -127,13 +137,7 @@ def _chat_prompt_tokens(messages: Any) -> int:
     for message in messages:
         if not isinstance(message, dict):
             raise BadGenerationRequest("each message must be an object")
-        content = message.get("content")
-        if isinstance(content, str):
-            total += count_words(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += count_words(part["text"])
+        total += content_words(message.get("content"))
     return total
 
 

@@ -20,6 +20,7 @@ from router.fake_worker.formats import (
     Api,
     BadGenerationRequest,
     Generation,
+    content_words,
     count_words,
     expected_text,
     token_bytes,
@@ -63,13 +64,7 @@ def _input_tokens(value: Any) -> int:
     for item in value:
         if not isinstance(item, dict):
             raise BadGenerationRequest("each 'input' item must be an object")
-        content = item.get("content")
-        if isinstance(content, str):
-            total += count_words(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += count_words(part["text"])
+        total += content_words(item.get("content"))
     return total
 
 
