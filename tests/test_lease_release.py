@@ -78,7 +78,7 @@ class Pool:
         *, connect_timeout_s: float | None = None,
     ) -> AsyncIterator[Response]:
         self.bodies.append((base_url, body))
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)  # the worker's simulated work, in virtual time (autojump clock)
         status = self.behaviour[base_url]
         if status == "refuse":
             raise UpstreamConnectError(f"cannot connect to {base_url}: refused")

@@ -229,7 +229,7 @@ def _settle(http: httpx.Client) -> None:
         ):
             return
         assert time.monotonic() < deadline, f"leases or connections left: {workers}"
-        time.sleep(0.01)
+        time.sleep(0.01)  # polls another thread's counters; the deadline above bounds it
 
 
 def _still_serving(http: httpx.Client) -> None:

@@ -170,7 +170,7 @@ async def test_a_flood_past_the_connection_cap_is_turned_away_with_bounded_work(
                 with trio.move_on_after(2.0):
                     while True:
                         peak = max(peak, trio.lowlevel.current_statistics().tasks_living)
-                        await trio.sleep(0.002)
+                        await trio.sleep(0.002)  # a sampling interval for the task peak, not a wait
                 answered = 0
                 for client in clients:
                     client.settimeout(5)
