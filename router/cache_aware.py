@@ -12,8 +12,14 @@ The SGLang model gateway's policy, with its flag names and defaults:
    characters (the one with the most room) wins.
 3. Either way the text is then inserted under the chosen worker.
 
-Ties go to the lower load, then to the earlier candidate; among equally least loaded
-candidates the load check prefers the longest match. One tree per (model, role),
+Matches of a block or more are compared in whole blocks of `MATCH_BLOCK_CHARS` characters
+(about 16 tokens, a KV-cache page of common engines): a few characters more in common save
+no prefill, so they do not decide. Equal matches go to the lower load, then to the smaller tree, then to the
+earlier candidate: a prefix every worker holds (a shared system prompt, followed by user
+text that happens to share a first word) does not pull every new conversation to the
+worker holding the most conversations. Among equally least loaded candidates the load
+check prefers the longest match, then the smaller tree. The threshold is checked on the
+exact match. One tree per (model, role),
 each bounded to `max_tree_size` characters (see `router.prefix_tree`). Candidates are
 already filtered (draining, unhealthy, breaker-open, tried), as for every policy; a worker
 that leaves the fleet leaves every tree through `forget_worker`.
@@ -30,6 +36,9 @@ from typing import Protocol
 from router.prefix_tree import PrefixTree
 from router.worker_record import Role
 from router.workers import Worker
+
+# Characters per compared block: 16 tokens at the ~4 characters per token of English text.
+MATCH_BLOCK_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +119,23 @@ class CacheAware:
         if high - low > settings.balance_abs_threshold and high > low * settings.balance_rel_threshold:
             self.by_balance += 1
             # Among the least loaded, the one holding the longest prefix keeps what it can.
-            return min(candidates, key=lambda worker: (worker.inflight, -matched.get(worker.id, 0)))
+            return min(
+                candidates,
+                key=lambda worker: (
+                    worker.inflight,
+                    -(matched.get(worker.id, 0) // MATCH_BLOCK_CHARS),
+                    tree.tenant_size(worker.id),
+                ),
+            )
         if text:
-            best = max(candidates, key=lambda worker: (matched[worker.id], -worker.inflight))
-            if matched[best.id] / len(text) >= settings.cache_threshold:
+            longest = max(matched.values())
+            if longest / len(text) >= settings.cache_threshold:
+                # Under one block, exact characters decide (a short prompt still sticks).
+                unit = MATCH_BLOCK_CHARS if longest >= MATCH_BLOCK_CHARS else 1
+                best = min(
+                    (worker for worker in candidates if matched[worker.id] // unit == longest // unit),
+                    key=lambda worker: (worker.inflight, tree.tenant_size(worker.id)),
+                )
                 self.by_match += 1
                 return best
         self.by_room += 1

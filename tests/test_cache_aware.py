@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.cache_aware import CacheAware, CacheAwareSettings
+from router.cache_aware import MATCH_BLOCK_CHARS, CacheAware, CacheAwareSettings
 from router.selection import PolicyKey, make_policy
 from router.worker_record import Role, WorkerRecord
 from router.workers import Fleet, Worker
@@ -150,3 +150,52 @@ def test_a_relist_that_drops_a_worker_forgets_it_too() -> None:
 def test_make_policy_builds_it_with_the_given_settings() -> None:
     made = make_policy("cache_aware", cache=CacheAwareSettings(max_tree_size=77))
     assert isinstance(made, CacheAware) and made.settings.max_tree_size == 77
+
+
+def test_equal_matches_go_to_the_lower_load_then_the_smaller_tree() -> None:
+    # Every worker holds the shared system prompt; w0 also holds a long conversation, so
+    # a new conversation (matching only the shared prompt, equally everywhere) goes to the
+    # least loaded, and among those where there is most room, not to the first candidate.
+    cache = policy()
+    fleet = workers(0, 0, 0)
+    for worker in fleet:
+        cache.pick(key(LONG + f"user: hello from {worker.id}"), [worker])
+    cache.pick(key(LONG + "user: hello from w0" + " and more" * 200), [fleet[0]])
+    fleet[0].inflight = fleet[2].inflight = 1
+    assert cache.pick(key(LONG + "user: a new conversation"), fleet).id == "w1"
+    fleet[1].inflight = 2  # w0 and w2 equally loaded: w2's tree is the smaller
+    assert cache.pick(key(LONG + "user: another one"), fleet).id == "w2"
+    assert cache.statistics()["picks_by_match"] == 2
+
+
+def test_new_conversations_on_a_shared_prompt_fill_the_fleet_evenly() -> None:
+    # Once every worker holds the shared prompt, new conversations stop piling on the
+    # worker that holds most of them: their first words in common (under one block) do
+    # not decide.
+    shared = "s" * (10 * MATCH_BLOCK_CHARS)
+    cache = policy()
+    fleet = workers(0, 0, 0, 0)
+    for worker in fleet:
+        cache.pick(key(shared + "warm-up"), [worker])
+    picks = [cache.pick(key(shared + f"user: conversation {n}"), fleet).id for n in range(40)]
+    counts = {worker.id: picks.count(worker.id) for worker in fleet}
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
+
+
+def test_a_longer_match_by_a_whole_block_still_wins_over_load_and_room() -> None:
+    shared = "s" * (4 * MATCH_BLOCK_CHARS)
+    cache = policy(balance_abs_threshold=8)
+    fleet = workers(0, 0)
+    cache.pick(key(shared + "t" * MATCH_BLOCK_CHARS), [fleet[0]])
+    cache.pick(key(shared + "u"), [fleet[1]])
+    fleet[0].inflight = 5
+    assert cache.pick(key(shared + "t" * MATCH_BLOCK_CHARS + "next turn"), fleet) is fleet[0]
+
+
+def test_a_short_prompt_compares_exact_characters() -> None:
+    cache = policy()
+    fleet = workers(0, 0)
+    cache.pick(key("hello world"), [fleet[1]])
+    cache.pick(key("hello"), [fleet[0]])
+    fleet[1].inflight = 3
+    assert cache.pick(key("hello world"), fleet) is fleet[1]
