@@ -13,8 +13,9 @@ failures, breaker trips) can name it without passing it through every call.
 from __future__ import annotations
 
 import contextvars
+import os
+import random
 import re
-import secrets
 
 from router.http.messages import Headers, Request, ResponseWriter
 
@@ -25,6 +26,12 @@ MAX_ID_BYTES = 128
 _USABLE = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_ID_BYTES)
 _TRACEPARENT = re.compile(rb"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 _ZERO_TRACE = b"0" * 32
+
+# Ids need to be unique, not secret: a generator seeded from the OS once per process (and
+# again in a forked child, which would otherwise repeat its parent's ids) instead of a
+# `getrandom` system call per request.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
 
 _current: contextvars.ContextVar[str] = contextvars.ContextVar("router_request_id", default="-")
 
@@ -51,7 +58,7 @@ def choose_request_id(request: Request) -> bytes:
         match = _TRACEPARENT.fullmatch(parent.strip())
         if match and match.group(1) != _ZERO_TRACE:
             return match.group(1)
-    return secrets.token_hex(16).encode()
+    return b"%032x" % _ids.getrandbits(128)
 
 
 def identify(request: Request) -> tuple[bytes, contextvars.Token[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -61,3 +62,18 @@ def test_identify_sets_one_header_and_the_log_context() -> None:
     finally:
         forget(token)
     assert current_request_id() == "-"
+
+
+def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, then out without running the test session's exit
+        os.write(write_end, choose_request_id(_request()))
+        os._exit(0)
+    os.close(write_end)
+    parent_id = choose_request_id(_request())
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        child_id = pipe.read()
+    assert len(child_id) == len(parent_id) == 32
+    assert child_id != parent_id
