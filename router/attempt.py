@@ -42,6 +42,7 @@ from router.metrics import RouterMetrics
 from router.ranks import RankChooser
 from router.request_id import current_request_id
 from router.selection import Policy, PolicyKey, pick_excluding
+from router.stall_watch import StallWatch
 from router.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
 from router.worker_record import Role
 from router.workers import Fleet, Worker
@@ -174,6 +175,8 @@ class AttemptRunner:
         self.pool = pool
         self.metrics = metrics
         self.timeouts = timeouts
+        # One timer for the silence of every relayed stream.
+        self.stalls = StallWatch(timeouts.stream_idle_s)
         self.policies = policies
         self.ranks = RankChooser()
         self._worker_api_key = worker_api_key
@@ -257,7 +260,7 @@ class AttemptRunner:
                     await self._begin_answer(lease, 200, ctx)
                     await ctx.writer.start(200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())])
                     await relay_stream(
-                        response, first, ctx.writer, worker.url, idle_s, STREAM_ERROR_EVENTS[generation.spec.dialect]
+                        response, first, ctx.writer, worker.url, self.stalls, STREAM_ERROR_EVENTS[generation.spec.dialect]
                     )
                     return 200
                 answer = await read_answer(response, worker.url, idle_s)

@@ -28,6 +28,7 @@ from router.http.pool import (
     UpstreamResponse,
 )
 from router.sse_framing import EventCutter
+from router.stall_watch import StallWatch
 
 log = logging.getLogger("router.dispatch")
 
@@ -166,6 +167,10 @@ class UpstreamAttempt:
 
 async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> Answer:
     """Read a whole upstream body, no chunk further apart than `idle_s`."""
+    whole = response.take_whole_body()
+    if whole is not None:
+        # It came with the head (a typical unary answer): no wait, so no idle scope.
+        return Answer(response.status, response.headers, whole)
     parts: list[bytes] = []
     # One scope whose deadline moves with each chunk: a scope per chunk costs more.
     with trio.CancelScope() as idle:
@@ -226,7 +231,7 @@ def stream_error_event(message: str, code: str) -> bytes:
 
 
 async def relay_stream(
-    response: UpstreamResponse, first: bytes, writer: ResponseWriter, url: str, idle_s: float,
+    response: UpstreamResponse, first: bytes, writer: ResponseWriter, url: str, stalls: StallWatch,
     error_event: Callable[[str, str], bytes] = stream_error_event,
 ) -> int:
     """Relay SSE bytes as they arrive; returns the number of body bytes relayed.
@@ -234,38 +239,45 @@ async def relay_stream(
     Everything up to the last complete event of what arrived goes out at once (an event
     ends at LF LF, CRLF CRLF or CR CR: `EventCutter`); bytes of an unfinished event are
     held until it completes, or until more than 64 KiB are held. When the worker breaks
-    or stalls mid-stream, the complete events already received have gone out and the held
-    remainder is dropped, so the stream ends with a well-formed error event (`error_event(message, code)`: the route's dialect) (after a
-    blank line if a 64 KiB flush left the client inside an event). `ClientDisconnected`
-    from the writer propagates (the caller's scope closes the upstream connection).
+    or stays silent for `stalls.idle_s` mid-stream, the complete events already received
+    have gone out and the held remainder is dropped, so the stream ends with a well-formed
+    error event (`error_event(message, code)`: the route's dialect) (after a blank line if
+    a 64 KiB flush left the client inside an event). Time spent writing to the client does
+    not count as the worker's silence. `ClientDisconnected` from the writer propagates (the
+    caller's scope closes the upstream connection).
     """
     relayed = 0
     cutter = EventCutter()
     chunk = first
     error: bytes | None = None
-    # One scope for the whole relay: its deadline is set for each read from the worker and
-    # lifted for each write to the client (a slow client is not a stalled worker).
-    with trio.CancelScope() as idle:
-        while True:
-            ready = cutter.feed(chunk)
-            if ready:
-                await writer.write(ready)
-                relayed += len(ready)
-            idle.deadline = trio.current_time() + idle_s
-            try:
-                chunk = await response.receive_some()
-            except UpstreamError:
-                error = error_event(f"worker {url} broke the stream", "stream_interrupted")
-                break
-            idle.deadline = math.inf
-            if not chunk:
-                rest = cutter.flush()
-                if rest:
-                    await writer.write(rest)
-                    relayed += len(rest)
-                break
-    if idle.cancelled_caught:
-        error = error_event(f"worker {url} stalled for {idle_s:g}s mid-stream", "stream_idle_timeout")
+    # The reads run in one scope that `stalls` cancels when the worker is silent too long
+    # (no trio deadline moved per event: see `router.stall_watch`).
+    with trio.CancelScope() as reads:
+        watched = stalls.watch(reads)
+        try:
+            while True:
+                ready = cutter.feed(chunk)
+                if ready:
+                    watched.waiting_since = math.inf
+                    await writer.write(ready)
+                    relayed += len(ready)
+                    watched.waiting_since = trio.current_time()
+                try:
+                    chunk = await response.receive_some()
+                except UpstreamError:
+                    error = error_event(f"worker {url} broke the stream", "stream_interrupted")
+                    break
+                if not chunk:
+                    watched.waiting_since = math.inf
+                    rest = cutter.flush()
+                    if rest:
+                        await writer.write(rest)
+                        relayed += len(rest)
+                    break
+        finally:
+            stalls.forget(watched)
+    if watched.stalled:
+        error = error_event(f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout")
     if error is not None:
         await writer.write(b"\n\n" + error if cutter.mid_event else error)
     await writer.finish()

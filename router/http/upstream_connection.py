@@ -269,6 +269,17 @@ class UpstreamConnection:
                 _describe(exc, "during the response body"), response_started=True
             ) from exc
 
+    def take_whole_body(self) -> bytes | None:
+        """The whole body when the bytes already received hold all of it, without waiting:
+        b"" for a body already ended, None (nothing taken) when more must arrive or the
+        body is not framed by a length."""
+        framing = self._framing
+        if framing == _ENDED:
+            return b""
+        if framing == _LENGTH and len(self._buffer) - self._position >= self._left:
+            return self._take_length()
+        return None
+
     def _take_length(self) -> bytes:
         buffer = self._buffer
         start = self._position

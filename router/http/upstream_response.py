@@ -27,6 +27,11 @@ class UpstreamResponse:
         """
         return await self._connection.receive_data()
 
+    def take_whole_body(self) -> bytes | None:
+        """The whole body when it has already arrived (no wait, so no timeout to set);
+        None when it has not, with nothing taken."""
+        return self._connection.take_whole_body()
+
     async def read(self) -> bytes:
         """The whole remaining body. Errors and cancellation as `receive_some`."""
         chunks = []

@@ -7,6 +7,7 @@ any byte, heads that are not HTTP/1.1, bodies that end early.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -35,11 +36,13 @@ CHUNKED_BODY = b"data: 1data: two\n\n!"
 
 
 async def run_exchange(
-    pieces: list[bytes], *, eof: bool = False
+    pieces: list[bytes], *, eof: bool = False, take_whole: bool = False
 ) -> tuple[UpstreamConnection, int, list[tuple[bytes, bytes]], list[bytes], bytes]:
     """Sends `pieces` one read at a time as the worker, then EOF when `eof`; returns the
     connection, the head, the body chunks as received and what the worker was sent.
 
+    With `take_whole`, the client first takes the body if it came whole with the head:
+    that body is the first chunk, prefixed `WHOLE:`.
     Raises what the client raised.
     """
     client_sock, worker_sock = trio.socket.socketpair()
@@ -51,6 +54,9 @@ async def run_exchange(
     async def client() -> None:
         status, headers = await connection.exchange(REQUEST)
         head.extend((status, headers))
+        whole = connection.take_whole_body() if take_whole else None
+        if whole is not None:
+            chunks.append(b"WHOLE:" + whole)
         while chunk := await connection.receive_data():
             chunks.append(chunk)
 
@@ -104,6 +110,21 @@ def test_chunked_body_split_anywhere(cuts: list[int]) -> None:
     assert (status, b"".join(chunks)) == (200, CHUNKED_BODY)
     assert connection.recycle() is True
     assert len(chunks) <= len(pieces)
+
+
+def test_a_body_that_came_whole_with_its_head_is_taken_without_a_read() -> None:
+    response = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+    head_end = response.index(b"\r\n\r\n") + 4
+    for cut in range(1, len(response)):
+        run = functools.partial(run_exchange, split(response, [cut]), take_whole=True)
+        connection, status, _, chunks, _ = trio.run(run)
+        if cut < head_end:
+            # The second piece completed the head and brought the whole body with it.
+            assert chunks == [b"WHOLE:hello"], cut
+        else:
+            # Part of the body (or none) came with the head: nothing taken, all read later.
+            assert b"".join(chunks) == b"hello" and not chunks[0].startswith(b"WHOLE:"), cut
+        assert status == 200 and connection.recycle() is True
 
 
 def test_request_bytes_are_one_head_and_the_body() -> None:
