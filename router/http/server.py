@@ -203,7 +203,7 @@ class _Connection:
     parser of its own (what it holds past the request starts the next one), each answer
     written by a `ResponseWriter`."""
 
-    __slots__ = ("_server", "client", "reader", "requests", "socket", "write_timeout_s")
+    __slots__ = ("_server", "client", "gone_scope", "reader", "requests", "socket", "write_timeout_s")
 
     def __init__(self, server: _Server, sock: socket.socket) -> None:
         self._server = server
@@ -215,6 +215,9 @@ class _Connection:
         self.reader = ConnectionReader(self.socket, _new_parser(settings))
         self.requests = RequestReader(self.reader, self.socket, settings, self.client)
         self.write_timeout_s = settings.client_write_timeout_s
+        # Cancelled when the client leaves while a handler runs. One per connection, not
+        # per request (a scope costs a few microseconds): a client gone ends the connection.
+        self.gone_scope = trio.CancelScope()
 
     def _closing(self) -> bool:
         return self._server.shutting_down
@@ -227,7 +230,8 @@ class _Connection:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.reader.run)
             try:
-                await self._serve_requests()
+                with self.gone_scope:
+                    await self._serve_requests()
             finally:
                 self.reader.stop()
 
@@ -259,7 +263,8 @@ class _Connection:
         be reused.
 
         The watch is the reader task's pending read (no task per request): end-of-stream
-        before the response's last bytes went out cancels the handler.
+        before the response's last bytes went out cancels the handler, and with it the
+        connection (`gone_scope`).
         Cancellation (shutdown grace over): the handler is cancelled with everything else.
         """
         writer = ResponseWriter(
@@ -270,13 +275,11 @@ class _Connection:
             closing=self._closing,
             write_timeout_s=self.write_timeout_s,
         )
-        handler_scope = trio.CancelScope()
         failure: Exception | None = None
-        self.reader.watch = Watch(request, writer, handler_scope)
+        self.reader.watch = Watch(request, writer, self.gone_scope)
         self.reader.arm()
         try:
-            with handler_scope:
-                await self._server.handler(request, writer)
+            await self._server.handler(request, writer)
         except Exception as exc:
             failure = exc
         finally:
