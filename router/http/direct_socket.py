@@ -34,12 +34,16 @@ class DirectSocket:
     not allowed (trio raises `BusyResourceError` when both would wait).
     """
 
-    __slots__ = ("_ops_without_wait", "sock")
+    __slots__ = ("_ops_without_wait", "_reads_wait", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
         self._ops_without_wait = 0
+        # Whether the last receive had to wait and did not fill its buffer: the peer sends
+        # at its own pace (an answer being computed, events paced by token), so the next
+        # receive waits for readiness first instead of trying a `recv` that would fail.
+        self._reads_wait = False
 
     @classmethod
     def adopt(cls, stream: trio.SocketStream) -> DirectSocket:
@@ -93,17 +97,20 @@ class DirectSocket:
         sock = self.sock
         await self._pass_checkpoint()
         try:
-            try:
-                return sock.recv(max_bytes)
-            except BlockingIOError:
-                pass
-            self._ops_without_wait = 0
-            while True:
-                await trio.lowlevel.wait_readable(sock)
+            if not self._reads_wait:
                 try:
                     return sock.recv(max_bytes)
                 except BlockingIOError:
                     pass
+            self._ops_without_wait = 0
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(max_bytes)
+                except BlockingIOError:
+                    continue
+                self._reads_wait = len(data) < max_bytes
+                return data
         except OSError as exc:
             raise _translate(exc) from exc
 
