@@ -50,6 +50,7 @@ class ConnectionReader:
     __slots__ = (
         "_armed",
         "_broken",
+        "_ended",
         "_main_waiter",
         "_parked",
         "_scope",
@@ -69,6 +70,7 @@ class ConnectionReader:
         self._armed = False
         self._parked = False
         self._broken: trio.BrokenResourceError | None = None
+        self._ended = False
         self._main_waiter: trio.lowlevel.Task | None = None
         # Set while waiting for the first byte of a request: shutdown cancels it.
         self.idle_scope: trio.CancelScope | None = None
@@ -100,8 +102,14 @@ class ConnectionReader:
                 except trio.BrokenResourceError as exc:
                     data = b""
                     self._broken = exc
-                self._armed = False
                 watch = self.watch
+                waiter = self._main_waiter
+                # Bytes the connection's task asked for, read while no handler runs: it will
+                # parse them and then either run a handler (whose disconnect watch is this
+                # next read) or ask for more, so the reader reads on without being armed
+                # again. Anything else (a pipelined request while a handler runs) parks it:
+                # one read per arming bounds what it buffers.
+                self._armed = bool(data) and waiter is not None and watch is None
                 if watch is None or data:
                     if data or self._broken is None:
                         self.parser.receive_data(data)
@@ -110,12 +118,17 @@ class ConnectionReader:
                 else:
                     watch.request.client_gone = True
                     watch.scope.cancel()
-                waiter = self._main_waiter
                 if waiter is not None:
                     self._main_waiter = None
                     trio.lowlevel.reschedule(waiter)
                 if not data:
+                    self._ended = True
                     return
+
+    @property
+    def ended(self) -> bool:
+        """True once the reader saw end-of-stream (or a reset) and stopped."""
+        return self._ended
 
     def _abort_park(self, _: object) -> trio.lowlevel.Abort:
         self._parked = False

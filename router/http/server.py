@@ -277,7 +277,13 @@ class _Connection:
         )
         failure: Exception | None = None
         self.reader.watch = Watch(request, writer, self.gone_scope)
-        self.reader.arm()
+        if self.reader.ended:
+            # The client left (or half-closed) before its handler started: as if the watch
+            # had seen it at once.
+            request.client_gone = True
+            self.gone_scope.cancel()
+        else:
+            self.reader.arm()
         try:
             await self._server.handler(request, writer)
         except Exception as exc:
