@@ -1,10 +1,13 @@
 """The one reader of a client connection's socket, and how the connection's task waits on it.
 
 One reader task per connection does every read of the client socket. It reads only when
-armed: by the connection's task when the parser needs bytes, and when a handler starts. While the
+armed: by the connection's task when the parser needs bytes, and when a handler starts;
+after delivering bytes the connection's task asked for, it reads on by itself (that task
+will either ask for more or start a handler), which saves a wake-up per request. While the
 handler runs, its pending read is the disconnect watch: end-of-stream means the client left
 and cancels the handler; bytes mean a pipelined next request, kept in the parser's buffer for the
-next cycle. No task is started per request (that cost a fifth of the router's CPU).
+next cycle, and the reader then waits to be armed again. No task is started per request
+(that cost a fifth of the router's CPU).
 """
 
 from __future__ import annotations
