@@ -288,6 +288,20 @@ def test_malformed_chunking_is_refused_as_a_started_response(encoded: bytes) -> 
     assert refused.value.response_started is True
 
 
+def test_a_body_llhttp_does_not_read_as_chunked_is_refused_at_its_first_bytes() -> None:
+    """Our framing logic takes `chunked` followed by a tab (whitespace around a value is
+    not part of it); llhttp does not, and would hand the framing over as data. Refused
+    rather than relayed as a body of size lines."""
+    for first_read in [b"5", b"5\r\nhello\r\n0\r\n\r\n"]:
+        parser = UpstreamParser()
+        _, headers, _ = parser.parse_head(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\t\r\n\r\n")
+        assert headers == [(b"transfer-encoding", b"chunked")]
+        parser.expect_chunked()
+        with pytest.raises(UpstreamProtocolError, match="not read as chunked") as refused:
+            parser.feed_chunked(first_read)
+        assert refused.value.response_started is True
+
+
 @pytest.mark.parametrize(
     "framing",
     [b"5;" + b"a" * 70_000, b"0\r\n" + b"x-t: 1\r\n" * 9000],

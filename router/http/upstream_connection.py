@@ -139,12 +139,7 @@ class UpstreamConnection:
                 response_started=self.response_started,
             ) from exc
         self._keep_alive = keep_alive
-        self._start_body(status, headers, bodyless)
-        if self._framing == _CHUNKED:
-            parser.expect_chunked()
-            self._parser = parser
-        else:
-            self._parser = None
+        self._start_body(status, headers, bodyless, parser)
         return status, headers
 
     async def _receive_split_head(self) -> int:
@@ -178,8 +173,16 @@ class UpstreamConnection:
             response_started=self.response_started,
         )
 
-    def _start_body(self, status: int, headers: list[tuple[bytes, bytes]], bodyless: bool) -> None:
-        """Sets the body framing from the head (RFC 9112 section 6.3)."""
+    def _start_body(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        bodyless: bool,
+        parser: UpstreamParser,
+    ) -> None:
+        """Sets the body framing from the head (RFC 9112 section 6.3); keeps `parser`, which
+        parsed the head, to decode a chunked body."""
+        self._parser = None
         if bodyless or status == 204 or status == 304:
             # No body whatever the head says, but a `connection: close` still holds.
             if any(n == b"connection" and b"close" in header_tokens(v) for n, v in headers):
@@ -206,6 +209,8 @@ class UpstreamConnection:
                     + (" with a content-length" if length is not None else ""),
                     response_started=True,
                 )
+            parser.expect_chunked()
+            self._parser = parser
             self._framing = _CHUNKED
         elif length is not None:
             if b"," in length:

@@ -32,6 +32,11 @@ before the line end). A chunk size with leading zeros is taken (llhttp refuses o
 bits): only the router reads a worker's chunked framing, so no second parser can read it
 differently.
 
+llhttp must decode a body we frame as chunked: one `transfer-encoding: chunked` field is
+what both take as chunked, except `chunked` followed by a tab, which llhttp reads as a body
+that runs until the connection ends. The first read of the body tells (a size line is
+never data), and such a body is refused.
+
 Bytes beyond the response's end: llhttp goes on to parse them as a next message. Its
 start (`on_message_begin`), or an error, after the end marks them; CR and LF, which llhttp
 skips between messages without a word, are caught at the end of what was fed: a chunked
@@ -92,7 +97,7 @@ class UpstreamParser:
     `complete`: llhttp saw the chunked body's end. `beyond`: bytes followed that end.
     """
 
-    __slots__ = ("_events", "_parser", "_tail", "_without_data")
+    __slots__ = ("_events", "_fed", "_parser", "_tail", "_without_data")
 
     def __init__(self) -> None:
         self._events = _Events()
@@ -100,6 +105,7 @@ class UpstreamParser:
         # The last bytes fed, to judge the end of the message when it comes in a short read.
         self._tail = b""
         self._without_data = 0
+        self._fed = False
 
     @property
     def complete(self) -> bool:
@@ -201,6 +207,16 @@ class UpstreamParser:
         else:
             self._tail = tail[-4:]
         pieces = events.body
+        if not self._fed:
+            self._fed = True
+            # llhttp must decode the chunks too. A transfer-encoding it does not take for
+            # `chunked` (one followed by a tab, say) makes it read until the connection
+            # ends, handing every byte over as data; a chunked body starts with a size
+            # line, which is never data, so a first read handed over whole means that.
+            if sum(map(len, pieces)) == len(data):
+                raise UpstreamProtocolError(
+                    "upstream chunked body not read as chunked by llhttp", response_started=True
+                )
         if not pieces:
             if not events.complete:
                 self._without_data += len(data)

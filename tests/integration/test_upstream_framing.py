@@ -174,6 +174,7 @@ def test_malformed_head_is_refused_after_the_first_byte(head: bytes) -> None:
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabXY",
         b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2;a="q\r\nab\r\n0\r\n\r\n',
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\ncontent-length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\t\r\n\r\n2\r\nab\r\n0\r\n\r\n",
     ],
 )
 def test_body_ending_early_or_malformed_raises_every_time(response: bytes) -> None:
