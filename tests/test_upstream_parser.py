@@ -5,6 +5,7 @@ bytes after its end are seen whatever they are; what llhttp lets through is refu
 from __future__ import annotations
 
 import itertools
+import tracemalloc
 
 import h11
 import pytest
@@ -300,6 +301,22 @@ def test_a_body_llhttp_does_not_read_as_chunked_is_refused_at_its_first_bytes() 
         with pytest.raises(UpstreamProtocolError, match="not read as chunked") as refused:
             parser.feed_chunked(first_read)
         assert refused.value.response_started is True
+
+
+def test_trailers_are_not_kept() -> None:
+    """A trailer section of tiny fields is 64 KiB of tuples if kept: ~2.5 MB."""
+    parser = chunked_parser()
+    assert parser.feed_chunked(b"2\r\nok\r\n0\r\n") == b"ok"
+    tracemalloc.start()
+    try:
+        for _ in range(15):
+            assert parser.feed_chunked(b"a:\r\n" * 1000) == b""
+        assert parser.feed_chunked(b"\r\n") == b""
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert parser.complete and not parser.beyond
+    assert peak < 200_000, peak
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,20 @@ _MAX_FRAMING_WITHOUT_DATA = 65536
 _CR_LF = (13, 10)
 
 
+class _Discarded(list[tuple[bytes, bytes]]):
+    """Where the fields llhttp reports after the head go (trailers, and the head of a
+    message beyond the end): nowhere. The relay has no use for them, and a worker could
+    otherwise make us hold a tuple per few bytes it sends."""
+
+    __slots__ = ()
+
+    def append(self, field: tuple[bytes, bytes]) -> None:
+        pass
+
+
+_DISCARDED = _Discarded()
+
+
 class _Events:
     """What llhttp reports for one response (the callbacks it calls)."""
 
@@ -155,7 +169,7 @@ class UpstreamParser:
             events = self._parse_without_content_lengths(head, exc)
         headers = events.headers
         # Trailers come through the same callback: they must not join the head's headers.
-        events.headers = []
+        events.headers = _DISCARDED
         return int(code), headers, keep_alive
 
     def _parse_without_content_lengths(self, head: bytes, error: Exception) -> _Events:
