@@ -128,6 +128,9 @@ def test_a_typical_head_keeps_names_lowered_values_trimmed_and_order() -> None:
     )
     assert parse(b"HTTP/1.0 204 No Content\r\n\r\n") == (204, [], False)
     assert parse(b"HTTP/1.1 100\r\n\r\n") == (100, [], True)
+    # llhttp hands a 101's connection over at its head: parsed whole, for the caller to refuse.
+    switching = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n"
+    assert parse(switching) == (101, [(b"upgrade", b"h2c"), (b"connection", b"upgrade")], True)
 
 
 # What llhttp takes and the worker edge does not: our checks in front of it refuse these.

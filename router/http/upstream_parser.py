@@ -164,7 +164,10 @@ class UpstreamParser:
         except httptools.HttpParserUpgrade:
             # llhttp hands a 101's connection over at its head, every header read: the
             # caller refuses a 101. No other status makes it do so.
-            pass
+            if code != b"101":
+                raise UpstreamProtocolError(
+                    "upstream response head handed the connection over", response_started=True
+                ) from None
         except httptools.HttpParserError as exc:
             events = self._parse_without_content_lengths(head, exc)
         headers = events.headers
@@ -182,9 +185,8 @@ class UpstreamParser:
             self._parser = httptools.HttpResponseParser(events)
             try:
                 self._parser.feed_data(lengths[0])
-            except httptools.HttpParserUpgrade:
-                pass
-            except httptools.HttpParserError as again:
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade) as again:
+                # An upgrade here is a 101, which the caller would refuse all the same.
                 error = again
             else:
                 for index, field in lengths[1]:
