@@ -6,7 +6,8 @@ machine inflates the figures less than it does a whole run). What no micro-bench
 isolates (trio's scheduling, the socket calls, the handler's glue) is the rest of a
 measured whole: a short `wrk` run at unary c=32 through `ours`, its CPU-seconds divided by
 its requests, minus the stages. Also measured: the request and response parsers the
-issue weighed (h11 and httptools on the client edge, ours and httptools upstream).
+issue weighed (h11 and httptools on the client edge; upstream, the hand-written parser
+before and llhttp behind our checks now, for a head and for one chunk of an SSE stream).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import h11
 import orjson
 from prometheus_client import CollectorRegistry
 
+from bench.upstream_before import HandWrittenChunked, parse_head_by_hand
 from router.breaker import BreakerSettings, CircuitBreaker, Outcome
 from router.generation import parse_generation_request
 from router.http.messages import Request
 from router.http.request_encoding import encode_request
 from router.http.request_parser import RequestParser
 from router.http.response_framing import encode_head, request_keeps_alive
-from router.http.response_head import parse_response_head
+from router.http.upstream_parser import UpstreamParser
 from router.metrics import RouterMetrics
 from router.request_id import forget, identify
 from router.selection import PolicyKey, RoundRobin
@@ -58,6 +60,21 @@ RESPONSE_HEAD = (
     b"date: Mon, 30 Nov 2026 12:00:00 GMT\r\nserver: fake-worker" % len(ANSWER_BODY)
 )
 RESPONSE = RESPONSE_HEAD + b"\r\n\r\n" + ANSWER_BODY
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\ndate: Mon, 30 Nov 2026 12:00:00 GMT\r\nserver: fake-worker\r\n\r\n"
+)
+# One chunk of a paced stream: one SSE event (~200 bytes) per read.
+SSE_EVENT = b"data: " + orjson.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1764504000,
+        "model": "bench-model",
+        "choices": [{"index": 0, "delta": {"content": " token"}, "finish_reason": None}],
+    }
+) + b"\n\n"
+SSE_CHUNK = b"%x\r\n" % len(SSE_EVENT) + SSE_EVENT + b"\r\n"
 LOOPS = 2000
 REPEATS = 5
 
@@ -160,8 +177,37 @@ def _relay() -> object:
 
 
 def _upstream_parse() -> object:
+    end = RESPONSE.find(b"\r\n\r\n") + 4
+    return UpstreamParser().parse_head(RESPONSE[:end])
+
+
+def _upstream_parse_by_hand() -> object:
     end = RESPONSE.find(b"\r\n\r\n")
-    return parse_response_head(RESPONSE[:end])
+    return parse_head_by_hand(RESPONSE[:end])
+
+
+def _sse_chunk_with_llhttp() -> Callable[[], object]:
+    parser = UpstreamParser()
+    parser.parse_head(STREAM_HEAD)
+    parser.expect_chunked()
+
+    def run() -> object:
+        data = parser.feed_chunked(SSE_CHUNK)
+        assert data == SSE_EVENT
+        return data
+
+    return run
+
+
+def _sse_chunk_by_hand() -> Callable[[], object]:
+    decoder = HandWrittenChunked()
+
+    def run() -> object:
+        data = decoder.take(SSE_CHUNK)
+        assert data == SSE_EVENT
+        return data
+
+    return run
 
 
 def stages() -> list[Stage]:
@@ -178,7 +224,7 @@ def stages() -> list[Stage]:
             "encode_request (head checked, one join)",
             lambda: encode_request("POST", "/v1/chat/completions", b"127.0.0.1:1", [(b"content-type", b"application/json")], BODY),
         ),
-        Stage("upstream parse", "head end found, parse_response_head", _upstream_parse),
+        Stage("upstream parse", "head end found, UpstreamParser.parse_head (llhttp behind our checks)", _upstream_parse),
         Stage("relay to the client", "encode_head (grammar, framing, keep-alive) and the body", _relay),
         Stage("metrics", "requests counter, duration and ttfb histograms (labels per call)", _metrics()),
         Stage("logging", "request id chosen, set for the log context, reset", _request_id),
@@ -190,7 +236,10 @@ def parser_figures() -> list[tuple[str, float | None]]:
     figures: list[tuple[str, float | None]] = [
         ("request, h11 (the server edge before)", best_us(_parse_with_h11)),
         ("request, RequestParser (llhttp framed by us: the server edge now)", best_us(_parse_with_llhttp)),
-        ("response, ours (the upstream edge: head found and parsed)", best_us(_upstream_parse)),
+        ("response head, hand-written (the upstream edge before)", best_us(_upstream_parse_by_hand)),
+        ("response head, UpstreamParser (llhttp behind our checks: the upstream edge now)", best_us(_upstream_parse)),
+        ("SSE chunk of ~200 bytes, hand-written decoder (before)", best_us(_sse_chunk_by_hand())),
+        ("SSE chunk of ~200 bytes, UpstreamParser.feed_chunked (llhttp: now)", best_us(_sse_chunk_with_llhttp())),
     ]
     if importlib.util.find_spec("httptools") is None:
         figures += [("request, httptools", None), ("response, httptools", None)]

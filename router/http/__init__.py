@@ -1,4 +1,4 @@
-"""HTTP/1.1 on trio (requests parsed by llhttp): the native server loop and the upstream connection pool."""
+"""HTTP/1.1 on trio (requests and worker responses parsed by llhttp): the native server loop and the upstream connection pool."""
 
 from router.http.messages import ClientDisconnected, Handler, Request, ResponseWriter
 

@@ -1,11 +1,11 @@
-"""One HTTP/1.1 client connection to a worker: a socket and a hand-written response parser.
+"""One HTTP/1.1 client connection to a worker: a socket, our framing and llhttp's parsing.
 
-The peer is our own fleet, not an untrusted client, so the client side of HTTP/1.1 is
-written out here instead of run through h11 (h11 stays on the client-facing server): the
-request is one join, the response head one `find` and `split`, and the body is framed by
-content-length, by chunked coding (decoded incrementally, across reads), or by the end of
-the connection when the head gives neither. A head or a chunk line that is not HTTP/1.1
-is refused with `UpstreamProtocolError`.
+The request is one join; the response head's end is one `find`, and the head is parsed by
+llhttp behind our checks (`router.http.upstream_parser`). The body's framing is decided
+here from the headers (RFC 9112 section 6.3): by content-length (counted out of the
+received bytes), by chunked coding (decoded by llhttp as the bytes arrive), or by the end
+of the connection when the head gives neither. A head or a body that is not HTTP/1.1 is
+refused with `UpstreamProtocolError`.
 
 This module is the edge where socket and framing errors become `UpstreamError`s; nothing
 above it sees a `BrokenResourceError` or an `OSError`. It knows nothing of pooling:
@@ -14,18 +14,16 @@ above it sees a `BrokenResourceError` or an `OSError`. It knows nothing of pooli
 
 from __future__ import annotations
 
-import re
-
 import trio
 
 from router.http.direct_socket import DirectSocket
 from router.http.request_encoding import encode_request
-from router.http.response_head import HEADER_LINE, header_tokens, parse_response_head
 from router.http.upstream_errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
 )
+from router.http.upstream_parser import UpstreamParser, header_tokens
 
 __all__ = [
     "UpstreamConnectError",
@@ -36,15 +34,12 @@ __all__ = [
 ]
 
 _RECEIVE_SIZE = 65536
-# Bounds on what is buffered while looking for a line end: h11's default for a head is
-# 16 KiB; engines send a few hundred bytes.
+# The bound on what is buffered while looking for a head's end: h11's default is 16 KiB;
+# engines send a few hundred bytes.
 _MAX_HEAD_BYTES = 65536
-_MAX_CHUNK_LINE_BYTES = 4096
 # 100 Continue and 103 Early Hints come once or twice; a worker sending more is broken,
 # and each would otherwise cost a head parse while the client waits.
 _MAX_INTERIM_RESPONSES = 8
-
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 # What a worker (or the network) can do to an open connection.
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -56,12 +51,6 @@ _CHUNKED = 2
 _UNTIL_EOF = 3
 _BROKEN = 4
 
-# Where the chunked decoder stands.
-_CHUNK_SIZE_LINE = 0
-_CHUNK_DATA = 1
-_CHUNK_DATA_END = 2
-_CHUNK_TRAILER = 3
-
 
 class UpstreamConnection:
     """A connected socket and the framing state of the response it carries.
@@ -71,10 +60,10 @@ class UpstreamConnection:
 
     __slots__ = (
         "_buffer",
-        "_chunk_state",
         "_framing",
         "_keep_alive",
         "_left",
+        "_parser",
         "_position",
         "_socket",
         "idle_since",
@@ -90,7 +79,8 @@ class UpstreamConnection:
         self._buffer = b""
         self._position = 0
         self._framing = _ENDED
-        self._chunk_state = _CHUNK_SIZE_LINE
+        # The parser of the response in progress: it decodes a chunked body.
+        self._parser: UpstreamParser | None = None
         self._left = 0
         self._keep_alive = False
         self.idle_since = 0.0
@@ -127,9 +117,10 @@ class UpstreamConnection:
                         f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
                         response_started=True,
                     )
-                head = self._buffer[self._position : end]
+                head = self._buffer[self._position : end + 4]
                 self._position = end + 4
-                status, headers, keep_alive = parse_response_head(head)
+                parser = UpstreamParser()
+                status, headers, keep_alive = parser.parse_head(head)
                 if status >= 200:
                     break
                 if status == 101:
@@ -148,7 +139,7 @@ class UpstreamConnection:
                 response_started=self.response_started,
             ) from exc
         self._keep_alive = keep_alive
-        self._start_body(status, headers, bodyless)
+        self._start_body(status, headers, bodyless, parser)
         return status, headers
 
     async def _receive_split_head(self) -> int:
@@ -182,8 +173,16 @@ class UpstreamConnection:
             response_started=self.response_started,
         )
 
-    def _start_body(self, status: int, headers: list[tuple[bytes, bytes]], bodyless: bool) -> None:
-        """Sets the body framing from the head (RFC 9112 section 6.3)."""
+    def _start_body(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        bodyless: bool,
+        parser: UpstreamParser,
+    ) -> None:
+        """Sets the body framing from the head (RFC 9112 section 6.3); keeps `parser`, which
+        parsed the head, to decode a chunked body."""
+        self._parser = None
         if bodyless or status == 204 or status == 304:
             # No body whatever the head says, but a `connection: close` still holds.
             if any(n == b"connection" and b"close" in header_tokens(v) for n, v in headers):
@@ -210,8 +209,9 @@ class UpstreamConnection:
                     + (" with a content-length" if length is not None else ""),
                     response_started=True,
                 )
+            parser.expect_chunked()
+            self._parser = parser
             self._framing = _CHUNKED
-            self._chunk_state = _CHUNK_SIZE_LINE
         elif length is not None:
             if b"," in length:
                 # "5, 5" is one length repeated by a proxy; anything else is ambiguous.
@@ -298,66 +298,23 @@ class UpstreamConnection:
         return data
 
     def _take_chunked(self) -> bytes:
-        """Decodes as much chunked framing as the buffer holds; returns the data bytes."""
+        """Hands llhttp every byte received and not parsed yet; returns the data bytes.
+
+        Bytes beyond the body's end are dropped and make the connection non-reusable.
+        """
         buffer = self._buffer
         position = self._position
-        size = len(buffer)
-        state = self._chunk_state
-        pieces: list[bytes] = []
-        while position < size:
-            if state == _CHUNK_DATA:
-                end = min(size, position + self._left)
-                pieces.append(buffer[position:end])
-                self._left -= end - position
-                position = end
-                if not self._left:
-                    state = _CHUNK_DATA_END
-            elif state == _CHUNK_DATA_END:
-                if size - position < 2:
-                    if buffer[position] != 13:  # the first byte can be judged alone
-                        raise UpstreamProtocolError(
-                            "upstream chunk data not followed by CRLF", response_started=True
-                        )
-                    break
-                if buffer[position : position + 2] != b"\r\n":
-                    raise UpstreamProtocolError(
-                        "upstream chunk data not followed by CRLF", response_started=True
-                    )
-                position += 2
-                state = _CHUNK_SIZE_LINE
-            else:
-                end = buffer.find(b"\r\n", position)
-                if end < 0:
-                    if size - position > _MAX_CHUNK_LINE_BYTES:
-                        raise UpstreamProtocolError(
-                            "upstream chunk line too long", response_started=True
-                        )
-                    break
-                line = buffer[position:end]
-                position = end + 2
-                if state == _CHUNK_TRAILER:
-                    if not line:
-                        self._framing = _ENDED
-                        break
-                    if HEADER_LINE.fullmatch(line) is None:
-                        raise UpstreamProtocolError(
-                            f"upstream sent a malformed trailer {line[:40]!r}",
-                            response_started=True,
-                        )
-                    continue
-                digits = line.partition(b";")[0].rstrip(b" \t")
-                if _CHUNK_SIZE.fullmatch(digits) is None:
-                    raise UpstreamProtocolError(
-                        f"upstream sent a malformed chunk size line {line[:40]!r}",
-                        response_started=True,
-                    )
-                self._left = int(digits, 16)
-                state = _CHUNK_DATA if self._left else _CHUNK_TRAILER
-        self._position = position
-        self._chunk_state = state
-        if len(pieces) == 1:
-            return pieces[0]
-        return b"".join(pieces)
+        if position == len(buffer):
+            return b""
+        self._position = len(buffer)
+        parser = self._parser
+        assert parser is not None
+        data = parser.feed_chunked(buffer[position:] if position else buffer)
+        if parser.complete:
+            self._framing = _ENDED
+            if parser.beyond:
+                self._keep_alive = False
+        return data
 
     async def _receive(self) -> bool:
         """Appends the next received bytes to the buffer; False at end-of-stream."""

@@ -225,7 +225,15 @@ def bad_chunking(draw: st.DrawFn) -> bytes:
     return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"".join(pieces) + ending
 
 
-answers = st.one_of(valid_answers(), mutated(), random_heads(), bad_chunking())
+@st.composite
+def bytes_after(draw: st.DrawFn) -> bytes:
+    """A valid answer and bytes past its end: line ends (which llhttp skips between
+    messages without a word), another response, garbage."""
+    extra = draw(st.one_of(st.sampled_from([b"\r\n", b"\n", b"\r", b"\r\n\r\n", b"HTTP/1.1 204 No Content\r\n\r\n"]), st.binary(min_size=1, max_size=8)))
+    return draw(valid_answers()) + extra
+
+
+answers = st.one_of(valid_answers(), mutated(), random_heads(), bad_chunking(), bytes_after())
 
 
 # -- the property -----------------------------------------------------------------------

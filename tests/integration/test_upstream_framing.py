@@ -1,4 +1,4 @@
-"""The upstream connection's hand-written HTTP/1.1 client over a real socket pair.
+"""The upstream connection's HTTP/1.1 client (our framing, llhttp's parsing) over a real socket pair.
 
 The worker side writes raw bytes in pieces chosen by the test, each piece only once the
 client blocked on its read, so every piece is one read on the client: framing split at
@@ -151,7 +151,11 @@ def test_request_bytes_are_one_head_and_the_body() -> None:
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 1x\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5, 6\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
         b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+        b"HTTP/1.1 55\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, chunked\r\n\r\n",
     ],
 )
 def test_malformed_head_is_refused_after_the_first_byte(head: bytes) -> None:
@@ -168,6 +172,9 @@ def test_malformed_head_is_refused_after_the_first_byte(head: bytes) -> None:
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n",
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabXY",
+        b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2;a="q\r\nab\r\n0\r\n\r\n',
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\ncontent-length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\t\r\n\r\n2\r\nab\r\n0\r\n\r\n",
     ],
 )
 def test_body_ending_early_or_malformed_raises_every_time(response: bytes) -> None:
@@ -195,12 +202,54 @@ def test_end_before_any_response_byte_is_not_started() -> None:
         (b"HTTP/1.1 200 OK\r\nconnection: keep-alive, close\r\ncontent-length: 2\r\n\r\nok", b"ok", False),
         (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok", b"ok", False),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1", b"ok", False),
+        # Repeated, one value: taken (llhttp alone would refuse it).
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nContent-Length: 2\r\n\r\nok", b"ok", True),
+        # No body whatever the head says (llhttp alone would refuse the pair).
+        (b"HTTP/1.1 204 No Content\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n", b"", True),
+        (b"HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\n\r\n", b"", True),
+        (CHUNKED, CHUNKED_BODY, True),
+        # Bytes after the last chunk, in the same read: the body is whole, the connection spent.
+        (CHUNKED + b"\r\n", CHUNKED_BODY, False),
+        (CHUNKED + b"\n", CHUNKED_BODY, False),
+        (CHUNKED + b"X", CHUNKED_BODY, False),
+        (CHUNKED + b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc", CHUNKED_BODY, False),
     ],
 )
 def test_framing_and_reuse(response: bytes, body: bytes, reusable: bool) -> None:
     connection, _, _, chunks, _ = trio.run(run_exchange, [response])
     assert b"".join(chunks) == body
     assert connection.recycle() is reusable
+
+
+@pytest.mark.parametrize("extra", [b"\r\n", b"\n\n", b"HTTP/1.1 204 No Content\r\n\r\n"])
+def test_bytes_after_the_last_chunk_spend_the_connection_however_the_reads_fall(extra: bytes) -> None:
+    """The last chunk's end and the bytes past it split anywhere across reads that all
+    arrive before the end is seen."""
+    response = CHUNKED + extra
+    end = len(CHUNKED)
+    for cut in range(end - 6, len(response)):
+        if cut == end:
+            continue  # the extra bytes would come in a read after the end: never made
+        connection, status, _, chunks, _ = trio.run(run_exchange, split(response, [40, cut]))
+        assert (status, b"".join(chunks)) == (200, CHUNKED_BODY), cut
+        assert connection.recycle() is False, cut
+
+
+def test_a_head_request_answered_with_a_chunked_head_has_no_body() -> None:
+    async def scenario() -> tuple[int, bytes, bool]:
+        client_sock, worker_sock = trio.socket.socketpair()
+        connection = UpstreamConnection(trio.SocketStream(client_sock))
+        worker = trio.SocketStream(worker_sock)
+        try:
+            with trio.fail_after(GUARD_S):
+                await worker.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                status, _ = await connection.exchange(REQUEST, bodyless=True)
+                return status, await connection.receive_data(), connection.recycle()
+        finally:
+            await worker.aclose()
+            connection.close()
+
+    assert trio.run(scenario) == (200, b"", True)
 
 
 def test_body_until_end_of_stream_is_complete_and_not_reusable() -> None:
