@@ -65,6 +65,9 @@ async def _hold(
                     if not data:
                         raise trio.BrokenResourceError("closed before the first event")
                     seen += data
+                    if b"\r\n" in seen and not seen.startswith(b"HTTP/1.1 200 "):
+                        # Turned away (a 503 says why): no stream to hold.
+                        raise trio.BrokenResourceError(seen.split(b"\r\n", 1)[0].decode())
             except (trio.BrokenResourceError, OSError):
                 failed += 1
                 await stream.aclose()

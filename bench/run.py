@@ -150,6 +150,8 @@ class Bench:
                 command = python_module(
                     "router.cli", "serve", "--port", str(port), "--log-level", "info",
                     "--max-connections", str(ROUTER_MAX_CONNECTIONS),
+                    # An idle stream holds an upstream connection: as many as clients.
+                    "--max-connections-per-worker", str(ROUTER_MAX_CONNECTIONS),
                     *(arg for url in self.fleet_urls for arg in ("--worker", url)),
                     *contender.router_flags,
                 )
