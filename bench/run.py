@@ -76,7 +76,8 @@ class IdleStreams:
     failed: int
     open_s: float
     rss_before_kb: int
-    rss_held_kb: int
+    # None when the streams did not all open within the time limit: nothing was measured.
+    rss_held_kb: int | None
     peak_rss_kb: int
 
 
@@ -258,7 +259,7 @@ class Bench:
             failed=result.failed,
             open_s=result.open_s,
             rss_before_kb=rss_before,
-            rss_held_kb=int(result.measured.get("rss_kb", 0)),
+            rss_held_kb=int(result.measured["rss_kb"]) if "rss_kb" in result.measured else None,
             peak_rss_kb=target.proc.peak_rss_kb(),
         )
 
