@@ -239,6 +239,7 @@ async def run_router(
                 discovery_owns_fleet=settings.discovery != "static", drain_timeout_s=settings.shutdown_grace_s,
             )
         generation = GenerationService(failover_settings(settings), fleet, pool, metrics)
+        await nursery.start(generation.runner.stalls.serve)
         app = RouterApp(
             generation, metrics, discovery, protect_metrics=settings.protect_metrics,
             keys=keys, admission=admission, admin=admin, tracing=tracing,

@@ -110,3 +110,27 @@ def test_the_timer_task_lives_only_while_streams_are_watched() -> None:
         assert living_tasks() == before
 
     run(main)
+
+
+def test_served_for_the_router_lifetime_no_task_starts_per_stream() -> None:
+    async def main() -> None:
+        stalls = StallWatch(IDLE_S)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stalls.serve)
+            before = living_tasks()
+            for _ in range(3):
+                with trio.CancelScope() as scope:
+                    entry = stalls.watch(scope)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert living_tasks() == before
+                    stalls.forget(entry)
+            # Still the one timer for stalls: a silent stream ends at idle_s.
+            start = trio.current_time()
+            with trio.CancelScope() as scope:
+                watched = stalls.watch(scope)
+                await trio.sleep_forever()
+            assert watched.stalled and trio.current_time() - start == IDLE_S
+            assert living_tasks() == before
+            nursery.cancel_scope.cancel()
+
+    run(main)
