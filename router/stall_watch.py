@@ -3,8 +3,9 @@
 A relay forwards a worker's events one at a time. Giving each read its own trio deadline
 (set before the read, lifted before the write to the client, so that a slow client is not
 taken for a silent worker) cost two deadline moves per event, a tenth of an event's CPU.
-Here a relay only notes when it starts to wait on its worker (`Watched.waiting_since`) and
-when it stops (`Watched.writing`); one task per process looks at every stream when the
+Here a relay only notes when it starts to wait on its worker (`Watched.waiting_since`),
+and sets that to infinity while it writes to its client; one task per process looks at
+every stream when the
 earliest of them could be due, and cancels the scope of each that has been waiting for
 `idle_s` or more. A stream that is writing to its client is never due.
 
