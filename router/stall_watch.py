@@ -5,11 +5,11 @@ A relay forwards a worker's events one at a time. Giving each read its own trio 
 taken for a silent worker) cost two deadline moves per event, a tenth of an event's CPU.
 Here a relay only notes when it starts to wait on its worker (`Watched.waiting_since`),
 and sets that to infinity while it writes to its client; one task per process looks at
-every stream when the
-earliest of them could be due, and cancels the scope of each that has been waiting for
-`idle_s` or more. A stream that is writing to its client is never due.
+every stream when the earliest of them could be due, and cancels the scope of each that
+has been waiting for `idle_s` or more. A stream that is writing to its client is never
+due.
 
-The router runs the watch's task for its whole life (`serve`, started by `serve_router`),
+The router runs the watch's task for its whole life (`serve`, started by `run_router`),
 so no task is started or ended per stream: at 32 short streams at once, starting a task
 whenever the first stream began and ending it with the last cost a tenth of the router's
 CPU. A watch used without `serve` (a service embedded in a test) starts a trio system task
