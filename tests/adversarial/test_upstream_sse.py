@@ -44,6 +44,17 @@ async def read_stream_with_arrival_times(edge: Edge, expected: list[bytes]) -> t
         await client.aclose()
 
 
+async def stream_from_the_bad_worker(edge: Edge) -> bytes:
+    """Two streams (round robin: one per worker), each answered 200; the body the bad
+    worker's stream reached the client with."""
+    bodies = {}
+    for _ in range(2):
+        response = await edge.client.post("/v1/chat/completions", json=chat(stream=True))
+        assert response.status_code == 200
+        bodies[response.headers["x-router-worker"]] = response.content
+    return bodies[edge.bad.url]
+
+
 @pytest.mark.parametrize("end", [b"\r\n", b"\n", b"\r"], ids=["crlf", "lf", "cr"])
 async def test_each_event_reaches_the_client_as_soon_as_it_is_sent(end: bytes) -> None:
     sent_at: list[float] = []
@@ -81,11 +92,7 @@ async def test_a_stream_broken_mid_event_keeps_its_complete_events_before_the_er
 
     with trio.fail_after(GUARD_S):
         async with open_edge(break_mid_event, max_attempts=1) as edge:
-            for _ in range(2):
-                response = await edge.client.post("/v1/chat/completions", json=chat(stream=True))
-                assert response.status_code == 200
-                if response.headers["x-router-worker"] == edge.bad.url:
-                    broken = response.content
+            broken = await stream_from_the_bad_worker(edge)
             assert broken.startswith(b"".join(complete) + b"event: error\ndata: ")
             assert b'"code":"stream_interrupted"' in broken
             assert broken.endswith(b"\n\n")
@@ -104,11 +111,7 @@ async def test_an_event_larger_than_the_bound_goes_out_and_the_error_event_stays
 
     with trio.fail_after(GUARD_S):
         async with open_edge(one_huge_unfinished_event, max_attempts=1) as edge:
-            for _ in range(2):
-                response = await edge.client.post("/v1/chat/completions", json=chat(stream=True))
-                assert response.status_code == 200
-                if response.headers["x-router-worker"] == edge.bad.url:
-                    broken = response.content
+            broken = await stream_from_the_bad_worker(edge)
             assert broken.startswith(big[: 64 * 1024])
             # A blank line closes the partial event, so the error event parses on its own.
             assert b"\n\nevent: error\ndata: " in broken
@@ -140,11 +143,7 @@ async def test_a_framing_error_mid_stream_ends_with_an_error_event_after_the_who
 
     with trio.fail_after(GUARD_S):
         async with open_edge(first_event_then_broken_framing, max_attempts=1) as edge:
-            for _ in range(2):
-                response = await edge.client.post("/v1/chat/completions", json=chat(stream=True))
-                assert response.status_code == 200
-                if response.headers["x-router-worker"] == edge.bad.url:
-                    broken = response.content
+            broken = await stream_from_the_bad_worker(edge)
             assert broken.startswith(first + b"event: error\ndata: ")
             assert b'"code":"stream_interrupted"' in broken and broken.endswith(b"\n\n")
             assert edge.bad_dispatches.count == 1
