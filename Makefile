@@ -25,6 +25,7 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check router conformance tests bench
+	$(BIN)/ruff format --check router conformance tests bench
 	$(BIN)/mypy
 
 # CI runs two planes (python, smg); the vllm-router plane runs in `make conformance` (and

@@ -90,7 +90,9 @@ class CacheRun:
         the per-token cost): what the cache saved, free of the machine's load."""
         if not self.requests:
             return float("nan")
-        return (self.prompt_tokens - self.cached_tokens) * PREFILL_US_PER_TOKEN / 1000 / self.requests
+        return (
+            (self.prompt_tokens - self.cached_tokens) * PREFILL_US_PER_TOKEN / 1000 / self.requests
+        )
 
 
 Log = Callable[[str], None]
@@ -109,14 +111,26 @@ def main(out: Path, quick: bool, log: Log) -> int:
         try:
             log(f"starting {FLEET} fake workers, {per_worker:,} cache tokens each")
             fleet = [
-                start(f"worker{i}", python_module(
-                    "router.cli", "fake-worker", "--port", "0", "--cache-tokens", str(per_worker),
-                    "--prefill-us-per-token", f"{PREFILL_US_PER_TOKEN:g}",
-                ), work)
+                start(
+                    f"worker{i}",
+                    python_module(
+                        "router.cli",
+                        "fake-worker",
+                        "--port",
+                        "0",
+                        "--cache-tokens",
+                        str(per_worker),
+                        "--prefill-us-per-token",
+                        f"{PREFILL_US_PER_TOKEN:g}",
+                    ),
+                    work,
+                )
                 for i in range(FLEET)
             ]
             procs += fleet
-            urls = [proc.wait_for_log(r"fake-worker listening on (http://\S+)")[0] for proc in fleet]
+            urls = [
+                proc.wait_for_log(r"fake-worker listening on (http://\S+)")[0] for proc in fleet
+            ]
             for contender in CONTENDERS:
                 proc, url = _start_contender(contender, urls, work)
                 procs.append(proc)
@@ -136,7 +150,9 @@ def main(out: Path, quick: bool, log: Log) -> int:
                 proc.stop()
     log("micro-benchmark: pick-and-insert, and the tree's memory after 10^5 prompts")
     micro = cache_micro.run(prompts=10_000 if quick else 100_000)
-    log(f"  cache_aware {micro.cache_aware_us:.1f} us, round_robin {micro.round_robin_us:.2f} us per pick")
+    log(
+        f"  cache_aware {micro.cache_aware_us:.1f} us, round_robin {micro.round_robin_us:.2f} us per pick"
+    )
     block = cache_report.markdown(runs, micro, workload, per_worker, PREFILL_US_PER_TOKEN, quick)
     for path in (out, out.with_name("policies.md")):
         cache_report.write_block(path, block)
@@ -159,20 +175,42 @@ def _start_contender(contender: CacheContender, urls: list[str], work: Path) -> 
     port = free_port()
     if contender.plane == "ours":
         command = python_module(
-            "router.cli", "serve", "--port", str(port), "--log-level", "warning",
-            "--policy", contender.policy, *(arg for url in urls for arg in ("--worker", url)),
+            "router.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--policy",
+            contender.policy,
+            *(arg for url in urls for arg in ("--worker", url)),
             *contender.flags,
         )
     else:
         command = python_module(
-            "smg", "launch", "--worker-urls", *urls, "--policy", contender.policy,
-            "--log-level", "warn", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "smg",
+            "launch",
+            "--worker-urls",
+            *urls,
+            "--policy",
+            contender.policy,
+            "--log-level",
+            "warn",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
             *contender.flags,
         )
     proc = start("-".join(contender.name.replace("(", "").replace(")", "").split()), command, work)
     url = f"http://127.0.0.1:{port}"
-    probe = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1})
+    probe = orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
+    )
     proc.wait_for_answer(url + CHAT_PATH, probe, timeout_s=60.0)
     proc.settle_tree(1)
     return proc, url
@@ -198,7 +236,12 @@ def _fleet_counts(urls: list[str]) -> tuple[int, int, tuple[int, ...]]:
 
 
 def _measure(
-    contender: CacheContender, proc: Proc, url: str, urls: list[str], workload: Workload, quick: bool
+    contender: CacheContender,
+    proc: Proc,
+    url: str,
+    urls: list[str],
+    workload: Workload,
+    quick: bool,
 ) -> CacheRun:
     _reset_fleet(urls)
     cpu_before = proc.cpu_seconds()

@@ -35,7 +35,10 @@ class MicroResult:
 
 
 def _workers() -> list[Worker]:
-    return [Worker(record=WorkerRecord(id=f"w{i}", url=f"http://w{i}.test", models=("m",))) for i in range(WORKERS)]
+    return [
+        Worker(record=WorkerRecord(id=f"w{i}", url=f"http://w{i}.test", models=("m",)))
+        for i in range(WORKERS)
+    ]
 
 
 def _prompt(index: int, shared: str) -> str:

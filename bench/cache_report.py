@@ -20,8 +20,12 @@ END = "<!-- bench:cache:end -->"
 
 
 def markdown(
-    runs: Sequence[CacheRun], micro: MicroResult, workload: Workload, cache_tokens: int,
-    prefill_us: float, quick: bool,
+    runs: Sequence[CacheRun],
+    micro: MicroResult,
+    workload: Workload,
+    cache_tokens: int,
+    prefill_us: float,
+    quick: bool,
 ) -> str:
     by_name = {run.contender: run for run in runs}
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -58,7 +62,9 @@ def markdown(
         )
     out += ["", "### Targets", "", "| target | this run | verdict |", "|---|---|---|"]
     for target, measured, ok in _targets(by_name, micro):
-        out.append(f"| {target} | {measured} | {'met' if ok else 'MISSED' if ok is not None else 'not measured'} |")
+        out.append(
+            f"| {target} | {measured} | {'met' if ok else 'MISSED' if ok is not None else 'not measured'} |"
+        )
     out += [
         "",
         "### Micro-benchmark (in-process, CPU time)",
@@ -78,32 +84,44 @@ def markdown(
 
 
 def _targets(runs: dict[str, CacheRun], micro: MicroResult) -> list[tuple[str, str, bool | None]]:
-    ours, smg, rr = runs.get("ours cache_aware"), runs.get("smg cache_aware"), runs.get("ours round_robin")
+    ours, smg, rr = (
+        runs.get("ours cache_aware"),
+        runs.get("smg cache_aware"),
+        runs.get("ours round_robin"),
+    )
     rows: list[tuple[str, str, bool | None]] = []
     if ours and smg:
-        rows.append((
-            "ours cache_aware hit rate >= smg cache_aware's",
-            f"{ours.hit_rate:.1%} vs {smg.hit_rate:.1%}",
-            ours.hit_rate >= smg.hit_rate,
-        ))
+        rows.append(
+            (
+                "ours cache_aware hit rate >= smg cache_aware's",
+                f"{ours.hit_rate:.1%} vs {smg.hit_rate:.1%}",
+                ours.hit_rate >= smg.hit_rate,
+            )
+        )
     if ours and rr:
-        rows.append((
-            "ours cache_aware TTFT p50 at least 2x lower than ours round_robin",
-            f"{ours.ttft_p50_ms:.1f} ms vs {rr.ttft_p50_ms:.1f} ms ({rr.ttft_p50_ms / ours.ttft_p50_ms:.1f}x)",
-            rr.ttft_p50_ms >= 2 * ours.ttft_p50_ms,
-        ))
+        rows.append(
+            (
+                "ours cache_aware TTFT p50 at least 2x lower than ours round_robin",
+                f"{ours.ttft_p50_ms:.1f} ms vs {rr.ttft_p50_ms:.1f} ms ({rr.ttft_p50_ms / ours.ttft_p50_ms:.1f}x)",
+                rr.ttft_p50_ms >= 2 * ours.ttft_p50_ms,
+            )
+        )
         if ours.cpu_4k_us_per_request is not None and rr.cpu_4k_us_per_request is not None:
             ratio = ours.cpu_4k_us_per_request / rr.cpu_4k_us_per_request
-            rows.append((
-                "router CPU per 4 KiB request, tree >= 10^6 characters: cache_aware <= 1.5x round_robin",
-                f"{ours.cpu_4k_us_per_request:.0f} vs {rr.cpu_4k_us_per_request:.0f} us ({ratio:.2f}x)",
-                ratio <= 1.5,
-            ))
-    rows.append((
-        "tree memory under --max-tree-size after 10^5 distinct prompts",
-        f"{micro.peak_chars:,} <= {micro.budget_chars:,} characters ({micro.distinct_prompts:,} prompts)",
-        micro.peak_chars <= micro.budget_chars if micro.distinct_prompts >= 100_000 else None,
-    ))
+            rows.append(
+                (
+                    "router CPU per 4 KiB request, tree >= 10^6 characters: cache_aware <= 1.5x round_robin",
+                    f"{ours.cpu_4k_us_per_request:.0f} vs {rr.cpu_4k_us_per_request:.0f} us ({ratio:.2f}x)",
+                    ratio <= 1.5,
+                )
+            )
+    rows.append(
+        (
+            "tree memory under --max-tree-size after 10^5 distinct prompts",
+            f"{micro.peak_chars:,} <= {micro.budget_chars:,} characters ({micro.distinct_prompts:,} prompts)",
+            micro.peak_chars <= micro.budget_chars if micro.distinct_prompts >= 100_000 else None,
+        )
+    )
     return rows
 
 

@@ -42,7 +42,9 @@ class Workload:
         return _text(random.Random(self.seed), self.system_chars)
 
     def user_message(self, conversation: int, turn: int) -> str:
-        return f"[{conversation}.{turn}] " + _text(random.Random(self.seed * 7919 + conversation * 131 + turn), self.user_chars)
+        return f"[{conversation}.{turn}] " + _text(
+            random.Random(self.seed * 7919 + conversation * 131 + turn), self.user_chars
+        )
 
     @property
     def requests(self) -> int:
@@ -93,7 +95,11 @@ async def play(url: str, workload: Workload, *, timeout_s: float = 60.0) -> Clie
 
 
 async def _converse(
-    client: httpx.AsyncClient, workload: Workload, system: str, conversation: int, stats: ClientStats
+    client: httpx.AsyncClient,
+    workload: Workload,
+    system: str,
+    conversation: int,
+    stats: ClientStats,
 ) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     for turn in range(workload.turns):
@@ -104,7 +110,10 @@ async def _converse(
             "max_tokens": workload.answer_tokens,
             "stream": True,
         }
-        headers = {"x-session-id": f"conversation-{conversation}", "content-type": "application/json"}
+        headers = {
+            "x-session-id": f"conversation-{conversation}",
+            "content-type": "application/json",
+        }
         answer = await _stream_one(client, orjson.dumps(body), headers, stats)
         messages.append({"role": "assistant", "content": answer})
 

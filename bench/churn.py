@@ -37,7 +37,9 @@ def time_wait_toward(ports: list[int]) -> int:
         ["ss", "-tan", "state", "time-wait"], capture_output=True, text=True, check=True
     ).stdout
     wanted = {f"127.0.0.1:{port}" for port in ports}
-    return sum(1 for line in out.splitlines()[1:] if line.split()[-1:] and line.split()[-1] in wanted)
+    return sum(
+        1 for line in out.splitlines()[1:] if line.split()[-1:] and line.split()[-1] in wanted
+    )
 
 
 def established_toward(ports: list[int], pids: list[int]) -> int:
@@ -62,10 +64,14 @@ def _sample_peak(ports: list[int], pids: list[int], stop: threading.Event, peak:
 
 def main() -> int:
     CONTENDERS[IDLE_AS_CAP] = Contender(
-        IDLE_AS_CAP, "router serve --pool-max-idle-per-worker 256", ("--pool-max-idle-per-worker", "256")
+        IDLE_AS_CAP,
+        "router serve --pool-max-idle-per-worker 256",
+        ("--pool-max-idle-per-worker", "256"),
     )
     CONTENDERS[CAP_32] = Contender(
-        CAP_32, "router serve --max-connections-per-worker 32", ("--max-connections-per-worker", "32")
+        CAP_32,
+        "router serve --max-connections-per-worker 32",
+        ("--max-connections-per-worker", "32"),
     )
     started = time.monotonic()
 
@@ -89,7 +95,9 @@ def main() -> int:
                     before = time_wait_toward(ports)
                     stop = threading.Event()
                     peak = [0]
-                    sampler = threading.Thread(target=_sample_peak, args=(ports, target.proc.pids, stop, peak))
+                    sampler = threading.Thread(
+                        target=_sample_peak, args=(ports, target.proc.pids, stop, peak)
+                    )
                     sampler.start()
                     try:
                         m = bench.measure(target, case, 0)

@@ -32,17 +32,52 @@ def build_parser() -> argparse.ArgumentParser:
             "interleaved rounds, and write the results into a Markdown file with a chart."
         ),
     )
-    parser.add_argument("--quick", action="store_true", help=f"1 s runs, cases {', '.join(QUICK_CASES)}, 2,000 idle streams")
-    parser.add_argument("--duration", type=int, default=None, help="seconds per run (whole seconds: wrk's unit; default 2)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"1 s runs, cases {', '.join(QUICK_CASES)}, 2,000 idle streams",
+    )
+    parser.add_argument(
+        "--duration",
+        type=int,
+        default=None,
+        help="seconds per run (whole seconds: wrk's unit; default 2)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of {', '.join(CONTENDERS)}")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated, of {', '.join(CONTENDERS)}",
+    )
     parser.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(CASES)}")
-    parser.add_argument("--idle-streams", type=int, default=None, help="idle SSE streams held through `ours` (0 skips; default 10,000)")
+    parser.add_argument(
+        "--idle-streams",
+        type=int,
+        default=None,
+        help="idle SSE streams held through `ours` (0 skips; default 10,000)",
+    )
     parser.add_argument("--no-burst", action="store_true", help="skip the burst-then-c=1 run")
-    parser.add_argument("--profile", action="store_true", help="also run py-spy on `ours` under unary c=32 and report the top functions")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Markdown file; its results block is replaced (default docs/performance.md)")
-    parser.add_argument("--stages", action="store_true", help="print the router's CPU per request stage by stage (bench/stages.py): micro-benchmarks, and the rest of one short unary c=32 run through ours")
-    parser.add_argument("--cache", action="store_true", help="run the cache-aware benchmark instead (bench/cache.py): multi-turn conversations on fake workers with prefix caches; writes its own section of --out and of policies.md beside it")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also run py-spy on `ours` under unary c=32 and report the top functions",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="Markdown file; its results block is replaced (default docs/performance.md)",
+    )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="print the router's CPU per request stage by stage (bench/stages.py): micro-benchmarks, and the rest of one short unary c=32 run through ours",
+    )
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="run the cache-aware benchmark instead (bench/cache.py): multi-turn conversations on fake workers with prefix caches; writes its own section of --out and of policies.md beside it",
+    )
     return parser
 
 
@@ -50,7 +85,9 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise SystemExit(f"python -m bench: unknown {what} {', '.join(unknown)} (known: {', '.join(known)})")
+        raise SystemExit(
+            f"python -m bench: unknown {what} {', '.join(unknown)} (known: {', '.join(known)})"
+        )
     return names
 
 
@@ -60,13 +97,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import cache
 
         started = time.monotonic()
-        return cache.main(args.out, args.quick, lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True))
+        return cache.main(
+            args.out,
+            args.quick,
+            lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+        )
     duration = args.duration if args.duration is not None else (1 if args.quick else 2)
     if args.stages:
         return _stages(duration)
-    cases = _names(args.cases or ",".join(QUICK_CASES if args.quick else CASES), list(CASES), "case")
+    cases = _names(
+        args.cases or ",".join(QUICK_CASES if args.quick else CASES), list(CASES), "case"
+    )
     contenders = _names(args.contenders, list(CONTENDERS), "contender")
-    idle_count = args.idle_streams if args.idle_streams is not None else (2000 if args.quick else 10_000)
+    idle_count = (
+        args.idle_streams if args.idle_streams is not None else (2000 if args.quick else 10_000)
+    )
     if duration < 1 or args.rounds < 1:
         raise SystemExit("python -m bench: --duration and --rounds must be at least 1")
     notes: list[str] = []
@@ -85,7 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     nofile = raise_nofile_limit()
     if idle_count > nofile - FD_SPARE:
-        notes.append(f"The open-file limit ({nofile:,}) caps the idle streams at {nofile - FD_SPARE:,}.")
+        notes.append(
+            f"The open-file limit ({nofile:,}) caps the idle streams at {nofile - FD_SPARE:,}."
+        )
         idle_count = nofile - FD_SPARE
 
     def log(message: str) -> None:
@@ -192,9 +239,13 @@ def _run(
         for name in ("ours", "smg"):
             if name in bench.targets:
                 log(f"burst then quiet: {name}")
-                burst = bench.burst_then_quiet(bench.targets[name], CASES["unary-c256"], CASES["unary-c1"])
+                burst = bench.burst_then_quiet(
+                    bench.targets[name], CASES["unary-c256"], CASES["unary-c1"]
+                )
                 session.bursts.append(burst)
-                log(f"  c=1 p50 {burst.before.p50_ms:.3f} ms before, {burst.after.p50_ms:.3f} ms after")
+                log(
+                    f"  c=1 p50 {burst.before.p50_ms:.3f} ms before, {burst.after.p50_ms:.3f} ms after"
+                )
     if args.profile and "ours" in bench.targets:
         log("profiling ours under unary c=32 (py-spy)")
         session.profile = bench.profile(bench.targets["ours"], CASES["unary-c32"])
@@ -213,5 +264,6 @@ def _run(
             log(f"holding {count:,} idle streams through {name}")
             held = bench.idle_streams(bench.targets[name], count, IDLE_TIMEOUT_S)
             session.idle.append(held)
-            log(f"  {held.opened:,} open, RSS {held.rss_held_kb / 1024:,.0f} MB (before {held.rss_before_kb / 1024:,.0f} MB)")
-
+            log(
+                f"  {held.opened:,} open, RSS {held.rss_held_kb / 1024:,.0f} MB (before {held.rss_before_kb / 1024:,.0f} MB)"
+            )

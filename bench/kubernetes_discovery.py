@@ -38,15 +38,22 @@ async def _until(condition: object) -> None:
 
 async def measure(runs: int) -> dict[str, list[float]]:
     api = FakeKubeApi()
-    results: dict[str, list[float]] = {"deletionTimestamp -> out of routing": [], "Ready -> first request routed": []}
+    results: dict[str, list[float]] = {
+        "deletionTimestamp -> out of routing": [],
+        "Ready -> first request routed": [],
+    }
     with tempfile.TemporaryDirectory() as scratch:
         async with open_fake_fleet(2) as (base, new), trio.open_nursery() as nursery:
             api.add_pod(worker_pod(base, "base", APP))
             await nursery.start(api.serve)
             settings = Settings.defaults(
-                port=0, health_interval_s=3600.0, discovery="kubernetes", k8s_selector="app=engine",
-                k8s_kubeconfig=str(write_kubeconfig(Path(scratch), api)), log_level="warning",
-            )  # fmt: skip
+                port=0,
+                health_interval_s=3600.0,
+                discovery="kubernetes",
+                k8s_selector="app=engine",
+                k8s_kubeconfig=str(write_kubeconfig(Path(scratch), api)),
+                log_level="warning",
+            )
             router: RunningRouter = await nursery.start(partial(run_router, settings))
             fleet = router.fleet
             async with httpx.AsyncClient(base_url=router.url) as client:
@@ -66,7 +73,9 @@ async def measure(runs: int) -> dict[str, list[float]]:
                     api.begin_deletion(name, grace_s=15)
                     deleted_at = trio.current_time()
                     await _until(lambda wid=worker_id: (w := fleet.get(wid)) is None or w.draining)
-                    results["deletionTimestamp -> out of routing"].append(trio.current_time() - deleted_at)
+                    results["deletionTimestamp -> out of routing"].append(
+                        trio.current_time() - deleted_at
+                    )
                     api.finish_deletion(name)
                     await _until(lambda wid=worker_id: fleet.get(wid) is None)
             nursery.cancel_scope.cancel()
@@ -74,14 +83,18 @@ async def measure(runs: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.kubernetes_discovery", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kubernetes_discovery", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args(argv)
     results = trio.run(measure, args.runs)
     print("| what | median | min | max | runs |\n|---|---|---|---|---|")
     for what, values in results.items():
         ms = [v * 1000 for v in values]
-        print(f"| {what} | {statistics.median(ms):.1f} ms | {min(ms):.1f} ms | {max(ms):.1f} ms | {len(ms)} |")
+        print(
+            f"| {what} | {statistics.median(ms):.1f} ms | {min(ms):.1f} ms | {max(ms):.1f} ms | {len(ms)} |"
+        )
     return 0
 
 

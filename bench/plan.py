@@ -80,8 +80,17 @@ CONTENDERS: dict[str, Contender] = {
     for c in (
         Contender("direct", "straight to one fake worker (its CPU is the worker's)"),
         Contender("ours", "router serve, native front (trio + llhttp)", ()),
-        Contender("ours-hypercorn", "router serve --server hypercorn (ASGI adapter)", ("--server", "hypercorn")),
-        Contender("ours-2proc", "router serve --processes 2 (SO_REUSEPORT)", ("--processes", "2"), processes=2),
+        Contender(
+            "ours-hypercorn",
+            "router serve --server hypercorn (ASGI adapter)",
+            ("--server", "hypercorn"),
+        ),
+        Contender(
+            "ours-2proc",
+            "router serve --processes 2 (SO_REUSEPORT)",
+            ("--processes", "2"),
+            processes=2,
+        ),
         Contender("smg", "SGLang Model Gateway (Rust), round_robin"),
     )
 }

@@ -136,9 +136,7 @@ class Proc:
                 raise BenchError(f"{self.name}: no {pattern!r} within {timeout_s}s\n{self._tail()}")
             time.sleep(0.05)
 
-    def wait_for_answer(
-        self, url: str, body: bytes, timeout_s: float = 30.0
-    ) -> None:
+    def wait_for_answer(self, url: str, body: bytes, timeout_s: float = 30.0) -> None:
         """Poll `url` with a POST of `body` until it answers 200."""
         deadline = time.monotonic() + timeout_s
         last = ""

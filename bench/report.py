@@ -105,7 +105,9 @@ class Verdict:
         return {True: "met", False: "**missed**", None: "not measured"}[self.met]
 
 
-def targets(rows: dict[tuple[str, str], Row], bursts: Sequence[BurstResult], idle: Sequence[IdleStreams]) -> list[Verdict]:
+def targets(
+    rows: dict[tuple[str, str], Row], bursts: Sequence[BurstResult], idle: Sequence[IdleStreams]
+) -> list[Verdict]:
     """The performance targets for `ours`, each with its figure from this run: against smg
     in the same run where a target is set against it, else absolute."""
     ours = {case: row for (contender, case), row in rows.items() if contender == "ours"}
@@ -113,41 +115,79 @@ def targets(rows: dict[tuple[str, str], Row], bursts: Sequence[BurstResult], idl
     verdicts = []
     for case in ("unary-c32", "stream-c32"):
         share = _ratio(_cpu(ours.get(case)), _cpu(smg.get(case)))
-        verdicts.append(Verdict(f"ours / smg req per CPU-s >= {SMG_SHARE_TARGET}, {case}", _num(share, 2),
-                                None if share is None else share >= SMG_SHARE_TARGET))
+        verdicts.append(
+            Verdict(
+                f"ours / smg req per CPU-s >= {SMG_SHARE_TARGET}, {case}",
+                _num(share, 2),
+                None if share is None else share >= SMG_SHARE_TARGET,
+            )
+        )
     per_event = cpu_us_per_event(ours.get("paced-c64"))
     verdicts.append(
-        Verdict(f"<= {EVENT_US_TARGET} us router CPU per relayed SSE event (paced)",
-                f"{per_event:.1f} us (smg {_num(cpu_us_per_event(smg.get('paced-c64')), 1)})" if per_event is not None else "n/a",
-                None if per_event is None else per_event <= EVENT_US_TARGET)
+        Verdict(
+            f"<= {EVENT_US_TARGET} us router CPU per relayed SSE event (paced)",
+            f"{per_event:.1f} us (smg {_num(cpu_us_per_event(smg.get('paced-c64')), 1)})"
+            if per_event is not None
+            else "n/a",
+            None if per_event is None else per_event <= EVENT_US_TARGET,
+        )
     )
-    direct, mine, theirs = rows.get(("direct", "unary-c1")), ours.get("unary-c1"), smg.get("unary-c1")
+    direct, mine, theirs = (
+        rows.get(("direct", "unary-c1")),
+        ours.get("unary-c1"),
+        smg.get("unary-c1"),
+    )
     if direct and mine and theirs:
         added, smg_added = mine.p50_ms - direct.p50_ms, theirs.p50_ms - direct.p50_ms
-        verdicts.append(Verdict(f"added p50 at c=1 <= smg's + {ADDED_P50_MARGIN_MS} ms", f"+{added:.3f} ms (smg +{smg_added:.3f} ms)",
-                                added <= smg_added + ADDED_P50_MARGIN_MS))
+        verdicts.append(
+            Verdict(
+                f"added p50 at c=1 <= smg's + {ADDED_P50_MARGIN_MS} ms",
+                f"+{added:.3f} ms (smg +{smg_added:.3f} ms)",
+                added <= smg_added + ADDED_P50_MARGIN_MS,
+            )
+        )
     else:
-        verdicts.append(Verdict(f"added p50 at c=1 <= smg's + {ADDED_P50_MARGIN_MS} ms", "n/a", None))
+        verdicts.append(
+            Verdict(f"added p50 at c=1 <= smg's + {ADDED_P50_MARGIN_MS} ms", "n/a", None)
+        )
     c32, c256, smg256 = ours.get("unary-c32"), ours.get("unary-c256"), smg.get("unary-c256")
     if c256 and smg256:
-        verdicts.append(Verdict(f"unary c=256 p99 <= {P99_SMG_FACTOR}x smg's", f"{c256.p99_ms:.1f} ms (smg {smg256.p99_ms:.1f} ms)",
-                                c256.p99_ms <= P99_SMG_FACTOR * smg256.p99_ms))
+        verdicts.append(
+            Verdict(
+                f"unary c=256 p99 <= {P99_SMG_FACTOR}x smg's",
+                f"{c256.p99_ms:.1f} ms (smg {smg256.p99_ms:.1f} ms)",
+                c256.p99_ms <= P99_SMG_FACTOR * smg256.p99_ms,
+            )
+        )
     else:
         verdicts.append(Verdict(f"unary c=256 p99 <= {P99_SMG_FACTOR}x smg's", "n/a", None))
     share_256 = _ratio(_cpu(c256), _cpu(c32))
-    verdicts.append(Verdict(f"unary c=256 req per CPU-s >= {C256_SHARE_TARGET:.0%} of c=32", "n/a" if share_256 is None else f"{share_256:.0%}",
-                            None if share_256 is None else share_256 >= C256_SHARE_TARGET))
+    verdicts.append(
+        Verdict(
+            f"unary c=256 req per CPU-s >= {C256_SHARE_TARGET:.0%} of c=32",
+            "n/a" if share_256 is None else f"{share_256:.0%}",
+            None if share_256 is None else share_256 >= C256_SHARE_TARGET,
+        )
+    )
     verdicts.append(_idle_verdict(idle))
     burst = next((b for b in bursts if b.contender == "ours"), None)
     if burst is not None:
         slowdown = burst.after.p50_ms / burst.before.p50_ms if burst.before.p50_ms else None
         verdicts.append(
-            Verdict(f"no slow-down after a c=256 burst (c=1 p50 after <= {BURST_SLOWDOWN_LIMIT}x before)",
-                    f"{burst.before.p50_ms:.3f} -> {burst.after.p50_ms:.3f} ms",
-                    None if slowdown is None else slowdown <= BURST_SLOWDOWN_LIMIT)
+            Verdict(
+                f"no slow-down after a c=256 burst (c=1 p50 after <= {BURST_SLOWDOWN_LIMIT}x before)",
+                f"{burst.before.p50_ms:.3f} -> {burst.after.p50_ms:.3f} ms",
+                None if slowdown is None else slowdown <= BURST_SLOWDOWN_LIMIT,
+            )
         )
     stretch = _ratio(_cpu(c32), _cpu(smg.get("unary-c32")))
-    verdicts.append(Verdict("stretch: ours / smg req per CPU-s >= 1 (c=32)", _num(stretch, 2), None if stretch is None else stretch >= 1))
+    verdicts.append(
+        Verdict(
+            "stretch: ours / smg req per CPU-s >= 1 (c=32)",
+            _num(stretch, 2),
+            None if stretch is None else stretch >= 1,
+        )
+    )
     return verdicts
 
 
@@ -216,7 +256,11 @@ def results_markdown(session: Session, header: dict[str, str], png_name: str | N
             row = rows.get((contender, case))
             if row is None:
                 continue
-            spread = f" ({_num(row.req_per_cpu_low)}-{_num(row.req_per_cpu_high)})" if row.rounds > 1 else ""
+            spread = (
+                f" ({_num(row.req_per_cpu_low)}-{_num(row.req_per_cpu_high)})"
+                if row.rounds > 1
+                else ""
+            )
             out.append(
                 f"| {case} | {contender} | {_num(row.rps)} | {row.p50_ms:.2f} | {row.p99_ms:.2f} "
                 f"| {row.errors} | {row.cpu_cores:.2f} | **{_num(row.req_per_cpu)}**{spread} "
@@ -225,9 +269,13 @@ def results_markdown(session: Session, header: dict[str, str], png_name: str | N
     out += ["", "### Ratios (requests per CPU-second unless stated)", ""]
     out += _ratios(rows, contenders, cases)
     if session.bursts:
-        out += ["", "### Burst at c=256, then c=1", "",
-                "| contender | c=1 before: req/s, p50, p99 | burst: req/s, p99, errors | c=1 after: req/s, p50, p99 |",
-                "|---|---|---|---|"]
+        out += [
+            "",
+            "### Burst at c=256, then c=1",
+            "",
+            "| contender | c=1 before: req/s, p50, p99 | burst: req/s, p99, errors | c=1 after: req/s, p50, p99 |",
+            "|---|---|---|---|",
+        ]
         for b in session.bursts:
             out.append(
                 f"| {b.contender} | {_num(b.before.rps)}, {b.before.p50_ms:.3f} ms, {b.before.p99_ms:.2f} ms "
@@ -259,7 +307,9 @@ def results_markdown(session: Session, header: dict[str, str], png_name: str | N
 
 
 def _profile(profile: Profile) -> list[str]:
-    packages = ", ".join(f"{name} {pct:.0f}%" for name, pct in profile.by_package.items() if pct >= 0.5)
+    packages = ", ".join(
+        f"{name} {pct:.0f}%" for name, pct in profile.by_package.items() if pct >= 0.5
+    )
     out = [
         "",
         f"### Profile: `ours`, unary c=32 (py-spy, {profile.samples:,} samples)",
@@ -269,9 +319,21 @@ def _profile(profile: Profile) -> list[str]:
         "| self % | total % | function | where |",
         "|--:|--:|---|---|",
     ]
-    out += [f"| {e.self_pct:.1f} | {e.total_pct:.1f} | `{e.function}` | {e.where} |" for e in profile.top_self]
-    out += ["", "Our own functions by self time:", "", "| self % | total % | function | where |", "|--:|--:|---|---|"]
-    out += [f"| {e.self_pct:.1f} | {e.total_pct:.1f} | `{e.function}` | {e.where} |" for e in profile.top_router]
+    out += [
+        f"| {e.self_pct:.1f} | {e.total_pct:.1f} | `{e.function}` | {e.where} |"
+        for e in profile.top_self
+    ]
+    out += [
+        "",
+        "Our own functions by self time:",
+        "",
+        "| self % | total % | function | where |",
+        "|--:|--:|---|---|",
+    ]
+    out += [
+        f"| {e.self_pct:.1f} | {e.total_pct:.1f} | `{e.function}` | {e.where} |"
+        for e in profile.top_router
+    ]
     return out
 
 
@@ -289,7 +351,9 @@ def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list
         cells = []
         for case in cases:
             ra, rb = rows.get((a, case)), rows.get((b, case))
-            cells.append(_num(_ratio(ra.req_per_cpu if ra else None, rb.req_per_cpu if rb else None), 2))
+            cells.append(
+                _num(_ratio(ra.req_per_cpu if ra else None, rb.req_per_cpu if rb else None), 2)
+            )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     direct = rows.get(("direct", "unary-c1"))
     if direct:
@@ -298,7 +362,12 @@ def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list
             for c in contenders
             if c != "direct" and (c, "unary-c1") in rows
         ]
-        lines += ["", f"Added p50 over direct at c=1 (direct {direct.p50_ms:.3f} ms): " + ", ".join(added) + "."]
+        lines += [
+            "",
+            f"Added p50 over direct at c=1 (direct {direct.p50_ms:.3f} ms): "
+            + ", ".join(added)
+            + ".",
+        ]
     for case in ("paced-c64", "stream-c32"):
         per_event = [
             f"{c} {value:.1f} us"
@@ -338,11 +407,16 @@ def write_chart(path: Path, measurements: Sequence[Measurement]) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     for index, contender in enumerate(contenders):
         xs = [i + index * width for i in range(len(cases))]
-        efficiency = [(rows[(contender, c)].req_per_cpu or 0) if (contender, c) in rows else 0 for c in cases]
+        efficiency = [
+            (rows[(contender, c)].req_per_cpu or 0) if (contender, c) in rows else 0 for c in cases
+        ]
         p99 = [rows[(contender, c)].p99_ms if (contender, c) in rows else 0 for c in cases]
         left.bar(xs, efficiency, width, label=contender)
         right.bar(xs, p99, width, label=contender)
-    for axis, title in ((left, "requests per CPU-second (higher is better)"), (right, "p99 latency, ms (log; lower is better)")):
+    for axis, title in (
+        (left, "requests per CPU-second (higher is better)"),
+        (right, "p99 latency, ms (log; lower is better)"),
+    ):
         axis.set_xticks([i + width * (len(contenders) - 1) / 2 for i in range(len(cases))])
         axis.set_xticklabels(cases, rotation=20)
         axis.set_title(title)

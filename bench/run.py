@@ -95,7 +95,10 @@ class Session:
         return {
             "measurements": [asdict(m) for m in self.measurements],
             "bursts": [
-                {"contender": b.contender, **{k: asdict(getattr(b, k)) for k in ("before", "burst", "after")}}
+                {
+                    "contender": b.contender,
+                    **{k: asdict(getattr(b, k)) for k in ("before", "burst", "after")},
+                }
                 for b in self.bursts
             ],
             "idle": [asdict(i) for i in self.idle],
@@ -130,7 +133,9 @@ class Bench:
 
     def start_fleet(self) -> None:
         for index in range(FLEET_SIZE):
-            proc = self._start(f"worker{index}", python_module("router.cli", "fake-worker", "--port", "0"))
+            proc = self._start(
+                f"worker{index}", python_module("router.cli", "fake-worker", "--port", "0")
+            )
             self.fleet.append(proc)
         for proc in self.fleet:
             (url,) = proc.wait_for_log(r"fake-worker listening on (http://\S+)")
@@ -149,17 +154,34 @@ class Bench:
             port = free_port()
             if contender.router_flags is not None:
                 command = python_module(
-                    "router.cli", "serve", "--port", str(port), "--log-level", "info",
-                    "--max-connections", str(ROUTER_MAX_CONNECTIONS),
+                    "router.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "info",
+                    "--max-connections",
+                    str(ROUTER_MAX_CONNECTIONS),
                     # An idle stream holds an upstream connection: as many as clients.
-                    "--max-connections-per-worker", str(ROUTER_MAX_CONNECTIONS),
+                    "--max-connections-per-worker",
+                    str(ROUTER_MAX_CONNECTIONS),
                     *(arg for url in self.fleet_urls for arg in ("--worker", url)),
                     *contender.router_flags,
                 )
             else:
                 command = python_module(
-                    "smg", "launch", "--worker-urls", *self.fleet_urls, "--policy", "round_robin",
-                    "--log-level", "warn", "--host", "127.0.0.1", "--port", str(port),
+                    "smg",
+                    "launch",
+                    "--worker-urls",
+                    *self.fleet_urls,
+                    "--policy",
+                    "round_robin",
+                    "--log-level",
+                    "warn",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
                 )
             proc = self._start(name, command)
             target = Target(contender, f"http://127.0.0.1:{port}", proc)
@@ -192,7 +214,9 @@ class Bench:
         """Set every fake worker's time between tokens, at run time."""
         with httpx.Client(timeout=5.0) as client:
             for url in self.fleet_urls:
-                response = client.post(url + "/debug/behaviour", json={"token_latency_ms": token_latency_ms})
+                response = client.post(
+                    url + "/debug/behaviour", json={"token_latency_ms": token_latency_ms}
+                )
                 response.raise_for_status()
 
     def script(self, body: bytes) -> Path:
@@ -200,9 +224,14 @@ class Bench:
             self._scripts[body] = write_script(self.work_dir, f"body{len(self._scripts)}", body)
         return self._scripts[body]
 
-    def wrk(self, target: Target, body: bytes, connections: int, duration_s: int | None = None) -> WrkResult:
+    def wrk(
+        self, target: Target, body: bytes, connections: int, duration_s: int | None = None
+    ) -> WrkResult:
         return run_wrk(
-            self.wrk_path, target.url + CHAT_PATH, self.script(body), connections,
+            self.wrk_path,
+            target.url + CHAT_PATH,
+            self.script(body),
+            connections,
             duration_s or self.duration_s,
         )
 
@@ -270,10 +299,22 @@ class Bench:
         window = max(self.duration_s, PROFILE_MIN_S)
         spy = subprocess.Popen(
             [
-                pyspy.find_py_spy(), "record", "--pid", str(pid), "--duration", str(window),
-                "--rate", "250", "--format", "raw", "--nolineno", "--output", str(output),
+                pyspy.find_py_spy(),
+                "record",
+                "--pid",
+                str(pid),
+                "--duration",
+                str(window),
+                "--rate",
+                "250",
+                "--format",
+                "raw",
+                "--nolineno",
+                "--output",
+                str(output),
             ],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         # py-spy attaches within a fraction of a second; the load runs past its window.
         time.sleep(0.3)
@@ -302,7 +343,9 @@ def machine() -> dict[str, str]:
 
     model = "unknown"
     try:
-        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+        match = re.search(
+            r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE
+        )
         if match:
             model = match.group(1).strip()
     except OSError:

@@ -65,15 +65,19 @@ STREAM_HEAD = (
     b"transfer-encoding: chunked\r\ndate: Mon, 30 Nov 2026 12:00:00 GMT\r\nserver: fake-worker\r\n\r\n"
 )
 # One chunk of a paced stream: one SSE event (~200 bytes) per read.
-SSE_EVENT = b"data: " + orjson.dumps(
-    {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1764504000,
-        "model": "bench-model",
-        "choices": [{"index": 0, "delta": {"content": " token"}, "finish_reason": None}],
-    }
-) + b"\n\n"
+SSE_EVENT = (
+    b"data: "
+    + orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1764504000,
+            "model": "bench-model",
+            "choices": [{"index": 0, "delta": {"content": " token"}, "finish_reason": None}],
+        }
+    )
+    + b"\n\n"
+)
 SSE_CHUNK = b"%x\r\n" % len(SSE_EVENT) + SSE_EVENT + b"\r\n"
 LOOPS = 2000
 REPEATS = 5
@@ -212,21 +216,43 @@ def _sse_chunk_by_hand() -> Callable[[], object]:
 
 def stages() -> list[Stage]:
     return [
-        Stage("accept and parse", "RequestParser (llhttp): a fresh parser, the head and the body", _parse_with_llhttp),
+        Stage(
+            "accept and parse",
+            "RequestParser (llhttp): a fresh parser, the head and the body",
+            _parse_with_llhttp,
+        ),
         Stage(
             "JSON decode",
             "parse_generation_request (orjson and the shape checks)",
             lambda: parse_generation_request("/v1/chat/completions", BODY, ["bench-model"]),
         ),
-        Stage("selection and breaker", "round robin over 4, breaker acquire and record", _selection()),
+        Stage(
+            "selection and breaker", "round robin over 4, breaker acquire and record", _selection()
+        ),
         Stage(
             "upstream write",
             "encode_request (head checked, one join)",
-            lambda: encode_request("POST", "/v1/chat/completions", b"127.0.0.1:1", [(b"content-type", b"application/json")], BODY),
+            lambda: encode_request(
+                "POST",
+                "/v1/chat/completions",
+                b"127.0.0.1:1",
+                [(b"content-type", b"application/json")],
+                BODY,
+            ),
         ),
-        Stage("upstream parse", "head end found, UpstreamParser.parse_head (llhttp behind our checks)", _upstream_parse),
-        Stage("relay to the client", "encode_head (grammar, framing, keep-alive) and the body", _relay),
-        Stage("metrics", "requests counter, duration and ttfb histograms (labels per call)", _metrics()),
+        Stage(
+            "upstream parse",
+            "head end found, UpstreamParser.parse_head (llhttp behind our checks)",
+            _upstream_parse,
+        ),
+        Stage(
+            "relay to the client", "encode_head (grammar, framing, keep-alive) and the body", _relay
+        ),
+        Stage(
+            "metrics",
+            "requests counter, duration and ttfb histograms (labels per call)",
+            _metrics(),
+        ),
         Stage("logging", "request id chosen, set for the log context, reset", _request_id),
     ]
 
@@ -235,11 +261,23 @@ def parser_figures() -> list[tuple[str, float | None]]:
     """The request and response parsers weighed for each edge; None where not installed."""
     figures: list[tuple[str, float | None]] = [
         ("request, h11 (the server edge before)", best_us(_parse_with_h11)),
-        ("request, RequestParser (llhttp framed by us: the server edge now)", best_us(_parse_with_llhttp)),
-        ("response head, hand-written (the upstream edge before)", best_us(_upstream_parse_by_hand)),
-        ("response head, UpstreamParser (llhttp behind our checks: the upstream edge now)", best_us(_upstream_parse)),
+        (
+            "request, RequestParser (llhttp framed by us: the server edge now)",
+            best_us(_parse_with_llhttp),
+        ),
+        (
+            "response head, hand-written (the upstream edge before)",
+            best_us(_upstream_parse_by_hand),
+        ),
+        (
+            "response head, UpstreamParser (llhttp behind our checks: the upstream edge now)",
+            best_us(_upstream_parse),
+        ),
         ("SSE chunk of ~200 bytes, hand-written decoder (before)", best_us(_sse_chunk_by_hand())),
-        ("SSE chunk of ~200 bytes, UpstreamParser.feed_chunked (llhttp: now)", best_us(_sse_chunk_with_llhttp())),
+        (
+            "SSE chunk of ~200 bytes, UpstreamParser.feed_chunked (llhttp: now)",
+            best_us(_sse_chunk_with_llhttp()),
+        ),
     ]
     if importlib.util.find_spec("httptools") is None:
         figures += [("request, httptools", None), ("response, httptools", None)]
@@ -266,8 +304,14 @@ def parser_figures() -> list[tuple[str, float | None]]:
         return parser
 
     figures += [
-        ("request, bare httptools (a fresh parser, callbacks doing nothing)", best_us(request_with_httptools)),
-        ("response, bare httptools (a fresh parser, head and body, callbacks doing nothing)", best_us(response_with_httptools)),
+        (
+            "request, bare httptools (a fresh parser, callbacks doing nothing)",
+            best_us(request_with_httptools),
+        ),
+        (
+            "response, bare httptools (a fresh parser, head and body, callbacks doing nothing)",
+            best_us(response_with_httptools),
+        ),
     ]
     return figures
 
@@ -282,8 +326,12 @@ def stage_table(total_us: float | None) -> str:
         rows.append(f"| {stage.name} | {stage.what} | {us:.1f} |")
     rows.append(f"| sum of the stages | | {summed:.1f} |")
     if total_us is not None:
-        rows.append(f"| the rest: trio's scheduling, socket calls, the handler's glue | whole minus stages | {total_us - summed:.1f} |")
-        rows.append(f"| whole (unary c=32 through `ours`) | router CPU-seconds / requests | {total_us:.1f} |")
+        rows.append(
+            f"| the rest: trio's scheduling, socket calls, the handler's glue | whole minus stages | {total_us - summed:.1f} |"
+        )
+        rows.append(
+            f"| whole (unary c=32 through `ours`) | router CPU-seconds / requests | {total_us:.1f} |"
+        )
     rows += ["", "| Parser | us per message |", "|---|---|"]
     for name, us in parser_figures():
         rows.append(f"| {name} | {'not installed' if us is None else f'{us:.1f}'} |")

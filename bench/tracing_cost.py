@@ -83,18 +83,30 @@ class _Sink(http.server.BaseHTTPRequestHandler):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tracing_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=2000, help="simulated requests per repeat (default 2000)")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats; the best counts (default 7)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tracing_cost", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--iterations", type=int, default=2000, help="simulated requests per repeat (default 2000)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="repeats; the best counts (default 7)"
+    )
     args = parser.parse_args(argv)
     worker = Worker(WorkerRecord(id="w", url="http://127.0.0.1:1", models=("m",)))
 
     def off() -> None:
         one_request(Tracing(), worker)
 
-    baseline = measure(lambda: Request("POST", "/v1/chat/completions", list(HEADERS)), args.iterations, args.repeats)
+    baseline = measure(
+        lambda: Request("POST", "/v1/chat/completions", list(HEADERS)),
+        args.iterations,
+        args.repeats,
+    )
     off_us = max(0.0, measure(off, args.iterations, args.repeats) - baseline)
-    print(f"tracing off: {off_us:.2f} us per request ({off_us / ROUTER_US_PER_REQUEST:.2%} of ~{ROUTER_US_PER_REQUEST:g} us)")
+    print(
+        f"tracing off: {off_us:.2f} us per request ({off_us / ROUTER_US_PER_REQUEST:.2%} of ~{ROUTER_US_PER_REQUEST:g} us)"
+    )
     if not otel_installed():
         print("tracing on: not measured (pip install 'trio-router[otel]')")
         return 0
@@ -104,8 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Fewer requests: each makes two spans, and past the SDK's queue (2048) spans are
     # dropped, which would measure the drop path instead.
     on_iterations = min(args.iterations, 2000 // (2 * args.repeats))
-    on_us = max(0.0, measure(lambda: one_request(tracing, worker), on_iterations, args.repeats) - baseline)
-    print(f"tracing on:  {on_us:.2f} us per request ({on_us / ROUTER_US_PER_REQUEST:.2%} of ~{ROUTER_US_PER_REQUEST:g} us)")
+    on_us = max(
+        0.0, measure(lambda: one_request(tracing, worker), on_iterations, args.repeats) - baseline
+    )
+    print(
+        f"tracing on:  {on_us:.2f} us per request ({on_us / ROUTER_US_PER_REQUEST:.2%} of ~{ROUTER_US_PER_REQUEST:g} us)"
+    )
     trio.run(tracing.aclose)
     sink.shutdown()
     return 0

@@ -51,7 +51,9 @@ class WrkResult:
 def find_wrk() -> str:
     path = shutil.which("wrk")
     if path is None:
-        raise BenchError("wrk is not installed (Debian/Ubuntu: apt-get install wrk; or `make system-deps`)")
+        raise BenchError(
+            "wrk is not installed (Debian/Ubuntu: apt-get install wrk; or `make system-deps`)"
+        )
     return path
 
 
@@ -74,8 +76,15 @@ def run_wrk(wrk: str, url: str, script: Path, connections: int, duration_s: int)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     completed = subprocess.run(
         [
-            wrk, "-t1", f"-c{connections}", f"-d{duration_s}s", f"--timeout={TIMEOUT_S}s",
-            "--latency", "-s", str(script), url,
+            wrk,
+            "-t1",
+            f"-c{connections}",
+            f"-d{duration_s}s",
+            f"--timeout={TIMEOUT_S}s",
+            "--latency",
+            "-s",
+            str(script),
+            url,
         ],
         capture_output=True,
         text=True,
@@ -84,11 +93,11 @@ def run_wrk(wrk: str, url: str, script: Path, connections: int, duration_s: int)
     )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     wrk_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    line = next(
-        (ln for ln in completed.stdout.splitlines() if ln.startswith(RESULT_MARK)), None
-    )
+    line = next((ln for ln in completed.stdout.splitlines() if ln.startswith(RESULT_MARK)), None)
     if completed.returncode != 0 or line is None:
-        raise BenchError(f"wrk failed ({completed.returncode}): {completed.stderr or completed.stdout}")
+        raise BenchError(
+            f"wrk failed ({completed.returncode}): {completed.stderr or completed.stdout}"
+        )
     data = json.loads(line[len(RESULT_MARK) :])
     errors = sum(data[key] for key in ("connect", "read", "write", "status", "timeout"))
     return WrkResult(

@@ -39,47 +39,92 @@ DEFAULT_REPORTS = Path("conformance/reports")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conformance", description="Play the conformance spec against data planes.")
-    parser.add_argument("--spec", type=Path, default=None, help="spec root folder (default: ./spec)")
+    parser = argparse.ArgumentParser(
+        prog="conformance", description="Play the conformance spec against data planes."
+    )
+    parser.add_argument(
+        "--spec", type=Path, default=None, help="spec root folder (default: ./spec)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run cases against planes and report parity")
     _plane_option(run)
     _selection(run)
-    run.add_argument("--report-md", type=Path, default=None, help="write the parity matrix as Markdown")
-    run.add_argument("--report-yaml", type=Path, default=None, metavar="DIR",
-                     help="write one publishable report per plane to DIR/<plane>/<version>.yaml")
+    run.add_argument(
+        "--report-md", type=Path, default=None, help="write the parity matrix as Markdown"
+    )
+    run.add_argument(
+        "--report-yaml",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write one publishable report per plane to DIR/<plane>/<version>.yaml",
+    )
     run.add_argument("--junit", type=Path, default=None, help="write JUnit XML")
-    run.add_argument("--jobs", type=int, default=4, help="(case, plane) pairs run at once (default 4)")
-    run.add_argument("--run-unsupported", action="store_true",
-                     help="run cases a plane lacks a capability for anyway, to observe it")
-    run.add_argument("--case-timeout-s", type=float, default=CASE_TIMEOUT_S,
-                     help=f"a case still running after this is an error (default {CASE_TIMEOUT_S:g})")
-    run.add_argument("-v", "--verbose", action="store_true", help="print every failure line as cases finish")
+    run.add_argument(
+        "--jobs", type=int, default=4, help="(case, plane) pairs run at once (default 4)"
+    )
+    run.add_argument(
+        "--run-unsupported",
+        action="store_true",
+        help="run cases a plane lacks a capability for anyway, to observe it",
+    )
+    run.add_argument(
+        "--case-timeout-s",
+        type=float,
+        default=CASE_TIMEOUT_S,
+        help=f"a case still running after this is an error (default {CASE_TIMEOUT_S:g})",
+    )
+    run.add_argument(
+        "-v", "--verbose", action="store_true", help="print every failure line as cases finish"
+    )
 
-    validate = commands.add_parser("validate", help="check case files, divergence files and plane capabilities")
+    validate = commands.add_parser(
+        "validate", help="check case files, divergence files and plane capabilities"
+    )
     _plane_option(validate)
-    validate.add_argument("paths", nargs="*", type=Path, help="case files or folders (default: the spec root)")
+    validate.add_argument(
+        "paths", nargs="*", type=Path, help="case files or folders (default: the spec root)"
+    )
 
-    listing = commands.add_parser("list", help="list cases with their tags and what each plane makes of them")
+    listing = commands.add_parser(
+        "list", help="list cases with their tags and what each plane makes of them"
+    )
     _plane_option(listing)
     _selection(listing)
 
     parity = commands.add_parser("parity", help="write the parity matrix from published reports")
-    parity.add_argument("reports", nargs="?", type=Path, default=DEFAULT_REPORTS,
-                        help=f"folder of <plane>/<version>.yaml reports (default {DEFAULT_REPORTS})")
+    parity.add_argument(
+        "reports",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_REPORTS,
+        help=f"folder of <plane>/<version>.yaml reports (default {DEFAULT_REPORTS})",
+    )
     parity.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
     return parser
 
 
 def _plane_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plane", action="append", default=None,
-                        help=f"{', '.join(PLANES)}, all, or module:Class (repeatable; default all)")
+    parser.add_argument(
+        "--plane",
+        action="append",
+        default=None,
+        help=f"{', '.join(PLANES)}, all, or module:Class (repeatable; default all)",
+    )
 
 
 def _selection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--case", action="append", default=[], metavar="GLOB", help="case ids matching GLOB (repeatable)")
-    parser.add_argument("--tag", action="append", default=[], help="only cases with this tag (repeatable)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="case ids matching GLOB (repeatable)",
+    )
+    parser.add_argument(
+        "--tag", action="append", default=[], help="only cases with this tag (repeatable)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,7 +167,9 @@ def _planes(names: Sequence[str]) -> list[Plane]:
     return [resolve_plane(name) for name in dict.fromkeys(expanded)]
 
 
-def validate(paths: Sequence[Path], root: Path, planes: Sequence[Plane], check_divergence_ids: bool = True) -> int:
+def validate(
+    paths: Sequence[Path], root: Path, planes: Sequence[Plane], check_divergence_ids: bool = True
+) -> int:
     """Report every invalid case file, divergence file and plane capability; 0 when all
     are valid.
 
@@ -133,7 +180,11 @@ def validate(paths: Sequence[Path], root: Path, planes: Sequence[Plane], check_d
     if not loaded.cases and not errors:
         print(f"no case files under {', '.join(map(str, paths))}", file=sys.stderr)
         return EXIT_USAGE
-    all_ids = {case.id for case in load_cases([root], root).cases} if check_divergence_ids and root.is_dir() else set()
+    all_ids = (
+        {case.id for case in load_cases([root], root).cases}
+        if check_divergence_ids and root.is_dir()
+        else set()
+    )
     if check_divergence_ids:
         try:
             spec_version(root)
@@ -141,7 +192,9 @@ def validate(paths: Sequence[Path], root: Path, planes: Sequence[Plane], check_d
             errors.append(error)
     for plane in planes:
         for name in unknown(set(plane.capabilities) | set(plane.missing_notes)):
-            errors.append(f"plane {plane.name}: unknown capability {name!r} (see conformance/capabilities.py)")
+            errors.append(
+                f"plane {plane.name}: unknown capability {name!r} (see conformance/capabilities.py)"
+            )
         path = plane.divergences
         if path is None:
             continue
@@ -201,7 +254,11 @@ def parity(folder: Path, out: Path | None) -> int:
 
 
 def run(
-    cases: Sequence[Case], planes: Sequence[Plane], args: argparse.Namespace, argv: Sequence[str] | None, version: str
+    cases: Sequence[Case],
+    planes: Sequence[Plane],
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    version: str,
 ) -> int:
     try:
         divergences = {plane.name: _divergences(plane) for plane in planes}
@@ -214,9 +271,15 @@ def run(
     def progress(outcome: Outcome) -> None:
         nonlocal done
         done += 1
-        print(f"[{done:>3}/{total}] {outcome.verdict:<11} {outcome.plane:<7} {outcome.case_id} ({outcome.seconds:.1f}s)"
-              + (f"  {outcome.detail.splitlines()[0]}" if outcome.detail and outcome.verdict != "pass" else ""),
-              flush=True)
+        print(
+            f"[{done:>3}/{total}] {outcome.verdict:<11} {outcome.plane:<7} {outcome.case_id} ({outcome.seconds:.1f}s)"
+            + (
+                f"  {outcome.detail.splitlines()[0]}"
+                if outcome.detail and outcome.verdict != "pass"
+                else ""
+            ),
+            flush=True,
+        )
         if outcome.verdict in FAILING or args.verbose:
             for line in [*outcome.detail.splitlines()[1:], *outcome.failures]:
                 print(f"        {line}", flush=True)
@@ -226,16 +289,25 @@ def run(
                 print(f"          | {line}", flush=True)
 
     options = RunOptions(
-        jobs=args.jobs, run_unsupported=args.run_unsupported, on_outcome=progress, case_timeout_s=args.case_timeout_s
+        jobs=args.jobs,
+        run_unsupported=args.run_unsupported,
+        on_outcome=progress,
+        case_timeout_s=args.case_timeout_s,
     )
     versions = {plane.name: plane.version() for plane in planes}
-    print(f"running {len(cases)} case(s) of spec version {version} on "
-          f"{', '.join(f'{n} ({v})' for n, v in versions.items())}, {args.jobs} at a time", flush=True)
+    print(
+        f"running {len(cases)} case(s) of spec version {version} on "
+        f"{', '.join(f'{n} ({v})' for n, v in versions.items())}, {args.jobs} at a time",
+        flush=True,
+    )
     started = time.monotonic()
     outcomes = trio.run(run_until_interrupted, cases, planes, divergences, options)
     seconds = time.monotonic() - started
     if outcomes is None:
-        print(f"interrupted after {seconds:.1f}s; every process of the run was stopped", file=sys.stderr)
+        print(
+            f"interrupted after {seconds:.1f}s; every process of the run was stopped",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     command = "conformance " + shlex.join(list(sys.argv[1:] if argv is None else argv))
     info = RunInfo(
@@ -255,8 +327,14 @@ def run(
     if args.junit is not None:
         args.junit.parent.mkdir(parents=True, exist_ok=True)
         args.junit.write_text(junit(outcomes, info), encoding="utf-8")
-    counts = {v: sum(1 for o in outcomes if o.verdict == v) for v in ("pass", "divergent", "unsupported", "fail", "stale", "error")}
-    print(f"done in {seconds:.1f}s: " + ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count))
+    counts = {
+        v: sum(1 for o in outcomes if o.verdict == v)
+        for v in ("pass", "divergent", "unsupported", "fail", "stale", "error")
+    }
+    print(
+        f"done in {seconds:.1f}s: "
+        + ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
+    )
     return EXIT_FAILED if any(o.verdict in FAILING for o in outcomes) else EXIT_OK
 
 

@@ -52,23 +52,42 @@ class Answer:
 
     def excerpt(self, limit: int = 160) -> str:
         if not self.body:
-            return "(empty body)" if self.transport_error is None else f"(empty body; {self.transport_error})"
+            return (
+                "(empty body)"
+                if self.transport_error is None
+                else f"(empty body; {self.transport_error})"
+            )
         text = self.body.decode("utf-8", "replace").replace("\n", "\\n")
         return text if len(text) <= limit else text[:limit] + "..."
 
 
 def default_body(route: str, model: str, stream: bool) -> dict[str, Any]:
     if route == "chat":
-        return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream}
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "stream": stream,
+        }
     if route == "completions":
         return {"model": model, "prompt": "hello", "max_tokens": 4, "stream": stream}
     if route == "responses":
         return {"model": model, "input": "hello", "max_output_tokens": 4, "stream": stream}
     if route == "messages":
-        return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream}
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "stream": stream,
+        }
     if route == "embeddings":
         return {"model": model, "input": "hello"}
-    return {"model": model, "text": "hello", "sampling_params": {"max_new_tokens": 4}, "stream": stream}
+    return {
+        "model": model,
+        "text": "hello",
+        "sampling_params": {"max_new_tokens": 4},
+        "stream": stream,
+    }
 
 
 def request_body(request: RequestSpec, default_model: str) -> dict[str, Any]:
@@ -90,7 +109,9 @@ def raw_bytes(raw: RawBody, request: RequestSpec, default_model: str) -> bytes:
     text = json.dumps(body, separators=(",", ":"))
     if raw.nested is not None:
         # Built as text: a nested Python list this deep would break json.dumps itself.
-        return (text[:-1] + f',"{NESTED_FIELD}":' + "[" * raw.nested + "]" * raw.nested + "}").encode()
+        return (
+            text[:-1] + f',"{NESTED_FIELD}":' + "[" * raw.nested + "]" * raw.nested + "}"
+        ).encode()
     assert raw.size is not None
     head = text[:-1] + f',"{PADDING_FIELD}":"'
     filler = max(0, raw.size - len(head) - 2)
@@ -212,7 +233,11 @@ def _shape(data: Any) -> str | None:
     if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
         return None
     error = data["error"]
-    if data.get("type") == "error" and isinstance(error.get("type"), str) and isinstance(error.get("message"), str):
+    if (
+        data.get("type") == "error"
+        and isinstance(error.get("type"), str)
+        and isinstance(error.get("message"), str)
+    ):
         return "anthropic"
     return "openai" if isinstance(error.get("message"), str) else None
 

@@ -44,7 +44,9 @@ def load_divergences(path: Path | None) -> dict[str, Divergence]:
         return {}
     r = NodeReader(path)
     text = path.read_text(encoding="utf-8")
-    if not text.strip() or all(line.lstrip().startswith("#") or not line.strip() for line in text.splitlines()):
+    if not text.strip() or all(
+        line.lstrip().startswith("#") or not line.strip() for line in text.splitlines()
+    ):
         return {}
     out: dict[str, Divergence] = {}
     for case_id, key_node, value in r.items(r.compose(text), ""):
@@ -55,7 +57,9 @@ def load_divergences(path: Path | None) -> dict[str, Divergence]:
             try:
                 pattern = re.compile(raw)
             except re.error as exc:
-                raise r.fail(m["failure_matches"], join(case_id, "failure_matches"), f"not a regex: {exc}") from None
+                raise r.fail(
+                    m["failure_matches"], join(case_id, "failure_matches"), f"not a regex: {exc}"
+                ) from None
         out[case_id] = Divergence(
             case_id=case_id,
             observed=" ".join(r.string(m["observed"], join(case_id, "observed")).split()),
@@ -66,7 +70,9 @@ def load_divergences(path: Path | None) -> dict[str, Divergence]:
     return out
 
 
-def unknown_cases(path: Path, divergences: dict[str, Divergence], case_ids: set[str]) -> list[SpecError]:
+def unknown_cases(
+    path: Path, divergences: dict[str, Divergence], case_ids: set[str]
+) -> list[SpecError]:
     """Entries that name no case: a renamed or deleted case must not leave a stale excuse."""
     return [
         SpecError(path, d.line, d.case_id, "no such case")

@@ -28,7 +28,14 @@ from conformance.sidecars import Sidecars
 ETCD_BINARY = "etcd"
 READY_TIMEOUT_S = 20.0
 # etcd 3.4 refuses architectures it does not list unless this names the running one.
-_GOARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
+_GOARCH = {
+    "x86_64": "amd64",
+    "amd64": "amd64",
+    "aarch64": "arm64",
+    "arm64": "arm64",
+    "ppc64le": "ppc64le",
+    "s390x": "s390x",
+}
 URL_KEY = "etcd_url"
 PREFIX_KEY = "etcd_prefix"
 DEFAULT_PREFIX = "/conformance/workers/"
@@ -51,29 +58,42 @@ async def start_etcd(sidecars: Sidecars, prefix: str = DEFAULT_PREFIX) -> str:
     peer_url = f"http://127.0.0.1:{free_port()}"
     argv = [
         ETCD_BINARY,
-        "--name", "conformance",
-        "--data-dir", str(sidecars.workdir / "etcd-data"),
-        "--listen-client-urls", client_url,
-        "--advertise-client-urls", client_url,
-        "--listen-peer-urls", peer_url,
-        "--initial-advertise-peer-urls", peer_url,
-        "--initial-cluster", f"conformance={peer_url}",
-        "--experimental-watch-progress-notify-interval", "1s",
-    ]  # fmt: skip
+        "--name",
+        "conformance",
+        "--data-dir",
+        str(sidecars.workdir / "etcd-data"),
+        "--listen-client-urls",
+        client_url,
+        "--advertise-client-urls",
+        client_url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        f"conformance={peer_url}",
+        "--experimental-watch-progress-notify-interval",
+        "1s",
+    ]
     child = await sidecars.start(argv, "etcd", env=etcd_environment())
     with trio.move_on_after(READY_TIMEOUT_S):
         async with httpx.AsyncClient(trust_env=False) as client:
             while not child.exited:
                 try:
                     response = await client.get(client_url + "/health", timeout=1.0)
-                    if response.status_code == 200 and response.json().get("health") in ("true", True):
+                    if response.status_code == 200 and response.json().get("health") in (
+                        "true",
+                        True,
+                    ):
                         sidecars.values[URL_KEY] = client_url
                         sidecars.values[PREFIX_KEY] = prefix
                         return client_url
                 except (httpx.HTTPError, ValueError):
                     pass
                 await trio.sleep(0.05)
-    raise ProcessFailed(f"etcd did not become healthy within {READY_TIMEOUT_S:g}s:\n{child.output.tail()}")
+    raise ProcessFailed(
+        f"etcd did not become healthy within {READY_TIMEOUT_S:g}s:\n{child.output.tail()}"
+    )
 
 
 def record(worker: RunningWorker, status: str) -> dict[str, Any]:
@@ -88,23 +108,37 @@ def record(worker: RunningWorker, status: str) -> dict[str, Any]:
         "dp_size": spec.dp_size,
     }
     if spec.role == "prefill" and worker.bootstrap_port is not None:
-        out["disagg_meta"] = {"protocol": "mooncake", "params": {"bootstrap_addr": f"127.0.0.1:{worker.bootstrap_port}"}}
+        out["disagg_meta"] = {
+            "protocol": "mooncake",
+            "params": {"bootstrap_addr": f"127.0.0.1:{worker.bootstrap_port}"},
+        }
     if status == "draining":
         out["status"] = "DRAINING"
     return out
 
 
-async def put_record(client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker, status: str) -> None:
+async def put_record(
+    client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker, status: str
+) -> None:
     key = sidecars.values[PREFIX_KEY] + worker.spec.name
-    await _call(client, sidecars, "/v3/kv/put", {"key": _b64(key), "value": _b64(json.dumps(record(worker, status)))})
+    await _call(
+        client,
+        sidecars,
+        "/v3/kv/put",
+        {"key": _b64(key), "value": _b64(json.dumps(record(worker, status)))},
+    )
 
 
-async def delete_record(client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker) -> None:
+async def delete_record(
+    client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker
+) -> None:
     key = sidecars.values[PREFIX_KEY] + worker.spec.name
     await _call(client, sidecars, "/v3/kv/deleterange", {"key": _b64(key)})
 
 
-async def _call(client: httpx.AsyncClient, sidecars: Sidecars, path: str, payload: dict[str, str]) -> None:
+async def _call(
+    client: httpx.AsyncClient, sidecars: Sidecars, path: str, payload: dict[str, str]
+) -> None:
     url = sidecars.values[URL_KEY] + path
     try:
         response = await client.post(url, json=payload, timeout=5.0)

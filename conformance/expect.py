@@ -47,9 +47,15 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
             for key, want in expect.status.items()
             if seen.get(key, 0) not in want
         ]
-        wrong += [f"{key}: expected none, got {count}" for key, count in seen.items() if key not in expect.status]
+        wrong += [
+            f"{key}: expected none, got {count}"
+            for key, count in seen.items()
+            if key not in expect.status
+        ]
         if wrong:
-            failures.append(f"status: {'; '.join(wrong)} (all: {_counts(seen)}){_sample(answers, expect)}")
+            failures.append(
+                f"status: {'; '.join(wrong)} (all: {_counts(seen)}){_sample(answers, expect)}"
+            )
     if expect.error_code is not None:
         codes = [a.error_field("code") for a in answers]
         bad = [code for code in codes if code != expect.error_code]
@@ -59,25 +65,37 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
                 f"{len(bad)} of {len(answers)} had {_counts(Counter(map(repr, bad)))}{_first_body(answers)}"
             )
     for needle in expect.message_contains:
-        missing = [a for a in answers if needle.lower() not in (a.error_field("message") or "").lower()]
+        missing = [
+            a for a in answers if needle.lower() not in (a.error_field("message") or "").lower()
+        ]
         if missing:
             failures.append(
                 f"message_contains: {needle!r} missing from {len(missing)} of {len(answers)} error messages; "
                 f"first: {missing[0].error_field('message')!r}"
             )
     for name, check in expect.headers.items():
-        bad_values = [a.headers.get(name) for a in answers if not _header_ok(check, a.headers.get(name))]
+        bad_values = [
+            a.headers.get(name) for a in answers if not _header_ok(check, a.headers.get(name))
+        ]
         if bad_values:
             failures.append(
                 f"headers[{name}]: expected {check} on every answer, {len(bad_values)} of {len(answers)} "
                 f"had {_counts(Counter(map(repr, bad_values)))}"
             )
     if expect.error_shape is not None:
-        shapes: Counter[str] = Counter(str(error_shape(a)) for a in answers if a.status is None or a.status >= 400 or stream_end(a) == "error")
+        shapes: Counter[str] = Counter(
+            str(error_shape(a))
+            for a in answers
+            if a.status is None or a.status >= 400 or stream_end(a) == "error"
+        )
         if not shapes:
-            failures.append(f"error_shape: expected {expect.error_shape} errors, but no answer was an error")
+            failures.append(
+                f"error_shape: expected {expect.error_shape} errors, but no answer was an error"
+            )
         elif set(shapes) - {expect.error_shape}:
-            failures.append(f"error_shape: expected {expect.error_shape} on every error, got {_counts(shapes)}{_first_body(answers)}")
+            failures.append(
+                f"error_shape: expected {expect.error_shape} on every error, got {_counts(shapes)}{_first_body(answers)}"
+            )
     if expect.body_json:
         garbled = [a for a in answers if a.json() is None]
         if garbled:
@@ -107,7 +125,9 @@ def check_workers(expect: Expect, case: Case, view: WorkerView) -> list[str]:
             else:
                 got = counts.get(name, 0)
             if got not in want:
-                failures.append(f"{label}[{name}]: expected {want}, got {got} (per worker: {_counts(counts)})")
+                failures.append(
+                    f"{label}[{name}]: expected {want}, got {got} (per worker: {_counts(counts)})"
+                )
     if expect.handoffs is not None:
         failures += check_handoffs(expect.handoffs, case, view.handoffs)
     return failures
@@ -169,11 +189,17 @@ def _rank_failures(case: Case, handoffs: Mapping[str, Sequence[Mapping[str, Any]
                 if _int(rank) is None:
                     problems.append(f"{where}: no rank for room {room}")
                 elif room % dp_size != _int(rank):
-                    problems.append(f"{where}: room {room} % {dp_size} = {room % dp_size}, rank {rank}")
+                    problems.append(
+                        f"{where}: room {room} % {dp_size} = {room % dp_size}, rank {rank}"
+                    )
     if problems:
-        return [f"handoffs.room_matches_rank: {len(problems)} of {checked} rooms wrong; {'; '.join(problems[:3])}"]
+        return [
+            f"handoffs.room_matches_rank: {len(problems)} of {checked} rooms wrong; {'; '.join(problems[:3])}"
+        ]
     if checked == 0:
-        return ["handoffs.room_matches_rank: no handoff to or from a rank-multiplexed prefill was seen"]
+        return [
+            "handoffs.room_matches_rank: no handoff to or from a rank-multiplexed prefill was seen"
+        ]
     return []
 
 
@@ -210,7 +236,13 @@ def _header_ok(check: HeaderCheck, value: str | None) -> bool:
 
 
 def _counts(counter: Mapping[Any, int]) -> str:
-    return "{" + ", ".join(f"{key}: {count}" for key, count in sorted(counter.items(), key=lambda kv: str(kv[0]))) + "}"
+    return (
+        "{"
+        + ", ".join(
+            f"{key}: {count}" for key, count in sorted(counter.items(), key=lambda kv: str(kv[0]))
+        )
+        + "}"
+    )
 
 
 def _sample(answers: Sequence[Answer], expect: Expect) -> str:

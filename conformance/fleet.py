@@ -55,12 +55,18 @@ class Fleet:
 
     async def routing(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
         """Every worker's `/debug/routing`, read concurrently; FleetError if one fails."""
-        return await _each(client, "GET", {name: (w.url + "/debug/routing", None) for name, w in self.workers.items()})
+        return await _each(
+            client,
+            "GET",
+            {name: (w.url + "/debug/routing", None) for name, w in self.workers.items()},
+        )
 
     async def set_behaviour(
         self, client: httpx.AsyncClient, names: Sequence[str], behaviour: Mapping[str, Any]
     ) -> None:
-        calls = {name: (self.workers[name].url + "/debug/behaviour", dict(behaviour)) for name in names}
+        calls = {
+            name: (self.workers[name].url + "/debug/behaviour", dict(behaviour)) for name in names
+        }
         await _each(client, "POST", calls)
 
     def crashed(self) -> list[str]:
@@ -100,16 +106,26 @@ async def _each(
 
 
 def worker_argv(
-    spec: WorkerSpec, bootstrap_port: int | None, command: Sequence[str], host: str = "127.0.0.1", port: int = 0
+    spec: WorkerSpec,
+    bootstrap_port: int | None,
+    command: Sequence[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
 ) -> list[str]:
     argv = [
         *command,
-        "--host", host,
-        "--port", str(port),
-        "--model", spec.model,
-        "--role", spec.role,
-        "--dp-size", str(spec.dp_size),
-        "--shutdown-grace-s", "0",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--model",
+        spec.model,
+        "--role",
+        spec.role,
+        "--dp-size",
+        str(spec.dp_size),
+        "--shutdown-grace-s",
+        "0",
     ]
     if bootstrap_port is not None:
         argv += ["--bootstrap-port", str(bootstrap_port)]
@@ -165,7 +181,9 @@ async def open_fleet(
             raise FleetError("\n".join(problems))
         late = sorted(set(children) - set(urls))
         if late:
-            raise FleetError(f"fake worker(s) {', '.join(late)} did not start within {START_TIMEOUT_S:g}s")
+            raise FleetError(
+                f"fake worker(s) {', '.join(late)} did not start within {START_TIMEOUT_S:g}s"
+            )
         workers = {
             spec.name: RunningWorker(spec, urls[spec.name], ports[spec.name]) for spec in case.fleet
         }
@@ -180,4 +198,6 @@ async def _listening_port(child: Child) -> int:
     with trio.move_on_after(START_TIMEOUT_S):
         match = await child.output.wait_for(LISTENING)
         return int(match.group(1).rstrip("/").rsplit(":", 1)[1])
-    raise FleetError(f"the first fake worker did not start within {START_TIMEOUT_S:g}s:\n{child.output.tail(10)}")
+    raise FleetError(
+        f"the first fake worker did not start within {START_TIMEOUT_S:g}s:\n{child.output.tail(10)}"
+    )

@@ -328,9 +328,13 @@ class Case:
         if any(worker.dp_size > 1 for worker in self.fleet):
             needed.add("dp_rank")
         # A terminating Pod is Kubernetes' own DRAINING: `discovery.kubernetes` covers it.
-        if self.discovery != "kubernetes" and (any(worker.status == "draining" for worker in self.fleet) or any(
-            isinstance(step, FleetChangeStep) and step.status == "draining" for step in self.steps
-        )):
+        if self.discovery != "kubernetes" and (
+            any(worker.status == "draining" for worker in self.fleet)
+            or any(
+                isinstance(step, FleetChangeStep) and step.status == "draining"
+                for step in self.steps
+            )
+        ):
             needed.add("worker.status")
         if self.settings.breaker.all_open is not None:
             needed.add(f"breaker.all_open_{self.settings.breaker.all_open}")
@@ -340,7 +344,9 @@ class Case:
                 needed.add(f"policy.{policy}")
         if s.health != HealthSettings():
             needed.add("health.active")
-        if any(isinstance(step, SendStep) and step.expect.handoffs is not None for step in self.steps):
+        if any(
+            isinstance(step, SendStep) and step.expect.handoffs is not None for step in self.steps
+        ):
             # The handoff checks read SGLang's bootstrap fields as the fake workers got them.
             needed.add("pd.bootstrap")
         if self.discovery is not None:

@@ -25,7 +25,9 @@ class SpecError(ValueError):
         self.line = line
         self.field = field
         self.message = message
-        super().__init__(f"{path}:{line}: {field}: {message}" if field else f"{path}:{line}: {message}")
+        super().__init__(
+            f"{path}:{line}: {field}: {message}" if field else f"{path}:{line}: {message}"
+        )
 
 
 def line_of(node: Node) -> int:
@@ -146,7 +148,9 @@ class NodeReader:
             raise self.fail(node, field, f"must be true or false, got {value!r}")
         return value
 
-    def integer(self, node: Node, field: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    def integer(
+        self, node: Node, field: str, minimum: int | None = None, maximum: int | None = None
+    ) -> int:
         value = self.scalar(node, field)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(node, field, f"must be an integer, got {value!r}")
@@ -158,7 +162,11 @@ class NodeReader:
 
     def number(self, node: Node, field: str, positive: bool = False) -> float:
         value = self.scalar(node, field)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             raise self.fail(node, field, f"must be a number, got {value!r}")
         if value < 0 or (positive and value == 0):
             raise self.fail(node, field, f"must be {'> 0' if positive else '>= 0'}, got {value}")
@@ -174,7 +182,9 @@ class NodeReader:
         """A string or a list of strings."""
         if isinstance(node, ScalarNode) and not self.is_null(node):
             return (self.string(node, field),)
-        return tuple(self.string(item, join(field, i)) for i, item in enumerate(self.sequence(node, field)))
+        return tuple(
+            self.string(item, join(field, i)) for i, item in enumerate(self.sequence(node, field))
+        )
 
     # -- messages --------------------------------------------------------------------
 

@@ -73,7 +73,9 @@ class OutputLog:
                     return match
             seen = self.total
             if self.closed:
-                raise ProcessFailed(f"{self.name} exited before printing {pattern.pattern!r}:\n{self.tail()}")
+                raise ProcessFailed(
+                    f"{self.name} exited before printing {pattern.pattern!r}:\n{self.tail()}"
+                )
             await self._changed.wait()
 
 
@@ -130,7 +132,11 @@ def _clean(raw: bytes) -> str:
 
 @asynccontextmanager
 async def open_process(
-    argv: Sequence[str], name: str, *, stop_grace_s: float = 1.0, env: Mapping[str, str | None] | None = None
+    argv: Sequence[str],
+    name: str,
+    *,
+    stop_grace_s: float = 1.0,
+    env: Mapping[str, str | None] | None = None,
 ) -> AsyncIterator[Child]:
     """Run `argv` for the duration of the block, in a process group of its own.
 
@@ -158,7 +164,9 @@ async def open_process(
                 )
             )
         except OSError as exc:  # a missing binary is the case's problem, not the runner's
-            raise ProcessFailed(f"{name} could not start ({argv[0]}): {exc.strerror or exc}") from None
+            raise ProcessFailed(
+                f"{name} could not start ({argv[0]}): {exc.strerror or exc}"
+            ) from None
         assert process.stdout is not None
         nursery.start_soon(_drain, process.stdout, log)
         try:

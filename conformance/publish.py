@@ -38,8 +38,14 @@ from conformance.runner import FAILING, Outcome
 
 VERDICTS = ("pass", "divergent", "unsupported", "fail", "stale", "error")
 # Upper case for what fails the run, so it stands out in a wide table.
-CELL = {"pass": "pass", "divergent": "divergent", "unsupported": "unsupported", "fail": "**FAIL**",
-        "stale": "**STALE**", "error": "**ERROR**"}
+CELL = {
+    "pass": "pass",
+    "divergent": "divergent",
+    "unsupported": "unsupported",
+    "fail": "**FAIL**",
+    "stale": "**STALE**",
+    "error": "**ERROR**",
+}
 FAILURE_LINES = 5
 
 
@@ -92,13 +98,22 @@ class PlaneReport:
 
 
 def build_report(
-    plane: str, version: str, capabilities: Iterable[str], outcomes: Sequence[Outcome], spec_version: str, command: str,
+    plane: str,
+    version: str,
+    capabilities: Iterable[str],
+    outcomes: Sequence[Outcome],
+    spec_version: str,
+    command: str,
     date: datetime.date | None = None,
 ) -> PlaneReport:
     """The report of one plane from its outcomes (other planes' outcomes are ignored)."""
     results = []
     for o in sorted((o for o in outcomes if o.plane == plane), key=lambda o: o.case_id):
-        failures = tuple(_one_line(line) for line in o.failures[:FAILURE_LINES]) if o.verdict != "pass" else ()
+        failures = (
+            tuple(_one_line(line) for line in o.failures[:FAILURE_LINES])
+            if o.verdict != "pass"
+            else ()
+        )
         results.append(CaseResult(o.case_id, o.verdict, _one_line(o.detail), failures))
     return PlaneReport(
         plane=plane,
@@ -170,14 +185,19 @@ def _verdict(value: Any) -> str:
 # -- the parity matrix ---------------------------------------------------------------------
 
 
-def parity_markdown(reports: Sequence[PlaneReport], source: str, notes: Mapping[str, str] | None = None) -> str:
+def parity_markdown(
+    reports: Sequence[PlaneReport], source: str, notes: Mapping[str, str] | None = None
+) -> str:
     """The parity matrix (cases x planes) of `reports`, with every non-pass explained.
 
     `source` says where the reports came from (a folder, or a run's command line);
     `notes` may add a line per plane column.
     """
     columns = [f"{r.plane} {r.version}" for r in reports]
-    by_column = {column: {case.id: case for case in r.cases} for column, r in zip(columns, reports, strict=True)}
+    by_column = {
+        column: {case.id: case for case in r.cases}
+        for column, r in zip(columns, reports, strict=True)
+    }
     case_ids = sorted({case.id for r in reports for case in r.cases})
     spec_versions = sorted({r.spec_version for r in reports})
     lines = [
@@ -194,27 +214,47 @@ def parity_markdown(reports: Sequence[PlaneReport], source: str, notes: Mapping[
         counts = r.summary
         lines.append(
             f"| {r.plane} | {r.version} | {r.date} | {r.spec_version} | "
-            + " | ".join(str(counts[v]) for v in VERDICTS) + " |"
+            + " | ".join(str(counts[v]) for v in VERDICTS)
+            + " |"
         )
     for column, text in (notes or {}).items():
         lines += ["", f"{column}: {text}"]
     lines += ["", "| case | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for case_id in case_ids:
-        cells = [CELL[by_column[c][case_id].verdict] if case_id in by_column[c] else "" for c in columns]
+        cells = [
+            CELL[by_column[c][case_id].verdict] if case_id in by_column[c] else "" for c in columns
+        ]
         lines.append(f"| `{case_id}` | " + " | ".join(cells) + " |")
     known = sorted({cap for r in reports for cap in r.capabilities})
     if known:
-        lines += ["", "## Capabilities", "", "| capability | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+        lines += [
+            "",
+            "## Capabilities",
+            "",
+            "| capability | " + " | ".join(columns) + " |",
+            "|---|" + "---|" * len(columns),
+        ]
         for capability in known:
             cells = ["yes" if capability in r.capabilities else "no" for r in reports]
             lines.append(f"| `{capability}` | " + " | ".join(cells) + " |")
-    for title, verdicts in (("Divergences", ("divergent",)), ("Unsupported", ("unsupported",)), ("Failures", tuple(sorted(FAILING)))):
-        picked = [(column, case) for column in columns for case in by_column[column].values() if case.verdict in verdicts]
+    for title, verdicts in (
+        ("Divergences", ("divergent",)),
+        ("Unsupported", ("unsupported",)),
+        ("Failures", tuple(sorted(FAILING))),
+    ):
+        picked = [
+            (column, case)
+            for column in columns
+            for case in by_column[column].values()
+            if case.verdict in verdicts
+        ]
         if not picked:
             continue
         lines += ["", f"## {title}", ""]
         for column, case in sorted(picked, key=lambda pair: (columns.index(pair[0]), pair[1].id)):
-            lines.append(f"- **{column}** `{case.id}` ({case.verdict}): {case.observed or '(no detail recorded)'}")
+            lines.append(
+                f"- **{column}** `{case.id}` ({case.verdict}): {case.observed or '(no detail recorded)'}"
+            )
             for failure in case.failures if case.verdict in FAILING else ():
                 lines.append(f"  - {failure}")
     lines.append("")

@@ -24,7 +24,14 @@ class RunInfo:
 def reports(outcomes: Sequence[Outcome], info: RunInfo) -> list[PlaneReport]:
     """One publishable report per plane of the run."""
     return [
-        build_report(plane, version, info.capabilities.get(plane, frozenset()), outcomes, info.spec_version, info.command)
+        build_report(
+            plane,
+            version,
+            info.capabilities.get(plane, frozenset()),
+            outcomes,
+            info.spec_version,
+            info.command,
+        )
         for plane, version in info.planes.items()
     ]
 
@@ -50,18 +57,30 @@ def junit(outcomes: Sequence[Outcome], info: RunInfo) -> str:
             skipped=str(counts["unsupported"] + counts["divergent"]),
             time=f"{sum(o.seconds for o in mine):.1f}",
         )
-        ET.SubElement(ET.SubElement(suite, "properties"), "property", name="version", value=info.planes[plane])
+        ET.SubElement(
+            ET.SubElement(suite, "properties"), "property", name="version", value=info.planes[plane]
+        )
         for o in mine:
-            case = ET.SubElement(suite, "testcase", classname=f"conformance.{plane}", name=o.case_id, time=f"{o.seconds:.2f}")
+            case = ET.SubElement(
+                suite,
+                "testcase",
+                classname=f"conformance.{plane}",
+                name=o.case_id,
+                time=f"{o.seconds:.2f}",
+            )
             text = "\n".join([o.detail, *o.failures]).strip()
             if o.verdict == "fail":
-                ET.SubElement(case, "failure", message=_one_line(o.failures[0] if o.failures else o.detail)).text = text
+                ET.SubElement(
+                    case, "failure", message=_one_line(o.failures[0] if o.failures else o.detail)
+                ).text = text
             elif o.verdict == "stale":
                 ET.SubElement(case, "failure", message="stale divergence", type="stale").text = text
             elif o.verdict == "error":
                 ET.SubElement(case, "error", message=_one_line(o.detail)).text = text
             elif o.verdict in ("unsupported", "divergent"):
-                ET.SubElement(case, "skipped", message=f"{o.verdict}: {_one_line(o.detail)}", type=o.verdict)
+                ET.SubElement(
+                    case, "skipped", message=f"{o.verdict}: {_one_line(o.detail)}", type=o.verdict
+                )
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 

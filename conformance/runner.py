@@ -49,7 +49,13 @@ class CaseError(RuntimeError):
 
 
 # What a case that could not run ends with, rather than a crash of the whole suite.
-KNOWN_PROBLEMS: tuple[type[Exception], ...] = (CaseError, FleetError, ProcessFailed, Unsupported, trio.TooSlowError)
+KNOWN_PROBLEMS: tuple[type[Exception], ...] = (
+    CaseError,
+    FleetError,
+    ProcessFailed,
+    Unsupported,
+    trio.TooSlowError,
+)
 
 
 @dataclass(slots=True)
@@ -84,7 +90,11 @@ async def run_case(
     missing = sorted(case.capabilities_needed() - plane.capabilities)
     unsupported = None
     if missing:
-        notes = [f"{name}: {plane.missing_notes[name]}" for name in missing if name in plane.missing_notes]
+        notes = [
+            f"{name}: {plane.missing_notes[name]}"
+            for name in missing
+            if name in plane.missing_notes
+        ]
         unsupported = f"needs {', '.join(missing)}" + (f" ({'; '.join(notes)})" if notes else "")
     if unsupported is None:
         try:
@@ -97,21 +107,36 @@ async def run_case(
     try:
         with trio.fail_after(options.case_timeout_s):
             failures, plane_log = await execute_case(case, plane, options)
-    except (CaseError, FleetError, ProcessFailed, Unsupported, trio.TooSlowError, BaseExceptionGroup) as exc:
+    except (
+        CaseError,
+        FleetError,
+        ProcessFailed,
+        Unsupported,
+        trio.TooSlowError,
+        BaseExceptionGroup,
+    ) as exc:
         problem = known_problem(exc)
         seconds = trio.current_time() - started
         if isinstance(problem, Unsupported):
             return Outcome(case.id, plane.name, "unsupported", str(problem), seconds=seconds)
         if isinstance(problem, trio.TooSlowError):
             return Outcome(
-                case.id, plane.name, "error", f"did not finish within {options.case_timeout_s:g}s", seconds=seconds
+                case.id,
+                plane.name,
+                "error",
+                f"did not finish within {options.case_timeout_s:g}s",
+                seconds=seconds,
             )
         verdict: Verdict = "unsupported" if unsupported else "error"
-        return Outcome(case.id, plane.name, verdict, _join(unsupported, str(problem)), seconds=seconds)
+        return Outcome(
+            case.id, plane.name, verdict, _join(unsupported, str(problem)), seconds=seconds
+        )
     seconds = trio.current_time() - started
     if unsupported is not None:
         seen = "observed: fails" if failures else "observed: passes"
-        return Outcome(case.id, plane.name, "unsupported", f"{unsupported} ({seen})", failures, seconds)
+        return Outcome(
+            case.id, plane.name, "unsupported", f"{unsupported} ({seen})", failures, seconds
+        )
     outcome = judge(case.id, plane.name, failures, divergences.get(case.id), seconds)
     if outcome.verdict != "pass":
         outcome.plane_log = plane_log
@@ -210,7 +235,10 @@ async def open_plane(
         launch = Launch(base.case, base.workers, base.host, port, base.workdir, base.sidecars)
         argv = plane.command(launch)
         async with open_process(
-            argv, f"plane {plane.name}", stop_grace_s=plane.stop_grace_s, env=dict(plane.launch_environment(launch))
+            argv,
+            f"plane {plane.name}",
+            stop_grace_s=plane.stop_grace_s,
+            env=dict(plane.launch_environment(launch)),
         ) as child:
             try:
                 url = await _wait_ready(plane, launch, child, client)
@@ -253,7 +281,9 @@ async def _wait_ready(plane: Plane, launch: Launch, child: Child, client: httpx.
         raise CaseError(
             f"plane {plane.name} exited ({child.process.returncode}) before it was ready:\n{child.output.tail()}"
         )
-    raise CaseError(f"plane {plane.name} was not ready within {plane.ready_timeout_s:g}s:\n{child.output.tail()}")
+    raise CaseError(
+        f"plane {plane.name} was not ready within {plane.ready_timeout_s:g}s:\n{child.output.tail()}"
+    )
 
 
 async def drive_steps(run: CaseRun) -> list[str]:
@@ -297,7 +327,9 @@ async def drive_steps(run: CaseRun) -> list[str]:
             failures += [f"step {index} {step.label}: {line}" for line in lines]
             problems = fleet.crashed() + run.sidecars.crashed()
             if run.child.exited:
-                problems.append(f"plane exited ({run.child.process.returncode}):\n{run.child.output.tail()}")
+                problems.append(
+                    f"plane exited ({run.child.process.returncode}):\n{run.child.output.tail()}"
+                )
             if problems:
                 raise CaseError(f"after step {index}: " + "\n".join(problems))
     return failures

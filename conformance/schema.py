@@ -42,11 +42,30 @@ from conformance.model import (
 from conformance.nodes import NodeReader, join, line_of
 from conformance.schema_requests import POLL_FIELDS, RequestReader
 
-CASE_FIELDS = ("name", "description", "tags", "requires", "model", "discovery", "fleet", "settings", "steps")
+CASE_FIELDS = (
+    "name",
+    "description",
+    "tags",
+    "requires",
+    "model",
+    "discovery",
+    "fleet",
+    "settings",
+    "steps",
+)
 WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
 SETTINGS_FIELDS = (
-    "policy", "prefill_policy", "decode_policy", "attempts", "breaker", "health", "max_body_bytes", "cache_aware",
-    "api_key", "max_concurrent", "queue_size",
+    "policy",
+    "prefill_policy",
+    "decode_policy",
+    "attempts",
+    "breaker",
+    "health",
+    "max_body_bytes",
+    "cache_aware",
+    "api_key",
+    "max_concurrent",
+    "queue_size",
 )
 CACHE_AWARE_FIELDS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
@@ -77,7 +96,11 @@ class CaseReader:
         step_nodes = r.sequence(steps_node, "steps")
         if not step_nodes:
             raise r.fail(steps_node, "steps", "needs at least one step")
-        discovery = r.choice(top["discovery"], "discovery", DISCOVERY_BACKENDS) if "discovery" in top else None
+        discovery = (
+            r.choice(top["discovery"], "discovery", DISCOVERY_BACKENDS)
+            if "discovery" in top
+            else None
+        )
         steps = tuple(self.step(node, join("steps", i), names) for i, node in enumerate(step_nodes))
         self.check_steps(steps, step_nodes, discovery)
         if discovery == "kubernetes":
@@ -89,7 +112,11 @@ class CaseReader:
             requires = frozenset(r.strings(top["requires"], "requires"))
             for name in sorted(requires):
                 if name not in CAPABILITIES:
-                    raise r.fail(top["requires"], "requires", r.unknown_word(name, CAPABILITIES, "capability"))
+                    raise r.fail(
+                        top["requires"],
+                        "requires",
+                        r.unknown_word(name, CAPABILITIES, "capability"),
+                    )
         return Case(
             id=self.case_id,
             path=self.path,
@@ -103,7 +130,9 @@ class CaseReader:
             discovery=discovery,
         )
 
-    def check_steps(self, steps: Sequence[Step], nodes: Sequence[Node], discovery: str | None) -> None:
+    def check_steps(
+        self, steps: Sequence[Step], nodes: Sequence[Node], discovery: str | None
+    ) -> None:
         """Background sends are awaited exactly once, after they start; fleet changes need
         a discovery backend to happen in."""
         r = self.r
@@ -111,16 +140,24 @@ class CaseReader:
         for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
             field = join("steps", index)
             if isinstance(step, FleetChangeStep) and discovery is None:
-                raise r.fail(node, join(field, step.action), "changes the fleet through discovery: set `discovery` on the case")
+                raise r.fail(
+                    node,
+                    join(field, step.action),
+                    "changes the fleet through discovery: set `discovery` on the case",
+                )
             if isinstance(step, AwaitStep):
                 if step.name in awaited:
                     raise r.fail(node, join(field, "await"), f"{step.name!r} is awaited twice")
                 awaited.add(step.name)
         never = sorted(set(self.background) - awaited)
         if never:
-            raise r.fail(nodes[-1], "steps", f"background send(s) never awaited: {', '.join(never)}")
+            raise r.fail(
+                nodes[-1], "steps", f"background send(s) never awaited: {', '.join(never)}"
+            )
 
-    def check_pod_lifecycle(self, fleet: Sequence[WorkerSpec], steps: Sequence[Step], nodes: Sequence[Node]) -> None:
+    def check_pod_lifecycle(
+        self, fleet: Sequence[WorkerSpec], steps: Sequence[Step], nodes: Sequence[Node]
+    ) -> None:
         """A terminating Pod cannot turn back: once `draining`, a worker only leaves
         (`remove`, then maybe `add` as a new Pod)."""
         now: dict[str, str | None] = {worker.name: worker.status for worker in fleet}
@@ -131,23 +168,41 @@ class CaseReader:
                 if step.action == "remove":
                     now[name] = None
                 elif step.action == "add" and now[name] is not None:
-                    raise self.r.fail(node, join(join("steps", index), "add"), f"pod {name} is still there; remove it first")
+                    raise self.r.fail(
+                        node,
+                        join(join("steps", index), "add"),
+                        f"pod {name} is still there; remove it first",
+                    )
                 elif step.action == "set_status" and now[name] in ("draining", None):
                     why = "is terminating, which cannot be undone" if now[name] else "is not there"
-                    raise self.r.fail(node, join(join("steps", index), "set_status"), f"pod {name} {why}")
+                    raise self.r.fail(
+                        node, join(join("steps", index), "set_status"), f"pod {name} {why}"
+                    )
                 else:
                     now[name] = step.status or "active"
 
-    def check_no_pod_states(self, fleet_node: Node, fleet: Sequence[WorkerSpec], steps: Sequence[Step], nodes: Sequence[Node]) -> None:
+    def check_no_pod_states(
+        self,
+        fleet_node: Node,
+        fleet: Sequence[WorkerSpec],
+        steps: Sequence[Step],
+        nodes: Sequence[Node],
+    ) -> None:
         """`not_ready` is a Pod's state; no other fleet has it."""
         nodes_by_name = {name: value for name, _, value in self.r.items(fleet_node, "fleet")}
         for worker in fleet:
             if worker.status == "not_ready":
                 field = join(join("fleet", worker.name), "status")
-                raise self.r.fail(nodes_by_name[worker.name], field, "not_ready needs `discovery: kubernetes`")
+                raise self.r.fail(
+                    nodes_by_name[worker.name], field, "not_ready needs `discovery: kubernetes`"
+                )
         for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
             if isinstance(step, FleetChangeStep) and step.status == "not_ready":
-                raise self.r.fail(node, join(join("steps", index), "set_status"), "not_ready needs `discovery: kubernetes`")
+                raise self.r.fail(
+                    node,
+                    join(join("steps", index), "set_status"),
+                    "not_ready needs `discovery: kubernetes`",
+                )
 
     # -- fleet -----------------------------------------------------------------------
 
@@ -156,7 +211,9 @@ class CaseReader:
         workers = []
         for name, key_node, value in r.items(node, "fleet"):
             if name in (ALL_WORKERS, BUSIEST_WORKER):
-                raise r.fail(key_node, join("fleet", name), f"{name!r} is reserved in dispatch counts")
+                raise r.fail(
+                    key_node, join("fleet", name), f"{name!r} is reserved in dispatch counts"
+                )
             workers.append(self.worker(name, value, join("fleet", name), default_model))
         if not workers:
             raise r.fail(node, "fleet", "needs at least one worker")
@@ -169,12 +226,19 @@ class CaseReader:
         bootstrap_port = None
         if "bootstrap_port" in m:
             if role != "prefill":
-                raise r.fail(m["bootstrap_port"], join(field, "bootstrap_port"), "only a prefill worker has one")
+                raise r.fail(
+                    m["bootstrap_port"],
+                    join(field, "bootstrap_port"),
+                    "only a prefill worker has one",
+                )
             bootstrap_port = r.integer(m["bootstrap_port"], join(field, "bootstrap_port"), 1, 65535)
-        behaviour = self.behaviour(m["behaviour"], join(field, "behaviour")) if "behaviour" in m else {}
+        behaviour = (
+            self.behaviour(m["behaviour"], join(field, "behaviour")) if "behaviour" in m else {}
+        )
         if behaviour.get("healthy") is False:
             raise r.fail(
-                m["behaviour"], join(field, "behaviour.healthy"),
+                m["behaviour"],
+                join(field, "behaviour.healthy"),
                 "a worker must start healthy (some planes never admit one that is not); "
                 "make it unhealthy with a set_behaviour step",
             )
@@ -184,7 +248,9 @@ class CaseReader:
             role=role,
             dp_size=r.integer(m["dp_size"], join(field, "dp_size"), 1, 64) if "dp_size" in m else 1,
             bootstrap_port=bootstrap_port,
-            status=r.choice(m["status"], join(field, "status"), STATUSES) if "status" in m else "active",
+            status=r.choice(m["status"], join(field, "status"), STATUSES)
+            if "status" in m
+            else "active",
             behaviour=behaviour,
         )
 
@@ -223,30 +289,52 @@ class CaseReader:
             policy=policy("policy"),
             prefill_policy=policy("prefill_policy"),
             decode_policy=policy("decode_policy"),
-            attempts=r.integer(m["attempts"], "settings.attempts", 1, 100) if "attempts" in m else None,
+            attempts=r.integer(m["attempts"], "settings.attempts", 1, 100)
+            if "attempts" in m
+            else None,
             breaker=self.breaker(m["breaker"]) if "breaker" in m else BreakerSettings(),
             health=self.health(m["health"]) if "health" in m else HealthSettings(),
             max_body_bytes=(
-                r.integer(m["max_body_bytes"], "settings.max_body_bytes", 1024) if "max_body_bytes" in m else None
+                r.integer(m["max_body_bytes"], "settings.max_body_bytes", 1024)
+                if "max_body_bytes" in m
+                else None
             ),
             api_key=r.string(m["api_key"], "settings.api_key") if "api_key" in m else None,
-            max_concurrent=r.integer(m["max_concurrent"], "settings.max_concurrent", 1) if "max_concurrent" in m else None,
-            queue_size=r.integer(m["queue_size"], "settings.queue_size", 0) if "queue_size" in m else None,
-            cache_aware=self.cache_aware(m["cache_aware"]) if "cache_aware" in m else CacheAwareSettings(),
+            max_concurrent=r.integer(m["max_concurrent"], "settings.max_concurrent", 1)
+            if "max_concurrent" in m
+            else None,
+            queue_size=r.integer(m["queue_size"], "settings.queue_size", 0)
+            if "queue_size" in m
+            else None,
+            cache_aware=self.cache_aware(m["cache_aware"])
+            if "cache_aware" in m
+            else CacheAwareSettings(),
         )
 
     def cache_aware(self, node: Node) -> CacheAwareSettings:
         r = self.r
         field = "settings.cache_aware"
         m = r.mapping(node, field, CACHE_AWARE_FIELDS)
-        threshold = r.number(m["cache_threshold"], join(field, "cache_threshold")) if "cache_threshold" in m else None
+        threshold = (
+            r.number(m["cache_threshold"], join(field, "cache_threshold"))
+            if "cache_threshold" in m
+            else None
+        )
         if threshold is not None and not 0 <= threshold <= 1:
-            raise r.fail(m["cache_threshold"], join(field, "cache_threshold"), "must be between 0 and 1")
+            raise r.fail(
+                m["cache_threshold"], join(field, "cache_threshold"), "must be between 0 and 1"
+            )
         relative = (
-            r.number(m["balance_rel_threshold"], join(field, "balance_rel_threshold")) if "balance_rel_threshold" in m else None
+            r.number(m["balance_rel_threshold"], join(field, "balance_rel_threshold"))
+            if "balance_rel_threshold" in m
+            else None
         )
         if relative is not None and relative < 1:
-            raise r.fail(m["balance_rel_threshold"], join(field, "balance_rel_threshold"), "must be at least 1")
+            raise r.fail(
+                m["balance_rel_threshold"],
+                join(field, "balance_rel_threshold"),
+                "must be at least 1",
+            )
         return CacheAwareSettings(
             cache_threshold=threshold,
             balance_abs_threshold=(
@@ -261,19 +349,31 @@ class CaseReader:
         r = self.r
         field = "settings.breaker"
         m = r.mapping(node, field, BREAKER_FIELDS)
-        cooldown = r.number(m["cooldown_s"], join(field, "cooldown_s"), positive=True) if "cooldown_s" in m else None
+        cooldown = (
+            r.number(m["cooldown_s"], join(field, "cooldown_s"), positive=True)
+            if "cooldown_s" in m
+            else None
+        )
         maximum = (
             r.number(m["max_cooldown_s"], join(field, "max_cooldown_s"), positive=True)
             if "max_cooldown_s" in m
             else None
         )
         if cooldown is not None and maximum is not None and maximum < cooldown:
-            raise r.fail(m["max_cooldown_s"], join(field, "max_cooldown_s"), f"must be >= cooldown_s ({cooldown:g})")
+            raise r.fail(
+                m["max_cooldown_s"],
+                join(field, "max_cooldown_s"),
+                f"must be >= cooldown_s ({cooldown:g})",
+            )
         return BreakerSettings(
-            threshold=r.integer(m["threshold"], join(field, "threshold"), 0) if "threshold" in m else None,
+            threshold=r.integer(m["threshold"], join(field, "threshold"), 0)
+            if "threshold" in m
+            else None,
             cooldown_s=cooldown,
             max_cooldown_s=maximum,
-            all_open=r.choice(m["all_open"], join(field, "all_open"), ALL_OPEN_MODES) if "all_open" in m else None,
+            all_open=r.choice(m["all_open"], join(field, "all_open"), ALL_OPEN_MODES)
+            if "all_open" in m
+            else None,
         )
 
     def health(self, node: Node) -> HealthSettings:
@@ -281,7 +381,9 @@ class CaseReader:
         field = "settings.health"
         m = r.mapping(node, field, HEALTH_FIELDS)
         return HealthSettings(
-            interval_s=r.number(m["interval_s"], join(field, "interval_s"), positive=True) if "interval_s" in m else None,
+            interval_s=r.number(m["interval_s"], join(field, "interval_s"), positive=True)
+            if "interval_s" in m
+            else None,
             failure_threshold=(
                 r.integer(m["failure_threshold"], join(field, "failure_threshold"), 1)
                 if "failure_threshold" in m
@@ -301,7 +403,9 @@ class CaseReader:
         m = r.mapping(node, field, (*STEP_ACTIONS, "expect", "note"))
         actions = [key for key in STEP_ACTIONS if key in m]
         if len(actions) != 1:
-            raise r.fail(node, field, f"needs exactly one of {', '.join(STEP_ACTIONS)}, got {len(actions)}")
+            raise r.fail(
+                node, field, f"needs exactly one of {', '.join(STEP_ACTIONS)}, got {len(actions)}"
+            )
         action = actions[0]
         where = join(field, action)
         line = line_of(node)
@@ -320,26 +424,41 @@ class CaseReader:
                 raise r.fail(m["await"], where, f"no background send {name!r} before this step")
             expect = self.requests.expect(m.get("expect"), join(field, "expect"), names, started)
             if expect.reads_workers:
-                raise r.fail(m["expect"], join(field, "expect"), "an await step can only check answers; check dispatches in a send step")
+                raise r.fail(
+                    m["expect"],
+                    join(field, "expect"),
+                    "an await step can only check answers; check dispatches in a send step",
+                )
             return AwaitStep(line, name, expect)
         if action == "send":
             request = self.requests.request(m["send"], where)
             expect = self.requests.expect(m.get("expect"), join(field, "expect"), names, request)
             if request.background is not None:
                 if "expect" in m:
-                    raise r.fail(m["expect"], join(field, "expect"), "a background send is checked by its await step")
+                    raise r.fail(
+                        m["expect"],
+                        join(field, "expect"),
+                        "a background send is checked by its await step",
+                    )
                 if request.background in self.background:
-                    raise r.fail(m["send"], join(where, "background"), f"{request.background!r} is started twice")
+                    raise r.fail(
+                        m["send"],
+                        join(where, "background"),
+                        f"{request.background!r} is started twice",
+                    )
                 self.background[request.background] = request
             return SendStep(line, request, expect)
         poll = r.mapping(m["poll"], where, POLL_FIELDS)
         request = self.requests.request(m["poll"], where, fields=POLL_FIELDS)
         if "expect" not in m:
-            raise r.fail(node, join(field, "expect"), "a poll step needs the expectation it waits for")
+            raise r.fail(
+                node, join(field, "expect"), "a poll step needs the expectation it waits for"
+            )
         expect = self.requests.expect(m["expect"], join(field, "expect"), names, request)
         if expect.reads_workers:
             raise r.fail(
-                m["expect"], join(field, "expect"),
+                m["expect"],
+                join(field, "expect"),
                 "a poll step can only check answers (status, error_code, message_contains, headers, "
                 "stream_end, body_json)",
             )
@@ -347,8 +466,12 @@ class CaseReader:
             line,
             request,
             expect,
-            timeout_s=r.number(poll["within_s"], join(where, "within_s"), positive=True) if "within_s" in poll else 10.0,
-            interval_s=r.number(poll["interval_s"], join(where, "interval_s"), positive=True) if "interval_s" in poll else 0.1,
+            timeout_s=r.number(poll["within_s"], join(where, "within_s"), positive=True)
+            if "within_s" in poll
+            else 10.0,
+            interval_s=r.number(poll["interval_s"], join(where, "interval_s"), positive=True)
+            if "interval_s" in poll
+            else 0.1,
         )
 
     def set_behaviour(self, node: Node, field: str, names: set[str], line: int) -> SetBehaviourStep:
@@ -359,13 +482,19 @@ class CaseReader:
             workers = tuple(sorted(names))
         for name in workers:
             if name not in names:
-                raise r.fail(m["worker"], join(field, "worker"), f"no worker {name!r} in the fleet ({', '.join(sorted(names))})")
+                raise r.fail(
+                    m["worker"],
+                    join(field, "worker"),
+                    f"no worker {name!r} in the fleet ({', '.join(sorted(names))})",
+                )
         behaviour = self.behaviour(m["behaviour"], join(field, "behaviour"))
         if not behaviour:
             raise r.fail(m["behaviour"], join(field, "behaviour"), "changes nothing")
         return SetBehaviourStep(line, workers, behaviour)
 
-    def fleet_change(self, action: str, node: Node, field: str, names: set[str], line: int) -> FleetChangeStep:
+    def fleet_change(
+        self, action: str, node: Node, field: str, names: set[str], line: int
+    ) -> FleetChangeStep:
         r = self.r
         if action == "set_status":
             m = r.mapping(node, field, ("worker", "status"), required=("worker", "status"))
@@ -384,5 +513,7 @@ class CaseReader:
             raise r.fail(node, field, "names no worker")
         for name in workers:
             if name not in names:
-                raise r.fail(node, field, f"no worker {name!r} in the fleet ({', '.join(sorted(names))})")
+                raise r.fail(
+                    node, field, f"no worker {name!r} in the fleet ({', '.join(sorted(names))})"
+                )
         return workers

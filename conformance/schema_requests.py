@@ -29,13 +29,30 @@ from conformance.model import (
 from conformance.nodes import NodeReader, join
 
 REQUEST_FIELDS = (
-    "count", "concurrency", "model", "route", "stream", "body", "headers", "timeout_s", "raw", "background",
+    "count",
+    "concurrency",
+    "model",
+    "route",
+    "stream",
+    "body",
+    "headers",
+    "timeout_s",
+    "raw",
+    "background",
 )
 POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "within_s", "interval_s")
 RAW_FIELDS = ("text", "nested", "size", "content_type")
 EXPECT_FIELDS = (
-    "status", "error_code", "message_contains", "headers", "dispatches", "dispatches_total",
-    "stream_end", "body_json", "handoffs", "error_shape",
+    "status",
+    "error_code",
+    "message_contains",
+    "headers",
+    "dispatches",
+    "dispatches_total",
+    "stream_end",
+    "body_json",
+    "handoffs",
+    "error_shape",
 )
 # Past this a request would hold a fleet longer than any case should take.
 MAX_COUNT = 1000
@@ -60,16 +77,26 @@ class RequestReader:
         if "text" in m:
             value = r.scalar(m["text"], join(field, "text"))
             if not isinstance(value, str):
-                raise r.fail(m["text"], join(field, "text"), f"must be a string (quote it), got {value!r}")
+                raise r.fail(
+                    m["text"], join(field, "text"), f"must be a string (quote it), got {value!r}"
+                )
             text = value
         return RawBody(
             text=text,
-            nested=r.integer(m["nested"], join(field, "nested"), 1, MAX_NESTED) if "nested" in m else None,
-            size=r.integer(m["size"], join(field, "size"), 1, MAX_RAW_SIZE) if "size" in m else None,
-            content_type=r.string(m["content_type"], join(field, "content_type")) if "content_type" in m else "application/json",
+            nested=r.integer(m["nested"], join(field, "nested"), 1, MAX_NESTED)
+            if "nested" in m
+            else None,
+            size=r.integer(m["size"], join(field, "size"), 1, MAX_RAW_SIZE)
+            if "size" in m
+            else None,
+            content_type=r.string(m["content_type"], join(field, "content_type"))
+            if "content_type" in m
+            else "application/json",
         )
 
-    def request(self, node: Node, field: str, fields: Sequence[str] = REQUEST_FIELDS) -> RequestSpec:
+    def request(
+        self, node: Node, field: str, fields: Sequence[str] = REQUEST_FIELDS
+    ) -> RequestSpec:
         r = self.r
         m = r.mapping(node, field, fields)
         body: dict[str, Any] = {}
@@ -83,9 +110,17 @@ class RequestReader:
             headers[key] = str(r.scalar(value_node, join(field, f"headers.{key}")))
         raw = self.raw(m["raw"], join(field, "raw")) if "raw" in m else None
         if raw is not None and "body" in m:
-            raise r.fail(m["body"], join(field, "body"), "a raw request has no body fields; put everything in raw")
+            raise r.fail(
+                m["body"],
+                join(field, "body"),
+                "a raw request has no body fields; put everything in raw",
+            )
         count = r.integer(m["count"], join(field, "count"), 1, MAX_COUNT) if "count" in m else 1
-        concurrency = r.integer(m["concurrency"], join(field, "concurrency"), 1, MAX_COUNT) if "concurrency" in m else 1
+        concurrency = (
+            r.integer(m["concurrency"], join(field, "concurrency"), 1, MAX_COUNT)
+            if "concurrency" in m
+            else 1
+        )
         return RequestSpec(
             count=count,
             concurrency=concurrency,
@@ -94,12 +129,18 @@ class RequestReader:
             stream=r.boolean(m["stream"], join(field, "stream")) if "stream" in m else False,
             body=body,
             headers=headers,
-            timeout_s=r.number(m["timeout_s"], join(field, "timeout_s"), positive=True) if "timeout_s" in m else 10.0,
+            timeout_s=r.number(m["timeout_s"], join(field, "timeout_s"), positive=True)
+            if "timeout_s" in m
+            else 10.0,
             raw=raw,
-            background=r.string(m["background"], join(field, "background")) if "background" in m else None,
+            background=r.string(m["background"], join(field, "background"))
+            if "background" in m
+            else None,
         )
 
-    def expect(self, node: Node | None, field: str, names: set[str], request: RequestSpec) -> Expect:
+    def expect(
+        self, node: Node | None, field: str, names: set[str], request: RequestSpec
+    ) -> Expect:
         if node is None:
             return Expect()
         r = self.r
@@ -108,22 +149,40 @@ class RequestReader:
         if "stream_end" in m:
             stream_end = r.choice(m["stream_end"], join(field, "stream_end"), STREAM_ENDS)
             if not request.stream:
-                raise r.fail(m["stream_end"], join(field, "stream_end"), "only a streaming request (stream: true) has one")
+                raise r.fail(
+                    m["stream_end"],
+                    join(field, "stream_end"),
+                    "only a streaming request (stream: true) has one",
+                )
         return Expect(
-            status=self.status(m["status"], join(field, "status"), request.count) if "status" in m else None,
-            error_code=r.string(m["error_code"], join(field, "error_code")) if "error_code" in m else None,
-            message_contains=r.strings(m["message_contains"], join(field, "message_contains")) if "message_contains" in m else (),
+            status=self.status(m["status"], join(field, "status"), request.count)
+            if "status" in m
+            else None,
+            error_code=r.string(m["error_code"], join(field, "error_code"))
+            if "error_code" in m
+            else None,
+            message_contains=r.strings(m["message_contains"], join(field, "message_contains"))
+            if "message_contains" in m
+            else (),
             headers=self.headers(m["headers"], join(field, "headers")) if "headers" in m else {},
-            dispatches=self.counts(m["dispatches"], join(field, "dispatches"), names) if "dispatches" in m else {},
+            dispatches=self.counts(m["dispatches"], join(field, "dispatches"), names)
+            if "dispatches" in m
+            else {},
             dispatches_total=(
                 self.counts(m["dispatches_total"], join(field, "dispatches_total"), names)
                 if "dispatches_total" in m
                 else {}
             ),
             stream_end=stream_end,
-            error_shape=r.choice(m["error_shape"], join(field, "error_shape"), ERROR_SHAPES) if "error_shape" in m else None,
-            body_json=r.boolean(m["body_json"], join(field, "body_json")) if "body_json" in m else False,
-            handoffs=self.handoffs(m["handoffs"], join(field, "handoffs")) if "handoffs" in m else None,
+            error_shape=r.choice(m["error_shape"], join(field, "error_shape"), ERROR_SHAPES)
+            if "error_shape" in m
+            else None,
+            body_json=r.boolean(m["body_json"], join(field, "body_json"))
+            if "body_json" in m
+            else False,
+            handoffs=self.handoffs(m["handoffs"], join(field, "handoffs"))
+            if "handoffs" in m
+            else None,
         )
 
     def status(self, node: Node, field: str, count: int) -> dict[StatusKey, Range]:
@@ -139,10 +198,14 @@ class RequestReader:
             elif key.isdigit() and 100 <= int(key) <= 599:
                 status = int(key)
             else:
-                raise r.fail(key_node, join(field, key), f"must be an HTTP status (100-599) or {NO_STATUS!r}")
+                raise r.fail(
+                    key_node, join(field, key), f"must be an HTTP status (100-599) or {NO_STATUS!r}"
+                )
             counts[status] = self.range(value, join(field, key))
         if sum(c.low for c in counts.values()) > count:
-            raise r.fail(node, field, f"the least counts add up to more than the {count} requests sent")
+            raise r.fail(
+                node, field, f"the least counts add up to more than the {count} requests sent"
+            )
         return counts
 
     def counts(self, node: Node, field: str, names: set[str]) -> dict[str, Range]:
@@ -150,7 +213,11 @@ class RequestReader:
         out: dict[str, Range] = {}
         for key, key_node, value in r.items(node, field):
             if key not in (ALL_WORKERS, BUSIEST_WORKER) and key not in names:
-                raise r.fail(key_node, join(field, key), f"no worker {key!r} in the fleet ({', '.join(sorted(names))})")
+                raise r.fail(
+                    key_node,
+                    join(field, key),
+                    f"no worker {key!r} in the fleet ({', '.join(sorted(names))})",
+                )
             out[key] = self.range(value, join(field, key))
         return out
 
@@ -167,7 +234,9 @@ class RequestReader:
             return Range(low, high)
         value = r.scalar(node, field)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise r.fail(node, field, f"must be a count (integer >= 0) or [min, max], got {value!r}")
+            raise r.fail(
+                node, field, f"must be a count (integer >= 0) or [min, max], got {value!r}"
+            )
         return Range(value, value)
 
     def headers(self, node: Node, field: str) -> dict[str, HeaderCheck]:
@@ -183,16 +252,22 @@ class RequestReader:
             if len(m) != 1:
                 raise r.fail(value, where, "needs exactly one of equals, int_min")
             if "equals" in m:
-                out[key.lower()] = HeaderCheck(equals=str(r.scalar(m["equals"], join(where, "equals"))))
+                out[key.lower()] = HeaderCheck(
+                    equals=str(r.scalar(m["equals"], join(where, "equals")))
+                )
             else:
-                out[key.lower()] = HeaderCheck(int_min=r.integer(m["int_min"], join(where, "int_min")))
+                out[key.lower()] = HeaderCheck(
+                    int_min=r.integer(m["int_min"], join(where, "int_min"))
+                )
         return out
 
     def handoffs(self, node: Node, field: str) -> HandoffCheck:
         r = self.r
         m = r.mapping(node, field, ("rooms_match", "room_matches_rank"))
         check = HandoffCheck(
-            rooms_match=r.boolean(m["rooms_match"], join(field, "rooms_match")) if "rooms_match" in m else False,
+            rooms_match=r.boolean(m["rooms_match"], join(field, "rooms_match"))
+            if "rooms_match" in m
+            else False,
             room_matches_rank=(
                 r.boolean(m["room_matches_rank"], join(field, "room_matches_rank"))
                 if "room_matches_rank" in m

@@ -52,7 +52,9 @@ class Sidecars:
         if name in self.children:
             raise ValueError(f"sidecar {name!r} started twice")
         child = await self._stack.enter_async_context(
-            open_process(argv, f"sidecar {name}", stop_grace_s=stop_grace_s, env={**self._env, **(env or {})})
+            open_process(
+                argv, f"sidecar {name}", stop_grace_s=stop_grace_s, env={**self._env, **(env or {})}
+            )
         )
         self.children[name] = child
         if ready_pattern is not None:

@@ -54,8 +54,15 @@ class AdminApi:
     """Handles `POST /v1/workers`, `POST /v1/workers/{id}/drain`, `DELETE /v1/workers/{id}`."""
 
     def __init__(
-        self, fleet: Fleet, http: httpx.AsyncClient, nursery: trio.Nursery, *,
-        admin_key: str, discovery_owns_fleet: bool, drain_timeout_s: float, worker_api_key: str = "",
+        self,
+        fleet: Fleet,
+        http: httpx.AsyncClient,
+        nursery: trio.Nursery,
+        *,
+        admin_key: str,
+        discovery_owns_fleet: bool,
+        drain_timeout_s: float,
+        worker_api_key: str = "",
     ) -> None:
         self.worker_api_key = worker_api_key
         self.fleet = fleet
@@ -81,7 +88,9 @@ class AdminApi:
                 raise MethodNotAllowed(f"{path} accepts POST, not {request.method}", b"POST")
             worker = self._worker(unquote(rest[: -len(_DRAIN_SUFFIX)]))
             self._start_drain(worker)
-            return 202, orjson.dumps({"id": worker.id, "status": Status.DRAINING.value, "inflight": worker.inflight})
+            return 202, orjson.dumps(
+                {"id": worker.id, "status": Status.DRAINING.value, "inflight": worker.inflight}
+            )
         worker_id = unquote(rest)
         if not worker_id:
             raise NotFound(f"no route {path}")
@@ -100,7 +109,9 @@ class AdminApi:
             raise Conflict(f"worker {record.id} is already in the fleet")
         if not record.models:
             try:
-                models = await fetch_models(self.http, record.url, api_key=record.api_key or self.worker_api_key or None)
+                models = await fetch_models(
+                    self.http, record.url, api_key=record.api_key or self.worker_api_key or None
+                )
             except (httpx.HTTPError, ValueError) as exc:
                 raise BadRequest(
                     f"worker {record.url} does not say its model ({exc}): name it in the spec (model=...)"
@@ -137,7 +148,12 @@ class AdminApi:
             while worker.inflight > 0:  # noqa: ASYNC110 - the count has no event; drains are rare
                 await trio.sleep(_DRAIN_POLL_S)
         if bound.cancelled_caught:
-            log.warning("admin: %s still holds %d requests after %gs; removing it", worker.id, worker.inflight, self.drain_timeout_s)
+            log.warning(
+                "admin: %s still holds %d requests after %gs; removing it",
+                worker.id,
+                worker.inflight,
+                self.drain_timeout_s,
+            )
         if self.fleet.get(worker.id) is worker:
             self.fleet.remove(worker.id)
         log.info("admin: worker %s removed", worker.id)
@@ -150,7 +166,7 @@ def _record_from_body(raw: bytes) -> WorkerRecord:
     try:
         body: Any = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise BadRequest("the body must be a JSON worker record or {\"spec\": \"URL,...\"}") from None
+        raise BadRequest('the body must be a JSON worker record or {"spec": "URL,..."}') from None
     try:
         if isinstance(body, dict) and set(body) == {"spec"} and isinstance(body["spec"], str):
             return parse_worker_spec(body["spec"])
@@ -159,4 +175,3 @@ def _record_from_body(raw: bytes) -> WorkerRecord:
         return WorkerRecord.from_json(body)
     except (ConfigError, InvalidWorkerRecord) as error:
         raise BadRequest(str(error)) from None
-

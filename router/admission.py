@@ -91,8 +91,13 @@ class AdmissionGate:
 
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
-            self._active, len(self._line), self.settings.limit, self.settings.queue_size,
-            self._queue_full, self._queue_timeout, self._left_queue,
+            self._active,
+            len(self._line),
+            self.settings.limit,
+            self.settings.queue_size,
+            self._queue_full,
+            self._queue_timeout,
+            self._left_queue,
         )
 
     @asynccontextmanager
@@ -142,7 +147,8 @@ class AdmissionGate:
             del self._line[waiter]
             self._queue_timeout += 1
             raise QueueTimeout(
-                f"waited {settings.timeout_s:g}s in the admission queue without a free slot", settings.retry_after_s
+                f"waited {settings.timeout_s:g}s in the admission queue without a free slot",
+                settings.retry_after_s,
             )
 
     def _release(self) -> None:
@@ -156,7 +162,6 @@ class AdmissionGate:
         self._active -= 1
 
 
-
 class AdmissionCollector(Collector):
     """The gate's gauges and counters, read at scrape time (the request path keeps plain ints)."""
 
@@ -166,14 +171,19 @@ class AdmissionCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._gate.statistics()
         yield GaugeMetricFamily(
-            "router_admission_active", "Generation requests holding an admission slot (0 when there is no limit)",
+            "router_admission_active",
+            "Generation requests holding an admission slot (0 when there is no limit)",
             value=stats.active,
         )
         yield GaugeMetricFamily(
-            "router_admission_queue_depth", "Requests waiting in the admission queue for a slot", value=stats.waiting
+            "router_admission_queue_depth",
+            "Requests waiting in the admission queue for a slot",
+            value=stats.waiting,
         )
         refused = CounterMetricFamily(
-            "router_admission_refused", "Requests that got no admission slot, by reason", labels=["reason"]
+            "router_admission_refused",
+            "Requests that got no admission slot, by reason",
+            labels=["reason"],
         )
         refused.add_metric(["queue_full"], stats.queue_full)
         refused.add_metric(["queue_timeout"], stats.queue_timeout)

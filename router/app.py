@@ -26,14 +26,23 @@ _GET = b"GET, HEAD"
 
 class RouterApp:
     def __init__(
-        self, generation: GenerationService, metrics: RouterMetrics, discovery: DiscoveryHealth, *,
-        protect_metrics: bool = False, keys: ClientKeys | None = None, admission: AdmissionGate | None = None,
-        admin: AdminApi | None = None, tracing: Tracing | None = None,
+        self,
+        generation: GenerationService,
+        metrics: RouterMetrics,
+        discovery: DiscoveryHealth,
+        *,
+        protect_metrics: bool = False,
+        keys: ClientKeys | None = None,
+        admission: AdmissionGate | None = None,
+        admin: AdminApi | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.admin = admin
         self.tracing = tracing if tracing is not None else Tracing()
         self.keys = keys if keys is not None else ClientKeys()
-        self.admission = admission if admission is not None else AdmissionGate(AdmissionSettings(0, 0, 1.0))
+        self.admission = (
+            admission if admission is not None else AdmissionGate(AdmissionSettings(0, 0, 1.0))
+        )
         # Routes open to anyone even when client keys are checked (probes and scrapers).
         self._open_routes = {"/health", "/readiness"} | (set() if protect_metrics else {"/metrics"})
         self.fleet = generation.fleet
@@ -69,7 +78,11 @@ class RouterApp:
                     key = self._authorize_generation(request, path)
                     await self._admit_generation(request, writer, path, key)
                 except RouterError as error:
-                    await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, model_route.dialect))
+                    await writer.respond(
+                        error.status,
+                        JSON_HEADERS + error.headers(),
+                        error_body(error, model_route.dialect),
+                    )
                 finally:
                     self.tracing.leave(token)
                     trace.end(None)
@@ -91,7 +104,9 @@ class RouterApp:
             await writer.respond(status, [(b"content-type", content_type)], body)
         except RouterError as error:
             dialect = Dialect.OPENAI if model_route is None else model_route.dialect
-            await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, dialect))
+            await writer.respond(
+                error.status, JSON_HEADERS + error.headers(), error_body(error, dialect)
+            )
 
     def _authorize_generation(self, request: Request, path: str) -> str | None:
         """The name of the client's key (None when keys are off); 401 before anything else.
@@ -109,7 +124,9 @@ class RouterApp:
         request.headers = [item for item in request.headers if item[0] != b"authorization"]
         return name if self.keys.named else None
 
-    async def _admit_generation(self, request: Request, writer: ResponseWriter, path: str, key: str | None) -> None:
+    async def _admit_generation(
+        self, request: Request, writer: ResponseWriter, path: str, key: str | None
+    ) -> None:
         if not self.admission.enabled:
             # No limit: no context manager on the hot path either.
             await self.generation.handle(request, writer, key)
@@ -126,12 +143,16 @@ class RouterApp:
         self.metrics.count_request("-", ROUTES[path].label, status, key)
 
     def _models(self) -> tuple[int, bytes, bytes]:
-        data = [{"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()]
+        data = [
+            {"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()
+        ]
         return 200, b"application/json", orjson.dumps({"object": "list", "data": data})
 
     def _takes_work(self, worker: Worker, now: float) -> bool:
         breaker = worker.breaker
-        return worker.healthy and not worker.draining and (breaker is None or breaker.available(now))
+        return (
+            worker.healthy and not worker.draining and (breaker is None or breaker.available(now))
+        )
 
     def _health(self) -> tuple[int, bytes, bytes]:
         now = trio.current_time()
@@ -177,7 +198,9 @@ class RouterApp:
                     "state": stats.state.name.lower(),
                     "consecutive_faults": stats.consecutive_faults,
                     "cooldown_s": stats.cooldown_s,
-                    "next_probe_in_s": None if stats.next_probe_at is None else max(0.0, stats.next_probe_at - now),
+                    "next_probe_in_s": None
+                    if stats.next_probe_at is None
+                    else max(0.0, stats.next_probe_at - now),
                     "trips": stats.trips,
                 }
             else:

@@ -167,8 +167,14 @@ class AttemptRunner:
     """Takes and releases leases and runs their exchanges with the workers."""
 
     def __init__(
-        self, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics, timeouts: Timeouts,
-        policies: Mapping[Role, Policy], *, worker_api_key: str = "",
+        self,
+        fleet: Fleet,
+        pool: UpstreamPool,
+        metrics: RouterMetrics,
+        timeouts: Timeouts,
+        policies: Mapping[Role, Policy],
+        *,
+        worker_api_key: str = "",
         on_release: Callable[[Worker], None] = lambda worker: None,
     ) -> None:
         self.fleet = fleet
@@ -186,9 +192,13 @@ class AttemptRunner:
         """The role's policy pick among the plan's candidates the request has not tried."""
         generation = ctx.generation
         key = PolicyKey(generation.model, role, ctx.key_bytes, generation.routing_text)
-        return pick_excluding(self.policies[role], key, plan.legs[role].candidates, ctx.log.tried[role])
+        return pick_excluding(
+            self.policies[role], key, plan.legs[role].candidates, ctx.log.tried[role]
+        )
 
-    def take(self, worker: Worker, forced: bool, now: float, rank: int | None, leases: list[Lease]) -> Lease:
+    def take(
+        self, worker: Worker, forced: bool, now: float, rank: int | None, leases: list[Lease]
+    ) -> Lease:
         """Take `worker` for one attempt on DP `rank`: its breaker permit now, at dispatch.
 
         The lease is appended to `leases` the moment it exists, so the caller's `finally:
@@ -204,7 +214,11 @@ class AttemptRunner:
                 # than drop a request the plan admitted.
                 permit = worker.breaker.acquire(now, force=True)
             if permit is not None and permit.probe:
-                log.info("probing %s: its breaker cooldown is over [request %s]", worker.id, current_request_id())
+                log.info(
+                    "probing %s: its breaker cooldown is over [request %s]",
+                    worker.id,
+                    current_request_id(),
+                )
         lease = Lease(worker, permit, rank, current_trace().attempt(worker))
         worker.begin(rank)
         leases.append(lease)
@@ -252,15 +266,27 @@ class AttemptRunner:
         idle_s = self.timeouts.stream_idle_s
         try:
             async with open_upstream_response(
-                self.pool, worker.url, generation.path, self._headers(lease, ctx.request), body, self.timeouts
+                self.pool,
+                worker.url,
+                generation.path,
+                self._headers(lease, ctx.request),
+                body,
+                self.timeouts,
             ) as response:
                 lease.trace.answered(response.status)
                 if generation.stream and response.status == 200:
                     first = await first_stream_chunk(response, worker.url, idle_s)
                     await self._begin_answer(lease, 200, ctx)
-                    await ctx.writer.start(200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())])
+                    await ctx.writer.start(
+                        200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
+                    )
                     await relay_stream(
-                        response, first, ctx.writer, worker.url, self.stalls, STREAM_ERROR_EVENTS[generation.spec.dialect]
+                        response,
+                        first,
+                        ctx.writer,
+                        worker.url,
+                        self.stalls,
+                        STREAM_ERROR_EVENTS[generation.spec.dialect],
                     )
                     return 200
                 answer = await read_answer(response, worker.url, idle_s)
@@ -269,7 +295,9 @@ class AttemptRunner:
         except AttemptFailed as failure:
             raise self._failed(lease, failure, ctx) from failure
         await self._begin_answer(lease, answer.status, ctx)
-        await ctx.writer.respond(answer.status, client_headers(answer.headers, worker.id), answer.body)
+        await ctx.writer.respond(
+            answer.status, client_headers(answer.headers, worker.id), answer.body
+        )
         return answer.status
 
     async def _begin_answer(self, lease: Lease, status: int, ctx: RequestContext) -> None:
@@ -288,15 +316,23 @@ class AttemptRunner:
         generation = ctx.generation
         try:
             async with open_upstream_response(
-                self.pool, worker.url, generation.path, self._headers(lease, ctx.request), body, self.timeouts
+                self.pool,
+                worker.url,
+                generation.path,
+                self._headers(lease, ctx.request),
+                body,
+                self.timeouts,
             ) as response:
                 lease.trace.answered(response.status)
                 answer = await read_answer(response, worker.url, self.timeouts.stream_idle_s)
             judge_answer(answer, worker.url, expect_json=not generation.stream)
             if answer.status >= 400:
                 raise AttemptFailed(
-                    f"{worker.role.value}_status_{answer.status}", f"{worker.role.value} {worker.url} answered {answer.status}",
-                    fault=False, answer=answer, retryable=False,
+                    f"{worker.role.value}_status_{answer.status}",
+                    f"{worker.role.value} {worker.url} answered {answer.status}",
+                    fault=False,
+                    answer=answer,
+                    retryable=False,
                 )
         except AttemptFailed as failure:
             raise self._failed(lease, failure, ctx) from failure

@@ -77,10 +77,14 @@ def read_keys_file(path: Path) -> list[NamedKey]:
                 f"keys file {path}: key name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
         if not isinstance(secret, str) or not secret or not secret.isprintable() or " " in secret:
-            raise KeysFileError(f"keys file {path}: the key of {name!r} must be a non-empty string without spaces")
+            raise KeysFileError(
+                f"keys file {path}: the key of {name!r} must be a non-empty string without spaces"
+            )
         encoded = secret.encode()
         if encoded in seen:
-            raise KeysFileError(f"keys file {path}: the key of {name!r} is also given to another name")
+            raise KeysFileError(
+                f"keys file {path}: the key of {name!r} is also given to another name"
+            )
         seen.add(encoded)
         keys.append(NamedKey(name, encoded))
     return keys
@@ -93,7 +97,9 @@ def _warn_if_readable_by_others(path: Path) -> None:
     except OSError:
         return
     if mode & 0o077:
-        log.warning("keys file %s can be read by other users (mode %o): chmod 600 it", path, mode & 0o777)
+        log.warning(
+            "keys file %s can be read by other users (mode %o): chmod 600 it", path, mode & 0o777
+        )
 
 
 class ClientKeys:
@@ -125,7 +131,9 @@ class ClientKeys:
             _warn_if_readable_by_others(self._path)
         if self._single:
             if any(key.name == SINGLE_KEY_NAME for key in keys):
-                raise KeysFileError(f"keys file {self._path}: the name {SINGLE_KEY_NAME!r} is taken by --api-key")
+                raise KeysFileError(
+                    f"keys file {self._path}: the name {SINGLE_KEY_NAME!r} is taken by --api-key"
+                )
             keys.append(NamedKey(SINGLE_KEY_NAME, self._single.encode()))
         self._keys = keys
         self._digests = [(key.digest, key.name) for key in keys]
@@ -137,7 +145,9 @@ class ClientKeys:
         not configured. The message never repeats what the client sent.
         """
         if authorization is None:
-            raise InvalidApiKey("this router requires an API key: send 'Authorization: Bearer <key>'")
+            raise InvalidApiKey(
+                "this router requires an API key: send 'Authorization: Bearer <key>'"
+            )
         if authorization[:7].lower() != _BEARER:
             raise InvalidApiKey("the Authorization header must be 'Bearer <key>'")
         presented = authorization[7:].strip()
@@ -168,4 +178,6 @@ async def serve_key_reloads(
             except KeysFileError as error:
                 log.error("SIGHUP: keeping the %d keys in force: %s", len(keys.names()), error)
                 continue
-            log.info("SIGHUP: %d client keys in force (%s)", len(keys.names()), ", ".join(keys.names()))
+            log.info(
+                "SIGHUP: %d client keys in force (%s)", len(keys.names()), ", ".join(keys.names())
+            )

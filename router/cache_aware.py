@@ -116,7 +116,10 @@ class CacheAware:
         low = min(worker.inflight for worker in candidates)
         high = max(worker.inflight for worker in candidates)
         matched = tree.match(text, [worker.id for worker in candidates]) if text else {}
-        if high - low > settings.balance_abs_threshold and high > low * settings.balance_rel_threshold:
+        if (
+            high - low > settings.balance_abs_threshold
+            and high > low * settings.balance_rel_threshold
+        ):
             self.by_balance += 1
             # Among the least loaded, the one holding the longest prefix keeps what it can.
             return min(
@@ -133,11 +136,14 @@ class CacheAware:
                 # Under one block, exact characters decide (a short prompt still sticks).
                 unit = MATCH_BLOCK_CHARS if longest >= MATCH_BLOCK_CHARS else 1
                 best = min(
-                    (worker for worker in candidates if matched[worker.id] // unit == longest // unit),
+                    (
+                        worker
+                        for worker in candidates
+                        if matched[worker.id] // unit == longest // unit
+                    ),
                     key=lambda worker: (worker.inflight, tree.tenant_size(worker.id)),
                 )
                 self.by_match += 1
                 return best
         self.by_room += 1
         return min(candidates, key=lambda worker: (tree.tenant_size(worker.id), worker.inflight))
-

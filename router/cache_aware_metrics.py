@@ -24,9 +24,15 @@ class CacheAwareCollector(Collector):
             "Characters held by the cache_aware prefix trees (bounded by --max-tree-size per model)",
             labels=["role"],
         )
-        nodes = GaugeMetricFamily("router_cache_aware_tree_nodes", "Nodes of the cache_aware prefix trees", labels=["role"])
+        nodes = GaugeMetricFamily(
+            "router_cache_aware_tree_nodes",
+            "Nodes of the cache_aware prefix trees",
+            labels=["role"],
+        )
         evicted = CounterMetricFamily(
-            "router_cache_aware_evicted_chars", "Characters evicted from the cache_aware prefix trees", labels=["role"]
+            "router_cache_aware_evicted_chars",
+            "Characters evicted from the cache_aware prefix trees",
+            labels=["role"],
         )
         picks = CounterMetricFamily(
             "router_cache_aware_picks",

@@ -100,7 +100,9 @@ def _has_pd(by_role: dict[Role, list[Worker]]) -> bool:
     return Role.PREFILL in by_role or Role.DECODE in by_role
 
 
-def _pd_only(model: str, by_role: dict[Role, list[Worker]], retry_after_s: float) -> NoAvailableWorkers:
+def _pd_only(
+    model: str, by_role: dict[Role, list[Worker]], retry_after_s: float
+) -> NoAvailableWorkers:
     count = sum(len(workers) for workers in by_role.values())
     return NoAvailableWorkers(
         f"model '{model}' is served only by prefill/decode workers ({_count(count, 'worker')}), "

@@ -9,7 +9,10 @@ from collections.abc import Sequence
 # subcommand -> module exposing `main(argv: list[str]) -> int`
 SUBCOMMANDS = {
     "serve": ("router.serve", "run the router in front of a fleet"),
-    "fake-worker": ("router.fake_worker.cli", "run a GPU-free engine for tests, demos and benchmarks"),
+    "fake-worker": (
+        "router.fake_worker.cli",
+        "run a GPU-free engine for tests, demos and benchmarks",
+    ),
     "agent": ("router.agent.cli", "register an engine in etcd and drain it on SIGTERM"),
     "demo": ("router.demo", "run the router in front of three embedded fake workers"),
 }

@@ -27,7 +27,9 @@ WORKERS_FILE_ENV = ENV_PREFIX + "WORKERS_FILE"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
 WORKERS_FILE_HELP = "YAML list of worker records (or a mapping with a `workers` list)"
-CONFIG_HELP = "YAML file of settings: any option by its name (host, policy, ...), plus workers / workers_file"
+CONFIG_HELP = (
+    "YAML file of settings: any option by its name (host, policy, ...), plus workers / workers_file"
+)
 
 
 class ConfigError(ValueError):
@@ -36,7 +38,16 @@ class ConfigError(ValueError):
 
 _BY_NAME = {option.name: option for option in OPTIONS}
 _KIND_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_BOOL_WORDS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +133,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=option.name,
             default=None,
             help=f"{option.help} ({choices}env {option.env}; default {option.default})",
-            nargs="?" if yes_no else None, const="true" if yes_no else None,
+            nargs="?" if yes_no else None,
+            const="true" if yes_no else None,
         )
     parser.add_argument(
         "--worker",
@@ -133,7 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{WORKER_HELP} (repeatable; env {WORKERS_ENV}, space-separated)",
     )
     parser.add_argument(
-        "--workers-file", dest="workers_file", default=None,
+        "--workers-file",
+        dest="workers_file",
+        default=None,
         help=f"{WORKERS_FILE_HELP} (env {WORKERS_FILE_ENV})",
     )
     parser.add_argument(
@@ -169,7 +183,9 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         elif option.env in environ:
             values[option.name] = _convert(option, environ[option.env], option.env)
         elif option.name in file_values:
-            values[option.name] = _convert(option, file_values[option.name], f"config file {config_path}: {option.name}")
+            values[option.name] = _convert(
+                option, file_values[option.name], f"config file {config_path}: {option.name}"
+            )
         else:
             values[option.name] = option.default
     values["workers"] = tuple(_worker_records(args, environ, file_values, config_path))
@@ -177,7 +193,10 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = 
 
 
 def _worker_records(
-    args: argparse.Namespace, environ: Mapping[str, str], file_values: Mapping[str, Any], config_path: str | None
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    file_values: Mapping[str, Any],
+    config_path: str | None,
 ) -> list[WorkerRecord]:
     records = [parse_worker_spec(spec) for spec in (args.worker or [])]
     if not records and environ.get(WORKERS_ENV):
@@ -206,7 +225,11 @@ def _validated(values: dict[str, Any]) -> Settings:
         )
     if values["discovery"] == "kubernetes":
         try:
-            pod_sources(values["k8s_selector"], values["k8s_prefill_selector"], values["k8s_decode_selector"])
+            pod_sources(
+                values["k8s_selector"],
+                values["k8s_prefill_selector"],
+                values["k8s_decode_selector"],
+            )
         except BadSelector as exc:
             raise ConfigError(str(exc)) from None
     ids = [record.id for record in values.get("workers", ())]
@@ -232,11 +255,17 @@ def _check(option: Option, value: Any, source: str) -> Any:
         if option.choices is not None:
             lowered = value.lower()
             if lowered not in option.choices:
-                raise ConfigError(f"{source} must be one of {', '.join(option.choices)}, got {value!r}")
+                raise ConfigError(
+                    f"{source} must be one of {', '.join(option.choices)}, got {value!r}"
+                )
             return lowered
         return value
     kind = "an integer" if option.kind is int else "a number"
-    if isinstance(value, bool) or not isinstance(value, int | float) or (option.kind is int and isinstance(value, float)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (option.kind is int and isinstance(value, float))
+    ):
         raise ConfigError(f"{source} must be {kind}, got {value!r}")
     if math.isnan(value):
         raise ConfigError(f"{source} must be {kind}, not NaN")
@@ -290,7 +319,10 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
             )
     if bootstrap_port is not None:
         host = urlsplit(url).hostname or "127.0.0.1"
-        data["disagg_meta"] = {"protocol": "mooncake", "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"}}
+        data["disagg_meta"] = {
+            "protocol": "mooncake",
+            "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"},
+        }
     return _record(data, f"--worker {spec!r}")
 
 
@@ -322,7 +354,13 @@ def _records_from_list(data: Any, source: str) -> list[WorkerRecord]:
             continue
         if isinstance(entry, dict) and "bootstrap_port" in entry and "disagg_meta" not in entry:
             host = urlsplit(str(entry.get("url", ""))).hostname or "127.0.0.1"
-            entry = {**entry, "disagg_meta": {"protocol": "mooncake", "params": {"bootstrap_addr": f"{host}:{entry['bootstrap_port']}"}}}
+            entry = {
+                **entry,
+                "disagg_meta": {
+                    "protocol": "mooncake",
+                    "params": {"bootstrap_addr": f"{host}:{entry['bootstrap_port']}"},
+                },
+            }
         records.append(_record(entry, f"{source}: worker #{index + 1}"))
     return records
 

@@ -53,9 +53,13 @@ async def run_demo(port: int, workers: int, token_latency_ms: float) -> None:
         for _ in range(workers):
             fake = FakeWorkerSettings(model=MODEL, tokens=16, token_latency_ms=token_latency_ms)
             urls.append(await nursery.start(partial(serve_fake_worker, fake)))
-        settings = Settings.defaults(port=port, workers=tuple(parse_worker_spec(url) for url in urls))
+        settings = Settings.defaults(
+            port=port, workers=tuple(parse_worker_spec(url) for url in urls)
+        )
         shutdown = trio.Event()
-        router: RunningRouter = await nursery.start(partial(run_router, settings, shutdown=shutdown))
+        router: RunningRouter = await nursery.start(
+            partial(run_router, settings, shutdown=shutdown)
+        )
         print(_instructions(router, urls), flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
@@ -66,15 +70,24 @@ async def run_demo(port: int, workers: int, token_latency_ms: float) -> None:
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="router demo", description=__doc__)
-    parser.add_argument("--port", type=int, default=8080, help="router port (default 8080; 0 picks one)")
+    parser.add_argument(
+        "--port", type=int, default=8080, help="router port (default 8080; 0 picks one)"
+    )
     parser.add_argument("--workers", type=int, default=3, help="fake workers (default 3)")
-    parser.add_argument("--token-latency-ms", type=float, default=20.0, help="fake time between tokens")
+    parser.add_argument(
+        "--token-latency-ms", type=float, default=20.0, help="fake time between tokens"
+    )
     args = parser.parse_args(list(argv))
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     exit_code = 0
     try:
         trio.run(run_demo, args.port, args.workers, args.token_latency_ms)
     except* OSError as group:
-        print(f"router demo: cannot listen on port {args.port}: {group.exceptions[0]} (try --port 0)", file=sys.stderr)
+        print(
+            f"router demo: cannot listen on port {args.port}: {group.exceptions[0]} (try --port 0)",
+            file=sys.stderr,
+        )
         exit_code = 3
     return exit_code

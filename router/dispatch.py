@@ -70,7 +70,13 @@ class AttemptFailed(Exception):
     """
 
     def __init__(
-        self, reason: str, detail: str, *, fault: bool, answer: Answer | None = None, retryable: bool = True
+        self,
+        reason: str,
+        detail: str,
+        *,
+        fault: bool,
+        answer: Answer | None = None,
+        retryable: bool = True,
     ) -> None:
         super().__init__(detail)
         self.retryable = retryable
@@ -88,14 +94,20 @@ def unexpected_failure(url: str, exc: Exception) -> WorkerUnreachable:
 
 
 def upstream_headers(
-    request_headers: Sequence[tuple[bytes, bytes]], rank: int | None, credential: bytes | None = None
+    request_headers: Sequence[tuple[bytes, bytes]],
+    rank: int | None,
+    credential: bytes | None = None,
 ) -> list[tuple[bytes, bytes]]:
     """What a worker gets: the forwarded client headers, the DP rank, and the router's own
     `Authorization` for the worker in place of the client's when it holds one."""
     if credential is None:
         headers = [(k, v) for k, v in request_headers if k in FORWARDED_REQUEST_HEADERS]
     else:
-        headers = [(k, v) for k, v in request_headers if k in FORWARDED_REQUEST_HEADERS and k != b"authorization"]
+        headers = [
+            (k, v)
+            for k, v in request_headers
+            if k in FORWARDED_REQUEST_HEADERS and k != b"authorization"
+        ]
         headers.append((b"authorization", credential))
     if rank is not None:
         headers.append((RANK_HEADER, str(rank).encode()))
@@ -109,7 +121,12 @@ def client_headers(worker_headers: Headers, worker_id: str) -> list[tuple[bytes,
 
 
 def open_upstream_response(
-    pool: UpstreamPool, url: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
+    pool: UpstreamPool,
+    url: str,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    timeouts: Timeouts,
 ) -> UpstreamAttempt:
     """Send the request and wait for response headers, within the first-byte deadline.
 
@@ -118,7 +135,11 @@ def open_upstream_response(
     there is given up on long before a slow one would be.
     Cancellation: the upstream connection is closed, never returned to the pool.
     """
-    return UpstreamAttempt(pool.request(url, "POST", path, headers, body, connect_timeout_s=timeouts.connect_s), url, timeouts)
+    return UpstreamAttempt(
+        pool.request(url, "POST", path, headers, body, connect_timeout_s=timeouts.connect_s),
+        url,
+        timeouts,
+    )
 
 
 class UpstreamAttempt:
@@ -147,7 +168,9 @@ class UpstreamAttempt:
                 # The pool's message already names the URL.
                 raise AttemptFailed("connect_error", str(exc), fault=True) from None
             except UpstreamError as exc:
-                raise AttemptFailed("transport_error", f"{url} broke the connection: {exc}", fault=True) from None
+                raise AttemptFailed(
+                    "transport_error", f"{url} broke the connection: {exc}", fault=True
+                ) from None
             except LocalShortage as exc:
                 # The router's own trouble: no verdict on the worker, no other worker tried
                 # (it would meet the same shortage).
@@ -156,11 +179,16 @@ class UpstreamAttempt:
                 raise unexpected_failure(url, exc) from exc
         assert deadline.cancelled_caught
         raise AttemptFailed(
-            "first_byte_timeout", f"{url} sent no response headers within {first_byte_s:g}s", fault=True
+            "first_byte_timeout",
+            f"{url} sent no response headers within {first_byte_s:g}s",
+            fault=True,
         )
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
     ) -> None:
         await self._request.__aexit__(exc_type, exc, traceback)
 
@@ -182,12 +210,16 @@ async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> An
                     break
                 parts.append(chunk)
         except UpstreamError as exc:
-            raise AttemptFailed("transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True) from None
+            raise AttemptFailed(
+                "transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True
+            ) from None
         except Exception as exc:
             raise unexpected_failure(url, exc) from exc
     if idle.cancelled_caught:
         raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
-    return Answer(response.status, response.headers, parts[0] if len(parts) == 1 else b"".join(parts))
+    return Answer(
+        response.status, response.headers, parts[0] if len(parts) == 1 else b"".join(parts)
+    )
 
 
 def judge_answer(answer: Answer, url: str, *, expect_json: bool) -> Answer:
@@ -198,14 +230,21 @@ def judge_answer(answer: Answer, url: str, *, expect_json: bool) -> Answer:
     """
     status = answer.status
     if status >= 500:
-        raise AttemptFailed(f"status_{status}", f"{url} answered {status}", fault=True, answer=answer)
+        raise AttemptFailed(
+            f"status_{status}", f"{url} answered {status}", fault=True, answer=answer
+        )
     if status == 429:
         raise AttemptFailed("status_429", f"{url} answered 429", fault=False, answer=answer)
     if expect_json and status == 200:
         try:
             orjson.loads(answer.body)
         except orjson.JSONDecodeError:
-            raise AttemptFailed("invalid_body", f"{url} answered 200 with a body that is not JSON", fault=True, answer=answer) from None
+            raise AttemptFailed(
+                "invalid_body",
+                f"{url} answered 200 with a body that is not JSON",
+                fault=True,
+                answer=answer,
+            ) from None
     return answer
 
 
@@ -215,13 +254,19 @@ async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float
         with trio.move_on_after(idle_s) as idle:
             chunk = await response.receive_some()
     except UpstreamError as exc:
-        raise AttemptFailed("transport_error", f"{url} broke the stream before its first event: {exc}", fault=True) from None
+        raise AttemptFailed(
+            "transport_error", f"{url} broke the stream before its first event: {exc}", fault=True
+        ) from None
     except Exception as exc:
         raise unexpected_failure(url, exc) from exc
     if idle.cancelled_caught:
-        raise AttemptFailed("first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True)
+        raise AttemptFailed(
+            "first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True
+        )
     if not chunk:
-        raise AttemptFailed("empty_stream", f"{url} ended a 200 stream without any event", fault=True)
+        raise AttemptFailed(
+            "empty_stream", f"{url} ended a 200 stream without any event", fault=True
+        )
     return chunk
 
 
@@ -231,7 +276,11 @@ def stream_error_event(message: str, code: str) -> bytes:
 
 
 async def relay_stream(
-    response: UpstreamResponse, first: bytes, writer: ResponseWriter, url: str, stalls: StallWatch,
+    response: UpstreamResponse,
+    first: bytes,
+    writer: ResponseWriter,
+    url: str,
+    stalls: StallWatch,
     error_event: Callable[[str, str], bytes] = stream_error_event,
 ) -> int:
     """Relay SSE bytes as they arrive; returns the number of body bytes relayed.
@@ -277,7 +326,9 @@ async def relay_stream(
         finally:
             stalls.forget(watched)
     if watched.stalled:
-        error = error_event(f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout")
+        error = error_event(
+            f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout"
+        )
     if error is not None:
         await writer.write(b"\n\n" + error if cutter.mid_event else error)
     await writer.finish()

@@ -97,11 +97,15 @@ async def fetch_server_info(http: httpx.AsyncClient, url: str, timeout_s: float)
                     async for chunk in chunks:
                         body += chunk
                         if len(body) > MAX_SERVER_INFO_BYTES:
-                            raise FactsUnavailable(f"{url}/get_server_info is larger than {MAX_SERVER_INFO_BYTES} bytes")
+                            raise FactsUnavailable(
+                                f"{url}/get_server_info is larger than {MAX_SERVER_INFO_BYTES} bytes"
+                            )
                 finally:
                     await close_stream(response, chunks)
     except trio.TooSlowError:
-        raise FactsUnavailable(f"{url}/get_server_info did not answer within {timeout_s:g}s") from None
+        raise FactsUnavailable(
+            f"{url}/get_server_info did not answer within {timeout_s:g}s"
+        ) from None
     except httpx.HTTPError as exc:
         raise FactsUnavailable(f"{url}/get_server_info failed: {exc!r}") from None
     try:
@@ -110,7 +114,9 @@ async def fetch_server_info(http: httpx.AsyncClient, url: str, timeout_s: float)
         raise FactsUnavailable(f"{url}/get_server_info is not JSON") from None
 
 
-async def learn_facts(http: httpx.AsyncClient, record: WorkerRecord, timeout_s: float) -> WorkerRecord:
+async def learn_facts(
+    http: httpx.AsyncClient, record: WorkerRecord, timeout_s: float
+) -> WorkerRecord:
     """A complete record of `record`'s worker (its `unknown_facts` answered by the engine).
     Raises FactsUnavailable."""
     learned = record
@@ -148,13 +154,16 @@ class _Learner:
             learned = await learn_facts(self.http, record, self.settings.timeout_s)
         except FactsUnavailable as exc:
             retries = self.retries.setdefault(
-                record.id, _Retries(Backoff(self.settings.retry_initial_s, self.settings.retry_max_s))
+                record.id,
+                _Retries(Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)),
             )
             delay = retries.backoff.failure()
             retries.next_at = trio.current_time() + delay
             if retries.last_reason != str(exc):
                 retries.last_reason = str(exc)
-                log.warning("worker %s is not admitted: %s; asking again with backoff", record.id, exc)
+                log.warning(
+                    "worker %s is not admitted: %s; asking again with backoff", record.id, exc
+                )
             pending = self.fleet.pending.get(record.id)
             if pending is not None and pending.record == record:
                 pending.reason = f"{exc}; next try in {delay:g}s"
@@ -163,8 +172,11 @@ class _Learner:
             if self.fleet.admit(record, learned) is not None:
                 log.info(
                     "worker %s admitted with facts from its engine: dp_size %d, bootstrap %s, models %s",
-                    record.id, learned.dp_size, learned.bootstrap_addr, "+".join(learned.models),
-                )  # fmt: skip
+                    record.id,
+                    learned.dp_size,
+                    learned.bootstrap_addr,
+                    "+".join(learned.models),
+                )
         finally:
             self.in_flight.discard(record.id)
             self.poke()

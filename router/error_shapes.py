@@ -55,7 +55,11 @@ def error_body(error: RouterError, dialect: Dialect) -> bytes:
         return orjson.dumps(
             {
                 "type": "error",
-                "error": {"type": anthropic_type(error.status), "message": error.message, "code": error.code},
+                "error": {
+                    "type": anthropic_type(error.status),
+                    "message": error.message,
+                    "code": error.code,
+                },
             }
         )
     return error.body()
@@ -69,7 +73,10 @@ def stream_error_event(message: str, code: str, dialect: Dialect) -> bytes:
     Responses failure event names no response id and no sequence number.
     """
     if dialect is Dialect.ANTHROPIC:
-        payload = {"type": "error", "error": {"type": "api_error", "message": message, "code": code}}
+        payload = {
+            "type": "error",
+            "error": {"type": "api_error", "message": message, "code": code},
+        }
         return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
     if dialect is Dialect.RESPONSES:
         payload = {

@@ -63,7 +63,9 @@ class GenerationService:
     """Serves the model-keyed routes (`router.routes.ROUTES`): resolve, select, dispatch,
     fail over. Non-generation routes take the same path on a mixed worker."""
 
-    def __init__(self, settings: FailoverSettings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, settings: FailoverSettings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics
+    ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.pool = pool
@@ -73,7 +75,9 @@ class GenerationService:
             Role.PREFILL: make_policy(settings.prefill_policy, cache=settings.cache),
             Role.DECODE: make_policy(settings.decode_policy, cache=settings.cache),
         }
-        cache_aware = {role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)}
+        cache_aware = {
+            role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)
+        }
         self.reads_text = bool(cache_aware)
         for policy in cache_aware.values():
             fleet.add_listener(policy)
@@ -81,8 +85,13 @@ class GenerationService:
         metrics.registry.register(CacheAwareCollector(cache_aware))
         self.waits = WorkerWait(fleet, settings.wait)
         self.runner = AttemptRunner(
-            fleet, pool, metrics, settings.timeouts, self.policies,
-            worker_api_key=settings.worker_api_key, on_release=self.waits.notify,
+            fleet,
+            pool,
+            metrics,
+            settings.timeouts,
+            self.policies,
+            worker_api_key=settings.worker_api_key,
+            on_release=self.waits.notify,
         )
         self.strategies: dict[Mode, Strategy] = {
             Mode.MIXED: MixedStrategy(self.runner),
@@ -94,7 +103,9 @@ class GenerationService:
         """The DP rank rotation both strategies share (pruned when a worker leaves)."""
         return self.runner.ranks
 
-    async def handle(self, request: Request, writer: ResponseWriter, key: str | None = None) -> None:
+    async def handle(
+        self, request: Request, writer: ResponseWriter, key: str | None = None
+    ) -> None:
         """Answer one generation request (`key`: the client key's name, for metrics).
 
         Cancellation (client gone, shutdown): every upstream connection of the request is
@@ -116,7 +127,9 @@ class GenerationService:
             status = error.status
             if isinstance(error, RouterOverloaded):
                 self.metrics.count_local_error(error.kind)
-            await writer.respond(error.status, JSON_HEADERS + error.headers(), error_body(error, spec.dialect))
+            await writer.respond(
+                error.status, JSON_HEADERS + error.headers(), error_body(error, spec.dialect)
+            )
         except ClientDisconnected:
             status = CLIENT_LEFT
         finally:
@@ -125,7 +138,13 @@ class GenerationService:
             self.metrics.count_request(model_label, route, status, key)
             self.metrics.observe_duration(route, trio.current_time() - started)
 
-    async def _serve(self, generation: GenerationRequest, request: Request, writer: ResponseWriter, started: float) -> int:
+    async def _serve(
+        self,
+        generation: GenerationRequest,
+        request: Request,
+        writer: ResponseWriter,
+        started: float,
+    ) -> int:
         key_bytes = routing_key(request.header(b"x-session-id"), generation.body)
         if self.reads_text:
             generation.routing_text = routing_text(generation.body)
@@ -136,7 +155,11 @@ class GenerationService:
             now = trio.current_time()
             try:
                 plan_at = partial(self._plan, generation)
-                plan = await self.waits.plan(generation.model, plan_at) if attempt == 0 else plan_at(now)
+                plan = (
+                    await self.waits.plan(generation.model, plan_at)
+                    if attempt == 0
+                    else plan_at(now)
+                )
             except RouterError:
                 if attempt == 0:
                     raise
@@ -158,7 +181,10 @@ class GenerationService:
                 failure = failed.failure
                 log.warning(
                     "attempt on %s failed (%s): %s [request %s]",
-                    failed.worker.id, failure.reason, failure.detail, current_request_id(),
+                    failed.worker.id,
+                    failure.reason,
+                    failure.detail,
+                    current_request_id(),
                 )
                 if not failure.retryable:
                     break
@@ -172,9 +198,13 @@ class GenerationService:
     def _plan(self, generation: GenerationRequest, now: float) -> Plan:
         settings = self.settings
         return plan_request(
-            generation.model, self.fleet.for_model(generation.model), now,
-            settings.all_open, settings.retry_after_s,
-            self.fleet.last_served_at(generation.model), settings.model_memory_s,
+            generation.model,
+            self.fleet.for_model(generation.model),
+            now,
+            settings.all_open,
+            settings.retry_after_s,
+            self.fleet.last_served_at(generation.model),
+            settings.model_memory_s,
             generation.spec.generation,
         )
 
@@ -182,7 +212,9 @@ class GenerationService:
         attempts = ctx.log
         if attempts.last_answer is not None:
             answer, worker_id = attempts.last_answer
-            await ctx.writer.respond(answer.status, client_headers(answer.headers, worker_id), answer.body)
+            await ctx.writer.respond(
+                answer.status, client_headers(answer.headers, worker_id), answer.body
+            )
             return answer.status
         tried = "; ".join(attempts.reasons) or "no worker could be tried"
         raise WorkerUnreachable(f"no worker answered for model '{ctx.generation.model}': {tried}")

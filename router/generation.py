@@ -66,13 +66,17 @@ def parse_generation_request(
     elif not isinstance(model, str) or not model:
         raise BadRequest(f"'model' must be a non-empty string, got {_json_type(model)}")
     if not spec.streams:
-        return GenerationRequest(route=route, path=path, model=model, stream=False, body=body, raw=raw, spec=spec)
+        return GenerationRequest(
+            route=route, path=path, model=model, stream=False, body=body, raw=raw, spec=spec
+        )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be a boolean, got {_json_type(stream)}")
     _check_route_fields(route, body)
     _check_choices(body, max_n)
-    return GenerationRequest(route=route, path=path, model=model, stream=stream, body=body, raw=raw, spec=spec)
+    return GenerationRequest(
+        route=route, path=path, model=model, stream=stream, body=body, raw=raw, spec=spec
+    )
 
 
 def _check_route_fields(route: str, body: dict[str, Any]) -> None:
@@ -82,7 +86,9 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
             raise BadRequest("'messages' must be a non-empty list of message objects")
         for index, message in enumerate(messages):
             if not isinstance(message, dict):
-                raise BadRequest(f"'messages[{index}]' must be an object, got {_json_type(message)}")
+                raise BadRequest(
+                    f"'messages[{index}]' must be an object, got {_json_type(message)}"
+                )
             if not isinstance(message.get("role"), str):
                 raise BadRequest(f"'messages[{index}].role' must be a string")
             content = message.get("content")
@@ -93,7 +99,10 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
                 )
     elif route == "completions":
         prompt = body.get("prompt")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_prompt_batch(prompt))):
+        if not (
+            isinstance(prompt, str)
+            or (isinstance(prompt, list) and prompt and _is_prompt_batch(prompt))
+        ):
             raise BadRequest(
                 "'prompt' must be a string, or a non-empty list of strings, of token ids or of "
                 "token id lists"
@@ -103,19 +112,27 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
         if text is None and input_ids is None:
             raise BadRequest("'text' or 'input_ids' is required")
         if text is not None and not (
-            isinstance(text, str) or (isinstance(text, list) and all(isinstance(item, str) for item in text))
+            isinstance(text, str)
+            or (isinstance(text, list) and all(isinstance(item, str) for item in text))
         ):
-            raise BadRequest(f"'text' must be a string or a list of strings, got {_json_type(text)}")
+            raise BadRequest(
+                f"'text' must be a string or a list of strings, got {_json_type(text)}"
+            )
         if input_ids is not None and not (
-            isinstance(input_ids, list) and (_is_token_ids(input_ids) or all(_is_token_ids(ids) for ids in input_ids))
+            isinstance(input_ids, list)
+            and (_is_token_ids(input_ids) or all(_is_token_ids(ids) for ids in input_ids))
         ):
-            raise BadRequest(f"'input_ids' must be a list of token ids or of token id lists, got {_json_type(input_ids)}")
+            raise BadRequest(
+                f"'input_ids' must be a list of token ids or of token id lists, got {_json_type(input_ids)}"
+            )
         sampling = body.get("sampling_params")
         if sampling is not None and not isinstance(sampling, dict):
             raise BadRequest(f"'sampling_params' must be an object, got {_json_type(sampling)}")
     for name in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
             raise BadRequest(f"'{name}' must be a non-negative integer, got {value!r}"[:200])
     if body.get("n") == 0:
         raise BadRequest("'n' must be at least 1")
@@ -127,7 +144,10 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
 
 def _check_choices(body: dict[str, Any], max_n: int) -> None:
     sampling = body.get("sampling_params")
-    for name, value in (("n", body.get("n")), ("sampling_params.n", sampling.get("n") if isinstance(sampling, dict) else None)):
+    for name, value in (
+        ("n", body.get("n")),
+        ("sampling_params.n", sampling.get("n") if isinstance(sampling, dict) else None),
+    ):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

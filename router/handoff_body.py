@@ -21,7 +21,9 @@ from typing import Any
 
 import orjson
 
-HANDOFF_KEYS = frozenset({"bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank"})
+HANDOFF_KEYS = frozenset(
+    {"bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank"}
+)
 
 _WHITESPACE = " \t\n\r"
 # The standard library's C scanner finds where each value ends (`raw_decode`) in one pass
@@ -51,7 +53,11 @@ def splice_handoff(raw: bytes, body: Mapping[str, Any], fields: Mapping[str, Any
         separator = b"," if body else b""
         return raw[: start + 1] + members + separator + raw[start + 1 :]
     text = raw.decode("utf-8")  # parsed already, so valid; slices encode back to the same bytes
-    kept = [text[begin:end].encode() for begin, end, key in top_level_members(text) if key not in HANDOFF_KEYS]
+    kept = [
+        text[begin:end].encode()
+        for begin, end, key in top_level_members(text)
+        if key not in HANDOFF_KEYS
+    ]
     return b"{" + b",".join([members, *kept]) + b"}"
 
 

@@ -81,7 +81,11 @@ async def serve_health_checks(
             if worker.healthy:
                 log.info("worker %s is healthy again", worker.id)
             else:
-                log.warning("worker %s is unhealthy: /health failed %d times in a row", worker.id, failure_threshold)
+                log.warning(
+                    "worker %s is unhealthy: /health failed %d times in a row",
+                    worker.id,
+                    failure_threshold,
+                )
 
     first = True
     while True:

@@ -24,7 +24,25 @@ from router.workers import Fleet
 _Family = TypeVar("_Family", Counter, Histogram)
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
 
 
 class RouterMetrics:
@@ -32,31 +50,69 @@ class RouterMetrics:
     value the first time it is used (bounded sets: routes, statuses, modes, roles,
     reasons, kinds, the fleet's workers; a departed worker's child is dropped)."""
 
-    def __init__(self, fleet: Fleet | None = None, registry: CollectorRegistry | None = None, *, key_label: bool = False) -> None:
+    def __init__(
+        self,
+        fleet: Fleet | None = None,
+        registry: CollectorRegistry | None = None,
+        *,
+        key_label: bool = False,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         # The `key` label exists only with named client keys; its values are those names.
         self.key_label = key_label
-        request_labels = ["model", "route", "status", "key"] if key_label else ["model", "route", "status"]
+        request_labels = (
+            ["model", "route", "status", "key"] if key_label else ["model", "route", "status"]
+        )
         self.requests = Counter("router_requests", "Requests answered", request_labels, registry=r)
         self.duration = Histogram(
-            "router_request_duration_seconds", "Time from request to the end of the answer",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            "router_request_duration_seconds",
+            "Time from request to the end of the answer",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttfb = Histogram(
-            "router_time_to_first_byte_seconds", "Time from request to the first answer byte sent",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            "router_time_to_first_byte_seconds",
+            "Time from request to the first answer byte sent",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.retries = Counter("router_retries", "Attempts retried on another worker, by reason", ["reason"], registry=r)
-        self.breaker_trips = Counter("router_worker_breaker_trips", "Breaker trips: closed to open (a failed probe re-opens without a new trip)", ["worker"], registry=r)
-        self.pd_requests = Counter("router_pd_requests", "Generation requests by dispatch mode", ["mode"], registry=r)
-        self.leg_failures = Counter("router_leg_failures", "Pre-first-byte failures by leg role", ["role"], registry=r)
-        self.discovery_up = Gauge("router_discovery_up", "1 while the discovery source answers, 0 while it does not", registry=r)
-        self.discovery_events = Counter("router_discovery_events", "Discovery events applied, by type", ["type"], registry=r)
-        self.discovery_relists = Counter("router_discovery_relists", "Full relists of the discovery source", registry=r)
+        self.retries = Counter(
+            "router_retries",
+            "Attempts retried on another worker, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.breaker_trips = Counter(
+            "router_worker_breaker_trips",
+            "Breaker trips: closed to open (a failed probe re-opens without a new trip)",
+            ["worker"],
+            registry=r,
+        )
+        self.pd_requests = Counter(
+            "router_pd_requests", "Generation requests by dispatch mode", ["mode"], registry=r
+        )
+        self.leg_failures = Counter(
+            "router_leg_failures", "Pre-first-byte failures by leg role", ["role"], registry=r
+        )
+        self.discovery_up = Gauge(
+            "router_discovery_up",
+            "1 while the discovery source answers, 0 while it does not",
+            registry=r,
+        )
+        self.discovery_events = Counter(
+            "router_discovery_events", "Discovery events applied, by type", ["type"], registry=r
+        )
+        self.discovery_relists = Counter(
+            "router_discovery_relists", "Full relists of the discovery source", registry=r
+        )
         self.local_errors = Counter(
-            "router_local_errors", "Requests refused for the router's own shortage (no worker blamed), by kind",
-            ["kind"], registry=r,
+            "router_local_errors",
+            "Requests refused for the router's own shortage (no worker blamed), by kind",
+            ["kind"],
+            registry=r,
         )
         self.discovery_up.set(1)
         # Children bound once, when first used (a series appears with its first event, as
@@ -85,7 +141,9 @@ class RouterMetrics:
         name = key or "-"
         child = self._requests.get((model, route, status, name))
         if child is None:
-            values = (model, route, str(status), name) if self.key_label else (model, route, str(status))
+            values = (
+                (model, route, str(status), name) if self.key_label else (model, route, str(status))
+            )
             child = self._requests[(model, route, status, name)] = self.requests.labels(*values)
         child.inc()
 
@@ -151,11 +209,17 @@ class _FleetCollector(Collector):
         except RuntimeError:
             now = 0.0
         by_group: dict[tuple[str, str, str], int] = {}
-        inflight = GaugeMetricFamily("router_worker_inflight", "Requests in flight per worker", labels=["worker"])
-        state = GaugeMetricFamily(
-            "router_worker_breaker_state", "Breaker state per worker: 0 closed, 1 open, 2 half_open", labels=["worker"]
+        inflight = GaugeMetricFamily(
+            "router_worker_inflight", "Requests in flight per worker", labels=["worker"]
         )
-        healthy = GaugeMetricFamily("router_worker_healthy", "1 when the worker passes its health checks", labels=["worker"])
+        state = GaugeMetricFamily(
+            "router_worker_breaker_state",
+            "Breaker state per worker: 0 closed, 1 open, 2 half_open",
+            labels=["worker"],
+        )
+        healthy = GaugeMetricFamily(
+            "router_worker_healthy", "1 when the worker passes its health checks", labels=["worker"]
+        )
         for worker in self._fleet.workers():
             record = worker.record
             for model in record.models:
@@ -167,7 +231,11 @@ class _FleetCollector(Collector):
                 state.add_metric([worker.id], int(worker.breaker.state(now)))
             else:
                 state.add_metric([worker.id], 0)
-        workers = GaugeMetricFamily("router_workers", "Known workers by model, role and status", labels=["model", "role", "status"])
+        workers = GaugeMetricFamily(
+            "router_workers",
+            "Known workers by model, role and status",
+            labels=["model", "role", "status"],
+        )
         for (model, role, status), count in sorted(by_group.items()):
             workers.add_metric([model, role, status], count)
         remembered = GaugeMetricFamily(
@@ -178,7 +246,8 @@ class _FleetCollector(Collector):
         yield workers
         yield remembered
         yield GaugeMetricFamily(
-            "router_workers_pending", "Workers named by discovery but not admitted: their engine has not stated their facts yet",
+            "router_workers_pending",
+            "Workers named by discovery but not admitted: their engine has not stated their facts yet",
             value=len(self._fleet.pending),
         )
         yield inflight

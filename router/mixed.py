@@ -23,7 +23,9 @@ class MixedStrategy:
         rank = runner.ranks.choose(worker)
         leases: list[Lease] = []
         try:
-            lease = runner.take(worker, plan.legs[Role.MIXED].forced, trio.current_time(), rank, leases)
+            lease = runner.take(
+                worker, plan.legs[Role.MIXED].forced, trio.current_time(), rank, leases
+            )
             return await runner.exchange(lease, ctx.generation.raw, ctx)
         finally:
             runner.release_all(leases)

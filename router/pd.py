@@ -107,7 +107,11 @@ def handoff_fields(
 
     fields: dict[str, Any]
     if size is None:
-        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": make_room(rng, dp_size, prefill_rank)}
+        fields = {
+            "bootstrap_host": host,
+            "bootstrap_port": port,
+            "bootstrap_room": make_room(rng, dp_size, prefill_rank),
+        }
     else:
         fields = {
             "bootstrap_host": [host] * size,
@@ -142,7 +146,11 @@ class PDStrategy:
     """One PD attempt: a prefill and a decode chosen independently, dispatched together."""
 
     def __init__(
-        self, runner: AttemptRunner, metrics: RouterMetrics, max_n: int, rng: random.Random | None = None
+        self,
+        runner: AttemptRunner,
+        metrics: RouterMetrics,
+        max_n: int,
+        rng: random.Random | None = None,
     ) -> None:
         self.runner = runner
         self.metrics = metrics
@@ -175,8 +183,12 @@ class PDStrategy:
         leases: list[Lease] = []
         status: int | None = None
         try:
-            prefill_lease = runner.take(prefill, plan.legs[Role.PREFILL].forced, now, prefill_rank, leases)
-            decode_lease = runner.take(decode, plan.legs[Role.DECODE].forced, now, decode_rank, leases)
+            prefill_lease = runner.take(
+                prefill, plan.legs[Role.PREFILL].forced, now, prefill_rank, leases
+            )
+            decode_lease = runner.take(
+                decode, plan.legs[Role.DECODE].forced, now, decode_rank, leases
+            )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._prefill_leg, prefill_lease, decode_lease, raw, ctx)
                 try:
@@ -190,7 +202,9 @@ class PDStrategy:
             runner.release_all(leases)
         return status
 
-    async def _prefill_leg(self, lease: Lease, decode_lease: Lease, raw: bytes, ctx: RequestContext) -> None:
+    async def _prefill_leg(
+        self, lease: Lease, decode_lease: Lease, raw: bytes, ctx: RequestContext
+    ) -> None:
         """Send the prefill request, read its answer and discard it.
 
         Its failure cancels the decode leg only while nothing reached the client; after
@@ -204,7 +218,9 @@ class PDStrategy:
             if decode_lease.committed:
                 log.warning(
                     "prefill %s failed after the decode answered: %s [request %s]",
-                    failed.worker.id, failed.failure.detail, current_request_id(),
+                    failed.worker.id,
+                    failed.failure.detail,
+                    current_request_id(),
                 )
                 return
             raise

@@ -51,9 +51,15 @@ def run_processes(settings: Settings, argv: Sequence[str]) -> int:
         return 2
     log.info(
         "starting %d router processes sharing http://%s:%d",
-        settings.processes, settings.host, settings.port,
+        settings.processes,
+        settings.host,
+        settings.port,
     )
-    return trio.run(partial(supervise, child_command(argv), settings.processes, reload=bool(settings.api_keys_file)))
+    return trio.run(
+        partial(
+            supervise, child_command(argv), settings.processes, reload=bool(settings.api_keys_file)
+        )
+    )
 
 
 async def supervise(command: list[str], count: int, *, reload: bool = False) -> int:
@@ -66,7 +72,11 @@ async def supervise(command: list[str], count: int, *, reload: bool = False) -> 
     processes: list[trio.Process] = []
     statuses: list[int] = []
     try:
-        watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if reload else (signal.SIGTERM, signal.SIGINT)
+        watched = (
+            (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+            if reload
+            else (signal.SIGTERM, signal.SIGINT)
+        )
         with trio.open_signal_receiver(*watched) as signals:
             for _ in range(count):
                 processes.append(
@@ -109,7 +119,11 @@ class _Stopping:
 
 async def _forward_signals(signals: AsyncIterator[int], stopping: _Stopping) -> None:
     async for signum in signals:
-        log.info("%s: passing it to %d router processes", signal.Signals(signum).name, len(stopping.processes))
+        log.info(
+            "%s: passing it to %d router processes",
+            signal.Signals(signum).name,
+            len(stopping.processes),
+        )
         if signum == signal.SIGHUP:
             for process in stopping.processes:  # a reload, not a stop
                 if process.returncode is None:
@@ -127,5 +141,7 @@ async def _wait_child(process: trio.Process, stopping: _Stopping, statuses: list
         status = 0
     statuses.append(status)
     if not stopping.signalled:
-        log.warning("router process %d exited with status %d; stopping the others", process.pid, status)
+        log.warning(
+            "router process %d exited with status %d; stopping the others", process.pid, status
+        )
         stopping.send(signal.SIGTERM)

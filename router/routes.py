@@ -61,11 +61,35 @@ _SAMPLING = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p")
 ROUTES: dict[str, Route] = {
     route.path: route
     for route in (
-        Route("/v1/chat/completions", "chat", _GEN, _OPENAI, ("model", "stream", "messages", *_SAMPLING)),
-        Route("/v1/completions", "completions", _GEN, _OPENAI, ("model", "stream", "prompt", *_SAMPLING)),
-        Route("/generate", "generate", _GEN, _OPENAI, ("model", "stream", "text", "input_ids", "sampling_params")),
+        Route(
+            "/v1/chat/completions",
+            "chat",
+            _GEN,
+            _OPENAI,
+            ("model", "stream", "messages", *_SAMPLING),
+        ),
+        Route(
+            "/v1/completions",
+            "completions",
+            _GEN,
+            _OPENAI,
+            ("model", "stream", "prompt", *_SAMPLING),
+        ),
+        Route(
+            "/generate",
+            "generate",
+            _GEN,
+            _OPENAI,
+            ("model", "stream", "text", "input_ids", "sampling_params"),
+        ),
         Route("/v1/responses", "responses", _GEN, _RESPONSES, ("model", "stream", *_SAMPLING)),
-        Route("/v1/messages", "messages", _GEN, _ANTHROPIC, ("model", "stream", "messages", *_SAMPLING)),
+        Route(
+            "/v1/messages",
+            "messages",
+            _GEN,
+            _ANTHROPIC,
+            ("model", "stream", "messages", *_SAMPLING),
+        ),
         Route("/v1/embeddings", "embeddings", _OTHER, _OPENAI, _MODEL),
         Route("/v1/rerank", "rerank", _OTHER, _OPENAI, _MODEL),
         Route("/v1/score", "score", _OTHER, _OPENAI, _MODEL),

@@ -258,7 +258,14 @@ class _RendezvousScore:
         return int.from_bytes(digest.digest(), "big"), worker.id
 
 
-POLICY_NAMES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash", "cache_aware")
+POLICY_NAMES = (
+    "round_robin",
+    "random",
+    "least_load",
+    "power_of_two",
+    "consistent_hash",
+    "cache_aware",
+)
 
 
 def make_policy(

@@ -96,7 +96,12 @@ def _breaker_factory(settings: Settings, metrics: RouterMetrics) -> BreakerFacto
             if old is BreakerState.CLOSED:
                 metrics.count_trip(name)
             # Runs inside the request whose verdict tripped it: the log names that request.
-            log.warning("breaker of %s opened (was %s) [request %s]", name, old.name.lower(), current_request_id())
+            log.warning(
+                "breaker of %s opened (was %s) [request %s]",
+                name,
+                old.name.lower(),
+                current_request_id(),
+            )
         elif new is BreakerState.HALF_OPEN:
             # The probe itself is logged when it is dispatched (router/attempt.py).
             log.debug("breaker of %s is half-open: the next request to it is the probe", name)
@@ -118,19 +123,32 @@ def failover_settings(settings: Settings) -> FailoverSettings:
     """What the generation path reads of `settings`."""
     all_open = AllOpenMode(settings.breaker_all_open)
     return FailoverSettings(
-        policy=settings.policy, prefill_policy=settings.prefill_policy, decode_policy=settings.decode_policy,
+        policy=settings.policy,
+        prefill_policy=settings.prefill_policy,
+        decode_policy=settings.decode_policy,
         cache=CacheAwareSettings(
-            cache_threshold=settings.cache_threshold, balance_abs_threshold=settings.balance_abs_threshold,
-            balance_rel_threshold=settings.balance_rel_threshold, max_tree_size=settings.max_tree_size,
+            cache_threshold=settings.cache_threshold,
+            balance_abs_threshold=settings.balance_abs_threshold,
+            balance_rel_threshold=settings.balance_rel_threshold,
+            max_tree_size=settings.max_tree_size,
         ),
         all_open=all_open,
-        timeouts=Timeouts(settings.connect_timeout_s, settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
-        wait=WorkerWaitSettings(
-            capacity_wait_s=settings.queue_timeout_s, workers_wait_s=settings.wait_for_workers_s,
-            all_open=all_open, retry_after_s=settings.retry_after_s,
+        timeouts=Timeouts(
+            settings.connect_timeout_s,
+            settings.first_byte_timeout_s,
+            settings.stream_idle_timeout_s,
         ),
-        max_attempts=settings.max_attempts, max_n=settings.max_n, retry_after_s=settings.retry_after_s,
-        model_memory_s=settings.model_memory_s, worker_api_key=settings.worker_api_key,
+        wait=WorkerWaitSettings(
+            capacity_wait_s=settings.queue_timeout_s,
+            workers_wait_s=settings.wait_for_workers_s,
+            all_open=all_open,
+            retry_after_s=settings.retry_after_s,
+        ),
+        max_attempts=settings.max_attempts,
+        max_n=settings.max_n,
+        retry_after_s=settings.retry_after_s,
+        model_memory_s=settings.model_memory_s,
+        worker_api_key=settings.worker_api_key,
     )
 
 
@@ -168,7 +186,8 @@ def register_server_gauges(load: ServerLoad, metrics: RouterMetrics) -> None:
     ).set_function(lambda: load.connections)
     Gauge(
         "router_client_turn_away_tasks",
-        "Connections past --max-connections being answered 503", registry=registry,
+        "Connections past --max-connections being answered 503",
+        registry=registry,
     ).set_function(lambda: load.turning_away)
     Gauge(
         "router_buffered_body_bytes",
@@ -195,7 +214,8 @@ async def run_router(
     metrics = RouterMetrics(registry=registry, key_label=keys.named)
     fleet = Fleet(
         _breaker_factory(settings, metrics),
-        model_memory_s=settings.model_memory_s, clock=trio.current_time,
+        model_memory_s=settings.model_memory_s,
+        clock=trio.current_time,
         max_inflight=settings.worker_max_inflight,
     )
     metrics.watch_fleet(fleet)
@@ -216,14 +236,18 @@ async def run_router(
         metrics.registry.register(TaskCollector())
         # Before discovery, so a worker named without its facts is asked at once.
         await nursery.start(
-            partial(serve_engine_facts, fleet, http, FactsSettings(timeout_s=settings.health_timeout_s))
+            partial(
+                serve_engine_facts, fleet, http, FactsSettings(timeout_s=settings.health_timeout_s)
+            )
         )
         discovery: DiscoveryHealth = await nursery.start(
             partial(serve_discovery, settings, fleet, http, metrics)
         )
         await nursery.start(
             partial(
-                serve_health_checks, fleet, http,
+                serve_health_checks,
+                fleet,
+                http,
                 interval_s=settings.health_interval_s,
                 timeout_s=settings.health_timeout_s,
                 failure_threshold=settings.health_failure_threshold,
@@ -235,14 +259,25 @@ async def run_router(
         admin = None
         if settings.admin_api_key:
             admin = AdminApi(
-                fleet, http, nursery, admin_key=settings.admin_api_key, worker_api_key=settings.worker_api_key,
-                discovery_owns_fleet=settings.discovery != "static", drain_timeout_s=settings.shutdown_grace_s,
+                fleet,
+                http,
+                nursery,
+                admin_key=settings.admin_api_key,
+                worker_api_key=settings.worker_api_key,
+                discovery_owns_fleet=settings.discovery != "static",
+                drain_timeout_s=settings.shutdown_grace_s,
             )
         generation = GenerationService(failover_settings(settings), fleet, pool, metrics)
         await nursery.start(generation.runner.stalls.serve)
         app = RouterApp(
-            generation, metrics, discovery, protect_metrics=settings.protect_metrics,
-            keys=keys, admission=admission, admin=admin, tracing=tracing,
+            generation,
+            metrics,
+            discovery,
+            protect_metrics=settings.protect_metrics,
+            keys=keys,
+            admission=admission,
+            admin=admin,
+            tracing=tracing,
         )
         metrics.registry.register(WorkerWaitCollector(generation.waits))
         # Attached once the app exists: a worker that left before it (during the first
@@ -260,7 +295,9 @@ async def run_router(
             serve = partial(serve_http, load=load)
 
         async def serve_until_drained(*, task_status: trio.TaskStatus[int]) -> None:
-            await serve(app.handle, server_settings(settings), shutdown=shutdown, task_status=task_status)
+            await serve(
+                app.handle, server_settings(settings), shutdown=shutdown, task_status=task_status
+            )
             nursery.cancel_scope.cancel()
 
         try:
@@ -269,32 +306,50 @@ async def run_router(
             raise CannotListen(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
         # Operators and scripts read the bound URL from this line (with --port 0 it is
         # the only place the port shows up).
-        log.info("router listening on %s with %d workers", http_url(settings.host, port), len(fleet))
+        log.info(
+            "router listening on %s with %d workers", http_url(settings.host, port), len(fleet)
+        )
         task_status.started(RunningRouter(host=settings.host, port=port, app=app))
 
 
 async def serve_discovery(
-    settings: Settings, fleet: Fleet, http: httpx.AsyncClient, metrics: RouterMetrics,
-    *, task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
+    settings: Settings,
+    fleet: Fleet,
+    http: httpx.AsyncClient,
+    metrics: RouterMetrics,
+    *,
+    task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     if settings.discovery == "etcd":
         from router.discovery.etcd import EtcdDiscoveryTiming, serve_etcd_discovery
 
         await serve_etcd_discovery(
-            settings.etcd_endpoint, settings.etcd_prefix, fleet, metrics,
-            timing=EtcdDiscoveryTiming(silence_s=settings.discovery_silence_s), task_status=task_status,
+            settings.etcd_endpoint,
+            settings.etcd_prefix,
+            fleet,
+            metrics,
+            timing=EtcdDiscoveryTiming(silence_s=settings.discovery_silence_s),
+            task_status=task_status,
         )
     elif settings.discovery == "kubernetes":
-        await serve_kubernetes_discovery(kube_settings(settings), fleet, metrics, task_status=task_status)
+        await serve_kubernetes_discovery(
+            kube_settings(settings), fleet, metrics, task_status=task_status
+        )
     else:
         await serve_static_discovery(
-            fleet, settings.workers, http, worker_api_key=settings.worker_api_key, task_status=task_status
+            fleet,
+            settings.workers,
+            http,
+            worker_api_key=settings.worker_api_key,
+            task_status=task_status,
         )
 
 
 def kube_settings(settings: Settings) -> KubeDiscoverySettings:
     return KubeDiscoverySettings(
-        sources=pod_sources(settings.k8s_selector, settings.k8s_prefill_selector, settings.k8s_decode_selector),
+        sources=pod_sources(
+            settings.k8s_selector, settings.k8s_prefill_selector, settings.k8s_decode_selector
+        ),
         namespace=settings.k8s_namespace or None,
         port=settings.k8s_port,
         kubeconfig=settings.k8s_kubeconfig or None,
@@ -314,7 +369,8 @@ async def _main(settings: Settings) -> None:
                         return
                     log.info(
                         "%s: no new connections; in-flight requests get up to %gs",
-                        signal.Signals(signum).name, settings.shutdown_grace_s,
+                        signal.Signals(signum).name,
+                        settings.shutdown_grace_s,
                     )
                     shutdown.set()
 
@@ -326,10 +382,13 @@ async def _main(settings: Settings) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every `router serve` flag: the settings of `router.config`, plus `--reuse-port`."""
-    parser = argparse.ArgumentParser(prog="router serve", description="Run the router in front of a fleet.")
+    parser = argparse.ArgumentParser(
+        prog="router serve", description="Run the router in front of a fleet."
+    )
     add_arguments(parser)
     parser.add_argument(
-        "--reuse-port", action="store_true",
+        "--reuse-port",
+        action="store_true",
         help="listen with SO_REUSEPORT, sharing the port with other router processes "
         "(what each process of --processes does)",
     )
@@ -353,10 +412,16 @@ def main(argv: Sequence[str]) -> int:
     if args.reuse_port:
         settings = dataclasses.replace(settings, reuse_port=True)
     if settings.server == "hypercorn" and importlib.util.find_spec("hypercorn") is None:
-        print("router serve: --server hypercorn needs hypercorn: pip install 'trio-router[asgi]'", file=sys.stderr)
+        print(
+            "router serve: --server hypercorn needs hypercorn: pip install 'trio-router[asgi]'",
+            file=sys.stderr,
+        )
         return EXIT_BAD_SETTINGS
     if settings.otlp_traces_endpoint and not otel_installed():
-        print("router serve: --otlp-traces-endpoint needs OpenTelemetry: pip install 'trio-router[otel]'", file=sys.stderr)
+        print(
+            "router serve: --otlp-traces-endpoint needs OpenTelemetry: pip install 'trio-router[otel]'",
+            file=sys.stderr,
+        )
         return EXIT_BAD_SETTINGS
     if settings.processes > 1:
         from router.processes import run_processes

@@ -67,7 +67,9 @@ class RequestTrace:
 
 NO_ATTEMPT_TRACE = AttemptTrace()
 NO_REQUEST_TRACE = RequestTrace()
-_current: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar("router_trace", default=NO_REQUEST_TRACE)
+_current: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar(
+    "router_trace", default=NO_REQUEST_TRACE
+)
 
 
 def current_trace() -> RequestTrace:
@@ -111,7 +113,9 @@ class Tracing:
 
     enabled = False
 
-    def begin(self, request: Request, writer: ResponseWriter) -> tuple[RequestTrace, ResponseWriter]:
+    def begin(
+        self, request: Request, writer: ResponseWriter
+    ) -> tuple[RequestTrace, ResponseWriter]:
         return NO_REQUEST_TRACE, writer
 
     def enter(self, trace: RequestTrace) -> contextvars.Token[RequestTrace] | None:
@@ -142,18 +146,31 @@ class OtlpTracing(Tracing):
         self.error = trace.StatusCode.ERROR
         # A provider of our own, not the global one: several routers in one process (tests,
         # embedding) each export where they were told.
-        self.provider: TracerProvider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        self.provider: TracerProvider = TracerProvider(
+            resource=Resource.create({"service.name": service_name})
+        )
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer: Tracer = self.provider.get_tracer("router")
         self.propagator: TraceContextTextMapPropagator = TraceContextTextMapPropagator()
 
-    def begin(self, request: Request, writer: ResponseWriter) -> tuple[RequestTrace, ResponseWriter]:
-        carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers if name in TRACE_HEADERS}
+    def begin(
+        self, request: Request, writer: ResponseWriter
+    ) -> tuple[RequestTrace, ResponseWriter]:
+        carrier = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in request.headers
+            if name in TRACE_HEADERS
+        }
         parent = self.propagator.extract(carrier) if carrier else None
         span = self.tracer.start_span(
-            f"{request.method} {request.path}", context=parent, kind=self.server_kind,
-            attributes={"http.request.method": request.method, "url.path": request.path,
-                        "router.request_id": (request.header(b"x-request-id") or b"").decode("latin-1")},
+            f"{request.method} {request.path}",
+            context=parent,
+            kind=self.server_kind,
+            attributes={
+                "http.request.method": request.method,
+                "url.path": request.path,
+                "router.request_id": (request.header(b"x-request-id") or b"").decode("latin-1"),
+            },
         )
         recorder = StatusWriter(writer)
         return _OtelRequestTrace(self, span, recorder), recorder
@@ -189,8 +206,15 @@ class _OtelRequestTrace(RequestTrace):
         role = worker.role.value
         number = self._attempts[role] = self._attempts.get(role, 0) + 1
         span = tracing.tracer.start_span(
-            f"{role} attempt", context=tracing.in_context(self._span), kind=tracing.client_kind,
-            attributes={"router.worker": worker.id, "router.role": role, "router.attempt": number, "server.address": worker.url},
+            f"{role} attempt",
+            context=tracing.in_context(self._span),
+            kind=tracing.client_kind,
+            attributes={
+                "router.worker": worker.id,
+                "router.role": role,
+                "router.attempt": number,
+                "server.address": worker.url,
+            },
         )
         return _OtelAttemptTrace(tracing, span)
 

@@ -72,7 +72,9 @@ class WorkerRecord:
     def from_json(cls, data: Any) -> WorkerRecord:
         """Validate a JSON record (etcd value or fleet-file entry). Unknown fields are ignored."""
         if not isinstance(data, dict):
-            raise InvalidWorkerRecord(f"a worker record must be an object, got {type(data).__name__}")
+            raise InvalidWorkerRecord(
+                f"a worker record must be an object, got {type(data).__name__}"
+            )
         url = data.get("url")
         if not isinstance(url, str):
             raise InvalidWorkerRecord(f"'url' must be an http:// URL, got {url!r}")
@@ -90,7 +92,9 @@ class WorkerRecord:
         if not isinstance(raw_models, list | tuple) or not all(
             isinstance(m, str) and m for m in raw_models
         ):
-            raise InvalidWorkerRecord(f"'model' must be a string or a list of strings, got {raw_models!r}")
+            raise InvalidWorkerRecord(
+                f"'model' must be a string or a list of strings, got {raw_models!r}"
+            )
         role = _enum_field(Role, data.get("role", "mixed"), "role")
         status = _enum_field(Status, str(data.get("status", "ACTIVE")).upper(), "status")
         engine = data.get("engine", "sglang")
@@ -108,14 +112,22 @@ class WorkerRecord:
             raise InvalidWorkerRecord(f"'disagg_meta' must be an object, got {meta!r}")
         unknown: frozenset[str] = frozenset()
         params = (meta or {}).get("params")
-        if role is Role.PREFILL and not (isinstance(params, dict) and isinstance(params.get("bootstrap_addr"), str)):
+        if role is Role.PREFILL and not (
+            isinstance(params, dict) and isinstance(params.get("bootstrap_addr"), str)
+        ):
             # The engine knows its bootstrap port; its DP size comes with the same answer
             # unless the record gives one.
-            unknown = frozenset({"bootstrap_port"} if "dp_size" in data else {"bootstrap_port", "dp_size"})
+            unknown = frozenset(
+                {"bootstrap_port"} if "dp_size" in data else {"bootstrap_port", "dp_size"}
+            )
         api_key = data.get("api_key")
-        if api_key is not None and (not isinstance(api_key, str) or not api_key.isprintable() or " " in api_key):
+        if api_key is not None and (
+            not isinstance(api_key, str) or not api_key.isprintable() or " " in api_key
+        ):
             # The value is a secret: the message does not repeat it.
-            raise InvalidWorkerRecord("'api_key' must be a string without spaces or control characters")
+            raise InvalidWorkerRecord(
+                "'api_key' must be a string without spaces or control characters"
+            )
         return cls(
             id=worker_id,
             url=url,

@@ -98,13 +98,22 @@ class WorkerWait:
         if isinstance(error, ModelNotFound):
             # A model the fleet served a moment ago is being replaced, not unknown.
             last_seen = self._recent.get(model)
-            return settings.workers_wait_s if last_seen is not None and now - last_seen <= settings.workers_wait_s else 0.0
+            return (
+                settings.workers_wait_s
+                if last_seen is not None and now - last_seen <= settings.workers_wait_s
+                else 0.0
+            )
         return settings.workers_wait_s
 
     def _at_capacity(self, model: str) -> bool:
-        return any(worker.full and worker.healthy and not worker.draining for worker in self.fleet.for_model(model))
+        return any(
+            worker.full and worker.healthy and not worker.draining
+            for worker in self.fleet.for_model(model)
+        )
 
-    async def _wait_in_line(self, model: str, started: float, plan_at: Callable[[float], Plan]) -> Plan:
+    async def _wait_in_line(
+        self, model: str, started: float, plan_at: Callable[[float], Plan]
+    ) -> Plan:
         line = self._lines.setdefault(model, {})
         me = _Waiter()
         line[me] = None
@@ -113,7 +122,9 @@ class WorkerWait:
         try:
             while True:
                 head = next(iter(line)) is me
-                with trio.move_on_at(min(deadline, trio.current_time() + settings.recheck_s) if head else deadline):
+                with trio.move_on_at(
+                    min(deadline, trio.current_time() + settings.recheck_s) if head else deadline
+                ):
                     await me.event.wait()
                 me.event = trio.Event()
                 now = trio.current_time()
@@ -178,10 +189,13 @@ class WorkerWaitCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily(
-            "router_worker_wait_depth", "Requests waiting for a worker of their model to be free or back",
+            "router_worker_wait_depth",
+            "Requests waiting for a worker of their model to be free or back",
             value=self._wait.waiting(),
         )
-        ended = CounterMetricFamily("router_worker_waits", "Waits for a worker, by how they ended", labels=["outcome"])
+        ended = CounterMetricFamily(
+            "router_worker_waits", "Waits for a worker, by how they ended", labels=["outcome"]
+        )
         for outcome, count in self._wait.outcomes.items():
             ended.add_metric([outcome], count)
         yield ended

@@ -173,7 +173,11 @@ class Fleet:
         worker = self._workers.get(record.id)
         old_url: str | None = None
         if worker is None:
-            worker = Worker(record=record, breaker=self._breaker_factory(record.id), max_inflight=self._max_inflight)
+            worker = Worker(
+                record=record,
+                breaker=self._breaker_factory(record.id),
+                max_inflight=self._max_inflight,
+            )
             self._workers[record.id] = worker
         else:
             if record.dp_size != worker.record.dp_size:
@@ -272,7 +276,9 @@ class Fleet:
         self._urls = {worker.url for worker in self._workers.values()}
         self.generation += 1
 
-    def _remember_models(self, before: dict[str, list[Worker]], after: dict[str, list[Worker]]) -> None:
+    def _remember_models(
+        self, before: dict[str, list[Worker]], after: dict[str, list[Worker]]
+    ) -> None:
         if self._clock is None or self._model_memory_s <= 0:
             return
         now = self._clock()
@@ -281,6 +287,7 @@ class Fleet:
         if self._models_gone_at:
             oldest_kept = now - self._model_memory_s
             self._models_gone_at = {
-                model: gone_at for model, gone_at in self._models_gone_at.items()
+                model: gone_at
+                for model, gone_at in self._models_gone_at.items()
                 if model not in after and gone_at > oldest_kept
             }

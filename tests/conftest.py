@@ -17,6 +17,8 @@ async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
     `make test` installs Debian's etcd-server when it is missing; a run without it fails
     here rather than skipping the discovery tests.
     """
-    assert etcd_available(), "no etcd binary on PATH: run `make system-deps` (apt-get install -y etcd-server)"
+    assert etcd_available(), (
+        "no etcd binary on PATH: run `make system-deps` (apt-get install -y etcd-server)"
+    )
     async with open_etcd_server(tmp_path / "etcd") as server:
         yield server

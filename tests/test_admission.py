@@ -63,7 +63,9 @@ async def test_waiters_start_in_arrival_order_and_the_full_line_refuses(
     assert (stats.active, stats.waiting, stats.queue_full) == (0, 0, 2)
 
 
-async def test_a_waiter_gives_up_at_exactly_the_queue_timeout(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_waiter_gives_up_at_exactly_the_queue_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     gate = _gate(limit=1, queue_size=4, timeout_s=3.0)
     outcome: list[tuple[str, float]] = []
 

@@ -76,9 +76,15 @@ def test_advertised_url_keeps_scheme_port_and_path() -> None:
 
 def test_worker_record_is_the_registered_json_and_omits_status_while_active() -> None:
     record = worker_record(
-        worker_id="p1", url="http://10.0.0.7:30000", model="m", role="prefill",
-        engine="sglang", dp_size=4, bootstrap_port=8998, pd_protocol="nixl",
-    )  # fmt: skip
+        worker_id="p1",
+        url="http://10.0.0.7:30000",
+        model="m",
+        role="prefill",
+        engine="sglang",
+        dp_size=4,
+        bootstrap_port=8998,
+        pd_protocol="nixl",
+    )
     assert record.role is Role.PREFILL and record.status is Status.ACTIVE
     assert record.rank_multiplexed
     assert record.to_json() == {
@@ -92,13 +98,24 @@ def test_worker_record_is_the_registered_json_and_omits_status_while_active() ->
         "disagg_meta": {"protocol": "nixl", "params": {"bootstrap_addr": "10.0.0.7:8998"}},
     }
     ipv6 = worker_record(
-        worker_id="p2", url="http://[fd00::7]:30000", model="m", role="prefill",
-        engine="vllm", bootstrap_port=8998,
-    )  # fmt: skip
+        worker_id="p2",
+        url="http://[fd00::7]:30000",
+        model="m",
+        role="prefill",
+        engine="vllm",
+        bootstrap_port=8998,
+    )
     assert ipv6.bootstrap_addr == "[fd00::7]:8998"
 
 
 def test_worker_record_rejects_a_bad_field() -> None:
     with pytest.raises(InvalidWorkerRecord, match="dp_rank"):
-        worker_record(worker_id="w", url="http://h:1", model="m", role="mixed",
-                      engine="sglang", dp_size=2, dp_rank=2)  # fmt: skip
+        worker_record(
+            worker_id="w",
+            url="http://h:1",
+            model="m",
+            role="mixed",
+            engine="sglang",
+            dp_size=2,
+            dp_rank=2,
+        )

@@ -38,7 +38,9 @@ def test_a_missing_malformed_or_wrong_key_is_401(header: bytes | None) -> None:
     assert (b"www-authenticate", b'Bearer realm="router"') in error.headers()
 
 
-@pytest.mark.parametrize("header", [b"Bearer secret-key-1", b"bearer secret-key-1", b"BEARER  secret-key-1 "])
+@pytest.mark.parametrize(
+    "header", [b"Bearer secret-key-1", b"bearer secret-key-1", b"BEARER  secret-key-1 "]
+)
 def test_the_right_key_passes_whatever_the_scheme_case(header: bytes) -> None:
     assert ClientKeys("secret-key-1").check(header) == "default"
 
@@ -92,7 +94,9 @@ def test_a_missing_keys_file_is_an_error(tmp_path: Path) -> None:
         ClientKeys(keys_file=str(tmp_path / "absent.yaml"))
 
 
-def test_a_keys_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_keys_file_others_can_read_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "keys.yaml"
     path.write_text("alice: key-of-alice\n")
     path.chmod(0o644)

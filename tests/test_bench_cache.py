@@ -12,7 +12,9 @@ from bench.cache_workload import Workload, percentile
 
 
 def run(name: str, hit: float, ttft: float) -> CacheRun:
-    return CacheRun(name, 100, 0, 10_000, int(10_000 * hit), ttft, ttft * 3, (30, 20, 25, 25), 800.0, 5.0, 900.0)
+    return CacheRun(
+        name, 100, 0, 10_000, int(10_000 * hit), ttft, ttft * 3, (30, 20, 25, 25), 800.0, 5.0, 900.0
+    )
 
 
 MICRO = MicroResult(2000, 30.0, 0.3, 1_000_000, 100_000, 2**26, 2**26 - 5, 10**8, 4.0)
@@ -34,11 +36,17 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_the_report_judges_the_targets_and_keeps_the_rest_of_the_page(tmp_path: Path) -> None:
-    runs = [run("ours round_robin", 0.6, 80.0), run("ours cache_aware", 0.85, 20.0), run("smg cache_aware", 0.9, 18.0)]
+    runs = [
+        run("ours round_robin", 0.6, 80.0),
+        run("ours cache_aware", 0.85, 20.0),
+        run("smg cache_aware", 0.9, 18.0),
+    ]
     block = markdown(runs, MICRO, Workload(), 4000, 100.0, quick=False)
     assert "| ours cache_aware hit rate >= smg cache_aware's | 85.0% vs 90.0% | MISSED |" in block
     assert "(4.0x) | met |" in block
-    assert "| ours cache_aware | 85.0% | 1.5 |" in block  # 1,500 uncached tokens x 100 us / 100 requests
+    assert (
+        "| ours cache_aware | 85.0% | 1.5 |" in block
+    )  # 1,500 uncached tokens x 100 us / 100 requests
     page = tmp_path / "performance.md"
     page.write_text(f"# Perf\n\nby hand\n\n{START}\nOLD-FIGURES\n{END}\n\n## After\n")
     write_block(page, block)

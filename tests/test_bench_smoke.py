@@ -34,11 +34,27 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
     )
     completed = subprocess.run(
         [
-            sys.executable, "-m", "bench", "--duration", "1", "--rounds", "1",
-            "--contenders", ",".join(CONTENDERS), "--cases", ",".join(CASES),
-            "--idle-streams", "100", "--out", str(out),
+            sys.executable,
+            "-m",
+            "bench",
+            "--duration",
+            "1",
+            "--rounds",
+            "1",
+            "--contenders",
+            ",".join(CONTENDERS),
+            "--cases",
+            ",".join(CASES),
+            "--idle-streams",
+            "100",
+            "--out",
+            str(out),
         ],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr + completed.stdout
 
@@ -50,7 +66,9 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
 
     for case in CASES:
         for contender in CONTENDERS:
-            rows = [line for line in text.splitlines() if line.startswith(f"| {case} | {contender} |")]
+            rows = [
+                line for line in text.splitlines() if line.startswith(f"| {case} | {contender} |")
+            ]
             assert len(rows) == 1, (case, contender)
             cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
             assert len(cells) == 10
@@ -58,9 +76,13 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
             assert re.fullmatch(r"\*\*" + NUMBER + r"\*\*", cells[7]), cells  # req per CPU-s
     ratio = next(line for line in text.splitlines() if line.startswith("| ours / direct |"))
     assert re.fullmatch(rf"\| ours / direct \| {NUMBER} \| {NUMBER} \|", ratio)
-    assert re.search(rf"Added p50 over direct at c=1 \(direct {NUMBER} ms\): ours [+-]{NUMBER} ms\.", text)
+    assert re.search(
+        rf"Added p50 over direct at c=1 \(direct {NUMBER} ms\): ours [+-]{NUMBER} ms\.", text
+    )
     assert re.search(rf"CPU per relayed SSE event, stream-c32: ours {NUMBER} us\.", text)
-    verdicts = re.findall(r"^\| ours / smg req per CPU-s >= 0.85, (\S+) \| .* \| (.*) \|$", text, re.M)
+    verdicts = re.findall(
+        r"^\| ours / smg req per CPU-s >= 0.85, (\S+) \| .* \| (.*) \|$", text, re.M
+    )
     # smg was not among the contenders, nor unary c=32 among the cases.
     assert verdicts == [("unary-c32", "not measured"), ("stream-c32", "not measured")]
     assert "| ours | " in text.split("### Burst at c=256, then c=1")[1]
@@ -83,7 +105,11 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
 def test_the_tracing_cost_bench_prints_both_figures() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench.tracing_cost", "--iterations", "50", "--repeats", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert re.search(rf"^tracing off: {NUMBER} us per request", result.stdout, re.M), result.stdout
     assert re.search(rf"^tracing on:  {NUMBER} us per request", result.stdout, re.M), result.stdout

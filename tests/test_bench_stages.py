@@ -18,14 +18,22 @@ def test_every_stage_runs() -> None:
 
 def test_the_upstream_parsers_before_and_now_read_the_benchmarks_bytes_alike() -> None:
     end = stages.RESPONSE.find(b"\r\n\r\n")
-    assert parse_head_by_hand(stages.RESPONSE[:end]) == UpstreamParser().parse_head(stages.RESPONSE[: end + 4])
-    assert parse_head_by_hand(stages.STREAM_HEAD[:-4]) == UpstreamParser().parse_head(stages.STREAM_HEAD)
+    assert parse_head_by_hand(stages.RESPONSE[:end]) == UpstreamParser().parse_head(
+        stages.RESPONSE[: end + 4]
+    )
+    assert parse_head_by_hand(stages.STREAM_HEAD[:-4]) == UpstreamParser().parse_head(
+        stages.STREAM_HEAD
+    )
     by_hand = HandWrittenChunked()
     with_llhttp = UpstreamParser()
     with_llhttp.parse_head(stages.STREAM_HEAD)
     with_llhttp.expect_chunked()
     for _ in range(3):
-        assert by_hand.take(stages.SSE_CHUNK) == with_llhttp.feed_chunked(stages.SSE_CHUNK) == stages.SSE_EVENT
+        assert (
+            by_hand.take(stages.SSE_CHUNK)
+            == with_llhttp.feed_chunked(stages.SSE_CHUNK)
+            == stages.SSE_EVENT
+        )
     assert by_hand.take(b"0\r\n\r\n") == with_llhttp.feed_chunked(b"0\r\n\r\n") == b""
     assert by_hand.ended and with_llhttp.complete and not with_llhttp.beyond
     # Each benchmark closure checks its own output.

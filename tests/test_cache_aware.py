@@ -12,7 +12,10 @@ LONG = "system: you are a helpful assistant who answers in full sentences.\n" * 
 
 def workers(*loads: int) -> list[Worker]:
     return [
-        Worker(record=WorkerRecord(id=f"w{i}", url=f"http://w{i}.test:8000", models=("m",)), inflight=load)
+        Worker(
+            record=WorkerRecord(id=f"w{i}", url=f"http://w{i}.test:8000", models=("m",)),
+            inflight=load,
+        )
         for i, load in enumerate(loads)
     ]
 
@@ -137,7 +140,9 @@ def test_a_worker_leaving_the_fleet_leaves_every_tree() -> None:
 
 def test_a_relist_that_drops_a_worker_forgets_it_too() -> None:
     fleet = Fleet()
-    records = [WorkerRecord(id=f"w{i}", url=f"http://w{i}.test:8000", models=("m",)) for i in range(2)]
+    records = [
+        WorkerRecord(id=f"w{i}", url=f"http://w{i}.test:8000", models=("m",)) for i in range(2)
+    ]
     fleet.replace_all(records)
     cache = policy()
     fleet.add_listener(cache)

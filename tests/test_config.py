@@ -51,7 +51,9 @@ def test_default_when_nothing_says_otherwise() -> None:
 
 
 def test_flag_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
-    config = _config(tmp_path, "policy: random\nport: 9001\nmax-attempts: 5\nshutdown_grace_s: 12\n")
+    config = _config(
+        tmp_path, "policy: random\nport: 9001\nmax-attempts: 5\nshutdown_grace_s: 12\n"
+    )
     env = {"ROUTER_POLICY": "least_load", "ROUTER_PORT": "9002", "ROUTER_CONFIG": config}
     settings = _load(["--policy", "power_of_two"], env)
     assert settings.policy == "power_of_two"  # flag over env and file
@@ -83,16 +85,27 @@ def test_choices_match_without_regard_to_case() -> None:
         (["--max-body-bytes", "1.5"], {}, "--max-body-bytes must be an integer, got '1.5'"),
         (["--health-interval-s", "nan"], {}, "--health-interval-s must be a number, not NaN"),
         (["--health-interval-s", "0"], {}, "--health-interval-s must be >= 0.05, got 0.0"),
-        (["--policy", "fastest"], {}, "--policy must be one of round_robin, random, least_load, power_of_two, consistent_hash, cache_aware, got 'fastest'"),
-        ([], {"ROUTER_MAX_ATTEMPTS": "0"}, "ROUTER_MAX_ATTEMPTS must be >= 1, got 0"),
-        ([], {"ROUTER_BREAKER_ALL_OPEN": "panic"}, "ROUTER_BREAKER_ALL_OPEN must be one of dispatch, reject, got 'panic'"),
         (
-            ["--breaker-cooldown-s", "90"], {},
+            ["--policy", "fastest"],
+            {},
+            "--policy must be one of round_robin, random, least_load, power_of_two, consistent_hash, cache_aware, got 'fastest'",
+        ),
+        ([], {"ROUTER_MAX_ATTEMPTS": "0"}, "ROUTER_MAX_ATTEMPTS must be >= 1, got 0"),
+        (
+            [],
+            {"ROUTER_BREAKER_ALL_OPEN": "panic"},
+            "ROUTER_BREAKER_ALL_OPEN must be one of dispatch, reject, got 'panic'",
+        ),
+        (
+            ["--breaker-cooldown-s", "90"],
+            {},
             "breaker_cooldown_s must not exceed breaker_max_cooldown_s (90.0 > 60.0)",
         ),
     ],
 )
-def test_bad_values_are_refused_with_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
+def test_bad_values_are_refused_with_their_source(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
     with pytest.raises(ConfigError) as caught:
         _load(argv, env)
     assert str(caught.value) == message
@@ -109,7 +122,9 @@ def test_bad_values_are_refused_with_their_source(argv: list[str], env: dict[str
         ("port: [\n", "config file"),
     ],
 )
-def test_bad_config_files_are_refused_naming_the_file(tmp_path: Path, text: str, message: str) -> None:
+def test_bad_config_files_are_refused_naming_the_file(
+    tmp_path: Path, text: str, message: str
+) -> None:
     config = _config(tmp_path, text)
     with pytest.raises(ConfigError) as caught:
         _load(["--config", config])
@@ -136,19 +151,29 @@ def test_defaults_with_overrides_are_validated_too() -> None:
 def test_a_bare_url_is_a_mixed_worker_whose_model_is_asked_later() -> None:
     record = parse_worker_spec("http://10.0.0.1:30000/")
     assert (record.id, record.url, record.models, record.role) == (
-        "http://10.0.0.1:30000", "http://10.0.0.1:30000", (), Role.MIXED,
+        "http://10.0.0.1:30000",
+        "http://10.0.0.1:30000",
+        (),
+        Role.MIXED,
     )
     assert record.dp_size == 1 and not record.rank_multiplexed
 
 
 def test_spec_options() -> None:
-    prefill = parse_worker_spec("http://p:30000, role=prefill, model=llama+qwen, bootstrap_port=8998, dp_size=4")
+    prefill = parse_worker_spec(
+        "http://p:30000, role=prefill, model=llama+qwen, bootstrap_port=8998, dp_size=4"
+    )
     assert prefill.role is Role.PREFILL
     assert prefill.models == ("llama", "qwen")
     assert prefill.bootstrap_addr == "p:8998"
     assert prefill.dp_size == 4 and prefill.rank_multiplexed
     ranked = parse_worker_spec("http://d:1,role=decode,dp_size=2,dp_rank=1,engine=vllm,id=d-1")
-    assert (ranked.id, ranked.engine, ranked.dp_rank, ranked.rank_multiplexed) == ("d-1", "vllm", 1, False)
+    assert (ranked.id, ranked.engine, ranked.dp_rank, ranked.rank_multiplexed) == (
+        "d-1",
+        "vllm",
+        1,
+        False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -232,12 +257,17 @@ def test_a_workers_file_may_be_a_mapping_with_a_workers_list(tmp_path: Path) -> 
     ("text", "message"),
     [
         ("url: http://a:1\n", "workers must be a list of records"),
-        ("- url: http://a:1\n- url: ftp://b\n", "worker #2: worker URL 'ftp://b' must start with http://"),
+        (
+            "- url: http://a:1\n- url: ftp://b\n",
+            "worker #2: worker URL 'ftp://b' must start with http://",
+        ),
         ("- {url: 'http://a:1', dp_size: 0}\n", "worker #1: 'dp_size' must be an integer >= 1"),
         ("- [\n", "fleet.yaml"),
     ],
 )
-def test_bad_workers_files_name_the_file_and_the_record(tmp_path: Path, text: str, message: str) -> None:
+def test_bad_workers_files_name_the_file_and_the_record(
+    tmp_path: Path, text: str, message: str
+) -> None:
     path = _config(tmp_path, text, "fleet.yaml")
     with pytest.raises(ConfigError) as caught:
         _load(["--workers-file", path])
@@ -248,9 +278,13 @@ def test_bad_workers_files_name_the_file_and_the_record(tmp_path: Path, text: st
 def test_worker_flags_and_a_workers_file_add_up(tmp_path: Path) -> None:
     fleet = _config(tmp_path, "- http://file:1\n", "fleet.yaml")
     other = _config(tmp_path, "- http://env-file:1\n", "other.yaml")
-    settings = _load(["--worker", "http://flag:1", "--workers-file", fleet], {"ROUTER_WORKERS_FILE": other})
+    settings = _load(
+        ["--worker", "http://flag:1", "--workers-file", fleet], {"ROUTER_WORKERS_FILE": other}
+    )
     assert [w.url for w in settings.workers] == ["http://flag:1", "http://file:1"]
-    assert [w.url for w in _load([], {"ROUTER_WORKERS_FILE": other}).workers] == ["http://env-file:1"]
+    assert [w.url for w in _load([], {"ROUTER_WORKERS_FILE": other}).workers] == [
+        "http://env-file:1"
+    ]
 
 
 def test_config_file_workers_count_only_when_nothing_else_names_a_worker(tmp_path: Path) -> None:
@@ -259,8 +293,12 @@ def test_config_file_workers_count_only_when_nothing_else_names_a_worker(tmp_pat
     from_file = _load(["--config", config]).workers
     # workers_file is read relative to the config file, wherever the router starts.
     assert [w.url for w in from_file] == ["http://listed:1", "http://inline:1"]
-    assert [w.url for w in _load(["--config", config, "--worker", "http://flag:1"]).workers] == ["http://flag:1"]
-    assert [w.url for w in _load(["--config", config], {"ROUTER_WORKERS": "http://env:1"}).workers] == ["http://env:1"]
+    assert [w.url for w in _load(["--config", config, "--worker", "http://flag:1"]).workers] == [
+        "http://flag:1"
+    ]
+    assert [
+        w.url for w in _load(["--config", config], {"ROUTER_WORKERS": "http://env:1"}).workers
+    ] == ["http://env:1"]
 
 
 # -- one table of options ----------------------------------------------------------------------
@@ -291,7 +329,9 @@ def test_every_flag_is_described_and_every_description_is_a_flag() -> None:
         assert env in help_text, flag
 
 
-def test_a_fleet_file_record_may_carry_its_workers_key_which_is_never_listed(tmp_path: Path) -> None:
+def test_a_fleet_file_record_may_carry_its_workers_key_which_is_never_listed(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "fleet.yaml"
     path.write_text("- {url: 'http://10.0.0.5:30000', model: m, api_key: worker-secret-1}\n")
     [record] = read_workers_file(path)
@@ -307,7 +347,9 @@ def test_a_bad_worker_key_is_refused_without_repeating_it(tmp_path: Path) -> Non
     assert "two words" not in str(caught.value)
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("1", True), ("off", False), ("NO", False)])
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("true", True), ("1", True), ("off", False), ("NO", False)]
+)
 def test_a_yes_no_option_reads_words_from_the_environment(raw: str, expected: bool) -> None:
     assert _load(env={"ROUTER_PROTECT_METRICS": raw}).protect_metrics is expected
 

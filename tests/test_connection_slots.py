@@ -21,7 +21,9 @@ async def test_the_cap_is_counted_and_freed() -> None:
     assert slots.open == 1 and slots.try_take()
 
 
-async def test_waiters_are_served_first_come_first_served(autojump_clock: trio.testing.MockClock) -> None:
+async def test_waiters_are_served_first_come_first_served(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     slots: ConnectionSlots[str] = ConnectionSlots(1)
     assert slots.try_take()
     got: dict[int, str | None] = {}

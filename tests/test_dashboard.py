@@ -37,7 +37,10 @@ def _exported_series(scrape: str) -> set[str]:
 
 async def test_every_metric_the_dashboard_queries_is_exported() -> None:
     with trio.fail_after(20):
-        async with open_fake_fleet(1) as fleet, open_router([fleet[0].url], max_concurrent_requests=4) as router:
+        async with (
+            open_fake_fleet(1) as fleet,
+            open_router([fleet[0].url], max_concurrent_requests=4) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
                 assert (await client.post("/v1/chat/completions", json=body)).status_code == 200

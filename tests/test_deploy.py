@@ -37,16 +37,23 @@ def documents() -> dict[str, list[dict[str, Any]]]:
 
 def find(kind: str, name: str | None = None) -> dict[str, Any]:
     found = [
-        doc for docs in documents().values() for doc in docs
+        doc
+        for docs in documents().values()
+        for doc in docs
         if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
-    ]  # fmt: skip
+    ]
     assert len(found) == 1, f"{kind} {name}: {len(found)} found"
     return found[0]
 
 
 def test_every_manifest_parses_and_names_its_kind() -> None:
     files = documents()
-    assert set(files) == {"router.yaml", "worker-example.yaml", "worker-pd-example.yaml", "worker-agent-example.yaml"}
+    assert set(files) == {
+        "router.yaml",
+        "worker-example.yaml",
+        "worker-pd-example.yaml",
+        "worker-agent-example.yaml",
+    }
     for name, docs in files.items():
         assert docs, name
         for doc in docs:
@@ -57,10 +64,16 @@ def test_every_manifest_parses_and_names_its_kind() -> None:
 
 def test_the_role_grants_get_list_watch_on_pods_and_nothing_more() -> None:
     role = find("Role")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
     binding = find("RoleBinding")
     account = find("ServiceAccount")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
     router = find("Deployment", "trio-router")
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
@@ -83,9 +96,15 @@ async def test_discovery_calls_only_verbs_the_role_grants(tmp_path: Path) -> Non
             api.add_pod(worker_pod(w0, "w-0", {"app": "sglang-worker"}))
             await nursery.start(api.serve)
             kubeconfig = write_kubeconfig(tmp_path, api)
-            async with open_router(discovery="kubernetes", k8s_kubeconfig=str(kubeconfig), k8s_selector="app=sglang-worker") as router:
+            async with open_router(
+                discovery="kubernetes",
+                k8s_kubeconfig=str(kubeconfig),
+                k8s_selector="app=sglang-worker",
+            ) as router:
                 await wait_until(lambda: api.watches_open == 1)
-                api.add_pod(worker_pod(w0, "other", {"app": "db"}))  # a change this watch never sees
+                api.add_pod(
+                    worker_pod(w0, "other", {"app": "db"})
+                )  # a change this watch never sees
                 api.compact()
                 api.end_watches()  # resume, 410, relist, watch again
                 await wait_until(lambda: sum(1 for m, t in api.requests if "watch=1" in t) >= 3)
@@ -109,28 +128,40 @@ def test_the_router_deployment_passes_flags_router_serve_accepts() -> None:
     assert container["image"] == "trio-router:0.1.0"
     assert container["ports"][0]["containerPort"] == settings.port
     assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
-    grace = find("Deployment", "trio-router")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    grace = find("Deployment", "trio-router")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
     assert grace > settings.shutdown_grace_s
 
 
 def test_the_example_workers_match_the_selectors_and_drain_gracefully() -> None:
     settings = load_settings(build_parser().parse_args(_router_args()), environ={})
     (mixed,) = pod_sources(settings.k8s_selector, "", "")
-    examples = [find("Deployment", "sglang-worker"), find("Deployment", "sglang-prefill"), find("Deployment", "sglang-decode")]
+    examples = [
+        find("Deployment", "sglang-worker"),
+        find("Deployment", "sglang-prefill"),
+        find("Deployment", "sglang-decode"),
+    ]
     assert mixed.selector.matches(examples[0]["spec"]["template"]["metadata"]["labels"])
     pd_header = (MANIFESTS / "worker-pd-example.yaml").read_text().splitlines()
     prefill_flag = next(line for line in pd_header if "--k8s-prefill-selector=" in line)
     prefill = Selector.parse(prefill_flag.split("--k8s-prefill-selector=")[1].split()[0])
     assert prefill.matches(examples[1]["spec"]["template"]["metadata"]["labels"])
     assert not prefill.matches(examples[2]["spec"]["template"]["metadata"]["labels"])
-    assert examples[1]["spec"]["template"]["metadata"]["annotations"]["sglang.ai/bootstrap-port"] == "8998"
+    assert (
+        examples[1]["spec"]["template"]["metadata"]["annotations"]["sglang.ai/bootstrap-port"]
+        == "8998"
+    )
     for deployment in examples:
         spec = deployment["spec"]["template"]["spec"]
         engine = spec["containers"][0]
         sleep = int(engine["lifecycle"]["preStop"]["exec"]["command"][-1])
         assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
         assert spec["terminationGracePeriodSeconds"] > sleep
-        assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+        assert deployment["spec"]["strategy"]["rollingUpdate"] == {
+            "maxSurge": 1,
+            "maxUnavailable": 0,
+        }
 
 
 def test_the_agent_example_runs_router_agent_with_flags_it_accepts() -> None:
@@ -150,13 +181,33 @@ def test_the_wheel_the_dockerfile_installs_has_the_router_entrypoint(tmp_path: P
     assert "USER 10001" in dockerfile and "useradd" in dockerfile
     assert "pip wheel --no-cache-dir --no-deps" in dockerfile
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--quiet", "--wheel-dir", str(tmp_path)],
-        cwd=REPO, check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            ".",
+            "--no-deps",
+            "--quiet",
+            "--wheel-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("trio_router-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+        entry_points = next(
+            archive.read(n).decode() for n in names if n.endswith("entry_points.txt")
+        )
     assert "router = router.cli:main" in entry_points
-    for module in ("router/cli.py", "router/serve.py", "router/discovery/kubernetes.py", "router/engine_facts.py"):
+    for module in (
+        "router/cli.py",
+        "router/serve.py",
+        "router/discovery/kubernetes.py",
+        "router/engine_facts.py",
+    ):
         assert module in names

@@ -29,7 +29,10 @@ def test_a_prefill_learns_its_bootstrap_port_protocol_and_dp_size() -> None:
     record = parse_worker_spec("http://10.0.0.7:30000,role=prefill,model=m")
     complete = learned(record)
     assert complete.bootstrap_addr == "10.0.0.7:9123"
-    assert complete.disagg_meta == {"protocol": "nixl", "params": {"bootstrap_addr": "10.0.0.7:9123"}}
+    assert complete.disagg_meta == {
+        "protocol": "nixl",
+        "params": {"bootstrap_addr": "10.0.0.7:9123"},
+    }
     assert complete.dp_size == 4 and complete.rank_multiplexed
 
 
@@ -44,10 +47,22 @@ def test_an_explicit_dp_size_wins_over_the_engine() -> None:
     [
         ([1, 2], "not a JSON object"),
         ({**PREFILL_INFO, "disaggregation_mode": "null"}, "disaggregation_mode 'null'"),
-        ({**PREFILL_INFO, "disaggregation_bootstrap_port": None}, "no usable disaggregation_bootstrap_port"),
-        ({**PREFILL_INFO, "disaggregation_bootstrap_port": 70000}, "no usable disaggregation_bootstrap_port"),
-        ({**PREFILL_INFO, "disaggregation_bootstrap_port": True}, "no usable disaggregation_bootstrap_port"),
-        ({**PREFILL_INFO, "disaggregation_bootstrap_port": "8998"}, "no usable disaggregation_bootstrap_port"),
+        (
+            {**PREFILL_INFO, "disaggregation_bootstrap_port": None},
+            "no usable disaggregation_bootstrap_port",
+        ),
+        (
+            {**PREFILL_INFO, "disaggregation_bootstrap_port": 70000},
+            "no usable disaggregation_bootstrap_port",
+        ),
+        (
+            {**PREFILL_INFO, "disaggregation_bootstrap_port": True},
+            "no usable disaggregation_bootstrap_port",
+        ),
+        (
+            {**PREFILL_INFO, "disaggregation_bootstrap_port": "8998"},
+            "no usable disaggregation_bootstrap_port",
+        ),
         ({**PREFILL_INFO, "dp_size": 0}, "dp_size 0"),
         ({**PREFILL_INFO, "dp_size": "4"}, "dp_size '4'"),
     ],

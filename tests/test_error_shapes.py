@@ -35,10 +35,23 @@ def test_openai_and_responses_routes_keep_the_openai_body() -> None:
         (WorkerUnreachable("down"), "api_error"),
     ],
 )
-def test_anthropic_body_has_its_type_and_keeps_the_routers_code(error: Exception, kind: str) -> None:
-    assert isinstance(error, BadRequest | ModelNotFound | MethodNotAllowed | PayloadTooLarge | NoAvailableWorkers | WorkerUnreachable)
+def test_anthropic_body_has_its_type_and_keeps_the_routers_code(
+    error: Exception, kind: str
+) -> None:
+    assert isinstance(
+        error,
+        BadRequest
+        | ModelNotFound
+        | MethodNotAllowed
+        | PayloadTooLarge
+        | NoAvailableWorkers
+        | WorkerUnreachable,
+    )
     body = orjson.loads(error_body(error, Dialect.ANTHROPIC))
-    assert body == {"type": "error", "error": {"type": kind, "message": error.message, "code": error.code}}
+    assert body == {
+        "type": "error",
+        "error": {"type": kind, "message": error.message, "code": error.code},
+    }
 
 
 def test_anthropic_type_for_statuses_it_has_no_name_for() -> None:
@@ -56,17 +69,25 @@ def event(raw: bytes) -> tuple[str, dict[str, object]]:
 
 def test_each_dialect_ends_a_broken_stream_its_own_way() -> None:
     assert event(stream_error_event("m", "stream_interrupted", Dialect.OPENAI)) == (
-        "error", {"error": {"message": "m", "type": "upstream_error", "code": "stream_interrupted"}},
+        "error",
+        {"error": {"message": "m", "type": "upstream_error", "code": "stream_interrupted"}},
     )
     assert event(stream_error_event("m", "stream_idle_timeout", Dialect.ANTHROPIC)) == (
-        "error", {"type": "error", "error": {"type": "api_error", "message": "m", "code": "stream_idle_timeout"}},
+        "error",
+        {
+            "type": "error",
+            "error": {"type": "api_error", "message": "m", "code": "stream_idle_timeout"},
+        },
     )
     name, data = event(stream_error_event("m", "stream_interrupted", Dialect.RESPONSES))
     assert name == "response.failed"
     assert data["type"] == "response.failed"
     assert data["response"] == {
-        "object": "response", "status": "failed", "error": {"code": "server_error", "message": "m"},
-        "output": [], "metadata": {"router_code": "stream_interrupted"},
+        "object": "response",
+        "status": "failed",
+        "error": {"code": "server_error", "message": "m"},
+        "output": [],
+        "metadata": {"router_code": "stream_interrupted"},
     }
     for dialect in Dialect:
         assert STREAM_ERROR_EVENTS[dialect]("m", "c") == stream_error_event("m", "c", dialect)

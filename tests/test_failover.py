@@ -69,8 +69,14 @@ class ScriptedPool:
 
     @asynccontextmanager
     async def request(
-        self, base_url: str, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
-        *, connect_timeout_s: float | None = None,
+        self,
+        base_url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        connect_timeout_s: float | None = None,
     ) -> AsyncIterator[ScriptedResponse]:
         self.dispatched.append((base_url, trio.current_time()))
         script = self.scripts[base_url]
@@ -149,19 +155,25 @@ class Router:
 def make_router(scripts: dict[str, Script], **overrides: Any) -> Router:
     """A generation service over workers named by their URLs, with threshold-1 breakers."""
     values: dict[str, Any] = {
-        "policy": "round_robin", "breaker_failure_threshold": 1,
-        "breaker_cooldown_s": 5.0, "breaker_max_cooldown_s": 60.0,
+        "policy": "round_robin",
+        "breaker_failure_threshold": 1,
+        "breaker_cooldown_s": 5.0,
+        "breaker_max_cooldown_s": 60.0,
     }
     values.update(overrides)
     settings = Settings.defaults(**values)
     breaker_settings = BreakerSettings(
-        settings.breaker_failure_threshold, settings.breaker_cooldown_s, settings.breaker_max_cooldown_s
+        settings.breaker_failure_threshold,
+        settings.breaker_cooldown_s,
+        settings.breaker_max_cooldown_s,
     )
     fleet = Fleet(lambda worker_id: make_breaker(breaker_settings, worker_id))
     for url in scripts:
         fleet.upsert(WorkerRecord(id=url, url=url, models=(MODEL,)))
     pool = ScriptedPool(scripts)
-    service = GenerationService(failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet))
+    service = GenerationService(
+        failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)
+    )
     return Router(service, pool, fleet)
 
 
@@ -180,7 +192,9 @@ async def trip_a(router: Router) -> None:
     router.pool.scripts[A] = script
 
 
-async def test_cooldown_boundary_is_exact_at_the_service(autojump_clock: trio.testing.MockClock) -> None:
+async def test_cooldown_boundary_is_exact_at_the_service(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     router = make_router({A: Script(), B: Script(latency_s=0)})
     await trip_a(router)  # A opened at t=1, when its 503 arrived
     await trio.sleep_until(1 + 5 - 0.001)
@@ -218,7 +232,9 @@ async def test_a_request_the_policy_sends_elsewhere_does_not_hold_the_probe(
     assert router.state(A) is BreakerState.CLOSED
 
 
-async def test_one_probe_among_fifty_concurrent_requests(autojump_clock: trio.testing.MockClock) -> None:
+async def test_one_probe_among_fifty_concurrent_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     router = make_router({A: Script(latency_s=2.0), B: Script(latency_s=0)})
     await trip_a(router)
     await trio.sleep_until(6.0)
@@ -248,7 +264,11 @@ async def test_a_cancelled_probe_frees_the_slot_for_the_next_request(
     with trio.move_on_after(1.0):  # the client leaves while the probe is in flight
         await router.send()
     stats = router.breaker(A).statistics(trio.current_time())
-    assert (stats.state, stats.probe_in_flight, stats.cooldown_s) == (BreakerState.HALF_OPEN, False, 5.0)
+    assert (stats.state, stats.probe_in_flight, stats.cooldown_s) == (
+        BreakerState.HALF_OPEN,
+        False,
+        5.0,
+    )
     assert router.fleet.get(A) is not None and router.fleet.get(A).inflight == 0  # type: ignore[union-attr]
     # Round robin sends the next request to B; the one after it probes A at once.
     answers = [await router.send(), await router.send()]
@@ -257,8 +277,12 @@ async def test_a_cancelled_probe_frees_the_slot_for_the_next_request(
     assert router.state(A) is BreakerState.CLOSED
 
 
-async def test_failed_probes_double_the_cooldown_at_the_service(autojump_clock: trio.testing.MockClock) -> None:
-    router = make_router({A: Script(latency_s=0), B: Script(latency_s=0)}, breaker_max_cooldown_s=20.0)
+async def test_failed_probes_double_the_cooldown_at_the_service(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    router = make_router(
+        {A: Script(latency_s=0), B: Script(latency_s=0)}, breaker_max_cooldown_s=20.0
+    )
     await trip_a(router)
     router.pool.scripts[A].status = "refuse"
     probes: list[float] = []
@@ -272,11 +296,18 @@ async def test_failed_probes_double_the_cooldown_at_the_service(autojump_clock: 
     assert probes == [6.0, 16.0, 36.0]
 
 
-@pytest.mark.parametrize(("wait_s", "retry_after"), [(0.0, "5"), (2.5, "3"), (4.0, "1"), (4.999, "1")])
+@pytest.mark.parametrize(
+    ("wait_s", "retry_after"), [(0.0, "5"), (2.5, "3"), (4.0, "1"), (4.999, "1")]
+)
 async def test_reject_mode_retry_after_is_whole_seconds_to_the_earliest_probe(
-    autojump_clock: trio.testing.MockClock, wait_s: float, retry_after: str,
+    autojump_clock: trio.testing.MockClock,
+    wait_s: float,
+    retry_after: str,
 ) -> None:
-    router = make_router({A: Script(status=503, latency_s=0), B: Script(status=503, latency_s=0)}, breaker_all_open="reject")
+    router = make_router(
+        {A: Script(status=503, latency_s=0), B: Script(status=503, latency_s=0)},
+        breaker_all_open="reject",
+    )
     first = await router.send()
     assert first.status == 503 and router.state(A) is router.state(B) is BreakerState.OPEN
     await trio.sleep(wait_s)
@@ -289,12 +320,18 @@ async def test_reject_mode_retry_after_is_whole_seconds_to_the_earliest_probe(
 
 @pytest.mark.parametrize(("workers", "retries"), [(1, 0), (2, 1), (3, 2), (4, 2)])
 async def test_only_failures_followed_by_another_attempt_count_as_retries(
-    autojump_clock: trio.testing.MockClock, workers: int, retries: int,
+    autojump_clock: trio.testing.MockClock,
+    workers: int,
+    retries: int,
 ) -> None:
     urls = [f"http://w{i}" for i in range(workers)]
-    router = make_router({url: Script(status=503, latency_s=0) for url in urls}, breaker_failure_threshold=3)
+    router = make_router(
+        {url: Script(status=503, latency_s=0) for url in urls}, breaker_failure_threshold=3
+    )
     answer = await router.send()
     assert answer.status == 503
     assert len(router.pool.dispatched) == min(workers, 3)
     registry = router.service.metrics.registry
-    assert (registry.get_sample_value("router_retries_total", {"reason": "status_503"}) or 0) == retries
+    assert (
+        registry.get_sample_value("router_retries_total", {"reason": "status_503"}) or 0
+    ) == retries

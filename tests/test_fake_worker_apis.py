@@ -30,19 +30,37 @@ def events(api: Api, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     for raw in paced_events(stream_frames(gen, "x-1", 0), Behaviour(), RankLoad()):
         assert isinstance(raw, bytes) and raw.endswith(b"\n\n")
         name, data = raw.rstrip(b"\n").split(b"\n")
-        out.append((name.removeprefix(b"event: ").decode(), orjson.loads(data.removeprefix(b"data: "))))
+        out.append(
+            (name.removeprefix(b"event: ").decode(), orjson.loads(data.removeprefix(b"data: ")))
+        )
     return out
 
 
 def test_anthropic_stream_is_the_messages_event_sequence_with_honest_usage() -> None:
-    seen = events(Api.MESSAGES, {"max_tokens": 3, "system": [{"type": "text", "text": "a b"}], "messages": [{"role": "user", "content": "c d e"}]})
+    seen = events(
+        Api.MESSAGES,
+        {
+            "max_tokens": 3,
+            "system": [{"type": "text", "text": "a b"}],
+            "messages": [{"role": "user", "content": "c d e"}],
+        },
+    )
     assert [name for name, _ in seen] == [
-        "message_start", "content_block_start", "ping", "content_block_delta", "content_block_delta",
-        "content_block_delta", "content_block_stop", "message_delta", "message_stop",
+        "message_start",
+        "content_block_start",
+        "ping",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
     ]
     assert all(data["type"] == name for name, data in seen)
     assert seen[0][1]["message"]["usage"] == {"input_tokens": 5, "output_tokens": 0}
-    assert "".join(data["delta"]["text"] for name, data in seen if name == "content_block_delta") == expected_text(3)
+    assert "".join(
+        data["delta"]["text"] for name, data in seen if name == "content_block_delta"
+    ) == expected_text(3)
     assert seen[-2][1]["usage"] == {"output_tokens": 3}
     assert seen[-2][1]["delta"]["stop_reason"] == "max_tokens"
 
@@ -51,20 +69,36 @@ def test_anthropic_requires_max_tokens_like_the_real_api() -> None:
     with pytest.raises(BadGenerationRequest, match="max_tokens"):
         parse_request(Api.MESSAGES, {"messages": [{"role": "user", "content": "x"}]}, 16, "m")
     with pytest.raises(BadGenerationRequest, match="role"):
-        parse_request(Api.MESSAGES, {"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, 16, "m")
+        parse_request(
+            Api.MESSAGES,
+            {"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]},
+            16,
+            "m",
+        )
 
 
 def test_responses_stream_numbers_every_event_and_ends_with_the_whole_response() -> None:
-    seen = events(Api.RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_text", "text": "one two"}]}], "instructions": "three"})
+    seen = events(
+        Api.RESPONSES,
+        {
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "one two"}]}],
+            "instructions": "three",
+        },
+    )
     assert [data["sequence_number"] for _, data in seen] == list(range(len(seen)))
     assert [name for name, _ in seen][-4:] == [
-        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
     ]
     final = seen[-1][1]["response"]
     assert final["status"] == "completed"
     assert final["usage"]["input_tokens"] == 3 and final["usage"]["output_tokens"] == 16
     assert final["output"][0]["content"][0]["text"] == expected_text(16)
-    unary = orjson.loads(render_unary(parse_request(Api.RESPONSES, {"input": "x y"}, 16, "m"), "resp_fake-1", 0))
+    unary = orjson.loads(
+        render_unary(parse_request(Api.RESPONSES, {"input": "x y"}, 16, "m"), "resp_fake-1", 0)
+    )
     assert unary["status"] == "completed" and unary["usage"]["total_tokens"] == 18
     assert unary["output"][0]["id"] == "msg_fake-1"
 
@@ -78,7 +112,11 @@ def test_vectors_are_unit_length_deterministic_and_input_dependent() -> None:
     assert len(a) == 40 and a == vector("same", 40) and a != b
     assert math.isclose(math.fsum(v * v for v in a), 1.0, abs_tol=1e-4)
     answer = embeddings({"input": [[1, 2], [1, 2], [3]]}, ctx(dim=8))
-    assert answer["data"][0]["embedding"] == answer["data"][1]["embedding"] != answer["data"][2]["embedding"]
+    assert (
+        answer["data"][0]["embedding"]
+        == answer["data"][1]["embedding"]
+        != answer["data"][2]["embedding"]
+    )
     assert answer["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
     with pytest.raises(BadGenerationRequest, match="dimensions"):
         embeddings({"input": "x", "dimensions": 9}, ctx(dim=8))

@@ -25,7 +25,9 @@ def test_one_token_per_four_bytes_and_ids_are_their_own_tokens() -> None:
     ids = list(range(40))
     prompt = tokenize("generate", {"input_ids": ids})
     assert prompt.tokens == 40 and len(prompt.blocks) == 40 // BLOCK_TOKENS
-    chat = tokenize("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    chat = tokenize(
+        "chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    )
     assert chat.tokens == len(b"<|user|>hi\n") // 4 + 1
 
 
@@ -47,14 +49,22 @@ def test_capacity_evicts_the_oldest_tails_before_a_shared_prefix() -> None:
     cache.serve(tokenize("completions", {"prompt": shared + "y" * 128}))  # 6 blocks > 4
     assert len(cache) == 4 * BLOCK_TOKENS
     # The shared prefix and the newest tail survive; the older tail went.
-    assert cache.serve(tokenize("completions", {"prompt": shared + "y" * 128 + "z"})) == 4 * BLOCK_TOKENS
-    assert cache.serve(tokenize("completions", {"prompt": shared + "x" * 128 + "z"})) == 2 * BLOCK_TOKENS
+    assert (
+        cache.serve(tokenize("completions", {"prompt": shared + "y" * 128 + "z"}))
+        == 4 * BLOCK_TOKENS
+    )
+    assert (
+        cache.serve(tokenize("completions", {"prompt": shared + "x" * 128 + "z"}))
+        == 2 * BLOCK_TOKENS
+    )
 
 
 async def test_cached_tokens_are_reported_in_usage_meta_info_metrics_and_debug_routing() -> None:
     worker = FakeWorker(FakeWorkerSettings(cache_tokens=100_000))
     first = await call(worker, "POST", "/v1/chat/completions", {"messages": conversation("hello")})
-    again = await call(worker, "POST", "/v1/chat/completions", {"messages": conversation("hello", "more")})
+    again = await call(
+        worker, "POST", "/v1/chat/completions", {"messages": conversation("hello", "more")}
+    )
     usage_first = first.json()["usage"]  # type: ignore[index]
     usage_again = again.json()["usage"]  # type: ignore[index]
     assert usage_first["prompt_tokens_details"] == {"cached_tokens": 0}
@@ -92,8 +102,12 @@ async def test_without_a_cache_nothing_is_reported_as_cached() -> None:
     assert "prompt_tokens_details" not in reply.json()["usage"]  # type: ignore[index]
 
 
-async def test_time_to_first_token_grows_with_the_uncached_tokens_only(autojump_clock: object) -> None:
-    worker = FakeWorker(FakeWorkerSettings(cache_tokens=100_000, prefill_us_per_token=1000, ttft_ms=5))
+async def test_time_to_first_token_grows_with_the_uncached_tokens_only(
+    autojump_clock: object,
+) -> None:
+    worker = FakeWorker(
+        FakeWorkerSettings(cache_tokens=100_000, prefill_us_per_token=1000, ttft_ms=5)
+    )
     prompt = {"prompt": "c" * 4000, "max_tokens": 1, "stream": True}  # 1000 tokens
 
     async def first_token_after() -> float:
@@ -101,13 +115,19 @@ async def test_time_to_first_token_grows_with_the_uncached_tokens_only(autojump_
         reply = await call(worker, "POST", "/v1/completions", prompt)
         return round(reply.write_times[0] - start, 6)
 
-    assert await first_token_after() == pytest.approx(0.005 + 1.0, abs=1e-9)  # cold: every token is prefilled
+    assert await first_token_after() == pytest.approx(
+        0.005 + 1.0, abs=1e-9
+    )  # cold: every token is prefilled
     # Warm: 62 whole blocks (992 tokens) are cached; the 8 tokens of the partial block are not.
     assert await first_token_after() == pytest.approx(0.005 + 0.008, abs=1e-9)
     unary_start = trio.current_time()
-    await call(worker, "POST", "/v1/completions", {"prompt": "c" * 4000 + "d" * 400, "max_tokens": 1})
+    await call(
+        worker, "POST", "/v1/completions", {"prompt": "c" * 4000 + "d" * 400, "max_tokens": 1}
+    )
     # 1100 tokens, 1000 of them cached (62 whole blocks = 992, the rest recomputed).
-    assert trio.current_time() - unary_start == pytest.approx(0.005 + (1100 - 992) * 0.001, abs=1e-9)
+    assert trio.current_time() - unary_start == pytest.approx(
+        0.005 + (1100 - 992) * 0.001, abs=1e-9
+    )
 
 
 def test_settings_refuse_a_negative_cache_or_prefill() -> None:

@@ -65,9 +65,13 @@ def test_relist_replaces_the_fleet_but_keeps_live_state_of_survivors(
     setup: tuple[Fleet, RouterMetrics, FleetMirror],
 ) -> None:
     fleet, _, mirror = setup
-    mirror.relist([KeyValue(P + "a", value("a", 1), 5, 0), KeyValue(P + "b", value("b", 2), 6, 0)], 6)
+    mirror.relist(
+        [KeyValue(P + "a", value("a", 1), 5, 0), KeyValue(P + "b", value("b", 2), 6, 0)], 6
+    )
     fleet.get("a").begin()  # type: ignore[union-attr]
-    mirror.relist([KeyValue(P + "a", value("a", 1), 5, 0), KeyValue(P + "c", value("c", 3), 9, 0)], 9)
+    mirror.relist(
+        [KeyValue(P + "a", value("a", 1), 5, 0), KeyValue(P + "c", value("c", 3), 9, 0)], 9
+    )
     assert sorted(w.id for w in fleet.workers()) == ["a", "c"]
     assert fleet.get("a").inflight == 1  # type: ignore[union-attr]
     mirror.apply(delete("c"))  # the mirror learned key c from the relist

@@ -53,7 +53,9 @@ def test_a_url_in_use_is_dropped_only_when_its_last_request_ends() -> None:
 
 
 def test_a_url_another_worker_still_has_is_kept() -> None:
-    fleet, recorder = setup(WorkerRecord(id="a", url="http://same"), WorkerRecord(id="b", url="http://same"))
+    fleet, recorder = setup(
+        WorkerRecord(id="a", url="http://same"), WorkerRecord(id="b", url="http://same")
+    )
     fleet.remove("a")
     assert (recorder.left, recorder.dropped) == (["a"], [])
     fleet.remove("b")

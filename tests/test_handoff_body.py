@@ -38,7 +38,7 @@ def router_members() -> list[tuple[str, Any]]:
 def test_numbers_reach_the_legs_as_the_client_spelled_them() -> None:
     raw = b'{"model":"m","seed":123456789012345678901234567890,"a":1.0,"b":1,"c":-0.0,"d":1E+300}'
     spliced = splice(raw)
-    assert spliced == b'{' + orjson.dumps(FIELDS)[1:-1] + b',' + raw[1:]
+    assert spliced == b"{" + orjson.dumps(FIELDS)[1:-1] + b"," + raw[1:]
     assert exact(spliced) == router_members() + exact(raw)
 
 
@@ -103,7 +103,9 @@ scalars = (
 )
 values = st.recursive(
     scalars,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=20,
 )
 keys = st.one_of(st.text(max_size=10), st.sampled_from(sorted(HANDOFF_KEYS)))

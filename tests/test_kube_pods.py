@@ -23,8 +23,20 @@ APP = {"app": "engine"}
 MODEL = {"trio-router/model": "m", "trio-router/dp-size": "1"}
 
 
-def pod(name: str = "w-0", *, labels: dict[str, str] = APP, annotations: dict[str, str] | None = None, **changes: Any) -> dict[str, Any]:
-    return make_pod(name, ip=changes.pop("ip", "10.1.2.3"), labels=labels, annotations=MODEL if annotations is None else annotations, **changes)
+def pod(
+    name: str = "w-0",
+    *,
+    labels: dict[str, str] = APP,
+    annotations: dict[str, str] | None = None,
+    **changes: Any,
+) -> dict[str, Any]:
+    return make_pod(
+        name,
+        ip=changes.pop("ip", "10.1.2.3"),
+        labels=labels,
+        annotations=MODEL if annotations is None else annotations,
+        **changes,
+    )
 
 
 def terminating(obj: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +53,11 @@ def test_selectors_parse_equality_terms_and_refuse_the_rest() -> None:
             Selector.parse(bad)
     with pytest.raises(BadSelector, match="needs --k8s-selector"):
         pod_sources("", "", "")
-    assert [s.role for s in pod_sources("a=1", "b=2", "c=3")] == [Role.PREFILL, Role.DECODE, Role.MIXED]
+    assert [s.role for s in pod_sources("a=1", "b=2", "c=3")] == [
+        Role.PREFILL,
+        Role.DECODE,
+        Role.MIXED,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -54,7 +70,9 @@ def test_selectors_parse_equality_terms_and_refuse_the_rest() -> None:
         ({"phase": "Succeeded"}, False),
     ],
 )
-def test_a_candidate_is_running_with_an_ip_and_ready(changes: dict[str, Any], candidate: bool) -> None:
+def test_a_candidate_is_running_with_an_ip_and_ready(
+    changes: dict[str, Any], candidate: bool
+) -> None:
     assert PodFacts.of(pod(**changes)).candidate is candidate
 
 
@@ -65,12 +83,24 @@ def test_a_terminating_pod_is_no_candidate_though_still_running_and_ready() -> N
 
 def test_annotations_give_port_model_role_dp_size_and_the_bootstrap_port() -> None:
     notes = {
-        "trio-router/port": "30000", "trio-router/model": "a+b", "trio-router/role": "prefill",
-        "trio-router/dp-size": "4", "sglang.ai/bootstrap-port": "9000", "trio-router/engine": "sglang",
-    }  # fmt: skip
+        "trio-router/port": "30000",
+        "trio-router/model": "a+b",
+        "trio-router/role": "prefill",
+        "trio-router/dp-size": "4",
+        "sglang.ai/bootstrap-port": "9000",
+        "trio-router/engine": "sglang",
+    }
     record = pod_record(PodFacts.of(pod(annotations=notes)), Role.MIXED, 8000)
-    assert (record.id, record.url, record.models) == ("default/w-0", "http://10.1.2.3:30000", ("a", "b"))
-    assert (record.role, record.dp_size, record.bootstrap_addr) == (Role.PREFILL, 4, "10.1.2.3:9000")
+    assert (record.id, record.url, record.models) == (
+        "default/w-0",
+        "http://10.1.2.3:30000",
+        ("a", "b"),
+    )
+    assert (record.role, record.dp_size, record.bootstrap_addr) == (
+        Role.PREFILL,
+        4,
+        "10.1.2.3:9000",
+    )
     assert record.unknown_facts == frozenset()
 
 
@@ -78,7 +108,9 @@ def test_what_the_annotations_leave_out_is_left_to_the_engine() -> None:
     record = pod_record(PodFacts.of(pod(annotations={})), Role.PREFILL, 8000)
     assert record.url == "http://10.1.2.3:8000"
     assert record.unknown_facts == {"models", "dp_size", "bootstrap_port"}
-    decode = pod_record(PodFacts.of(pod(annotations={"trio-router/engine": "vllm"})), Role.DECODE, 8000)
+    decode = pod_record(
+        PodFacts.of(pod(annotations={"trio-router/engine": "vllm"})), Role.DECODE, 8000
+    )
     assert decode.unknown_facts == {"models"} and decode.dp_size == 1  # vLLM states no DP size
     v6 = pod_record(PodFacts.of(pod(ip="fd00::5")), Role.MIXED, 8000)
     assert v6.url == "http://[fd00::5]:8000"
@@ -99,7 +131,9 @@ def test_a_bad_annotation_is_refused_with_its_name(notes: dict[str, str], messag
         pod_record(PodFacts.of(pod(annotations={**MODEL, **notes})), Role.MIXED, 8000)
 
 
-def mirror(prefill: str = "", decode: str = "", mixed: str = "app=engine") -> tuple[Fleet, PodMirror]:
+def mirror(
+    prefill: str = "", decode: str = "", mixed: str = "app=engine"
+) -> tuple[Fleet, PodMirror]:
     fleet = Fleet()
     sources = pod_sources(mixed, prefill, decode)
     return fleet, PodMirror(fleet, sources, 8000)

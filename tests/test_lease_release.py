@@ -78,8 +78,14 @@ class Pool:
 
     @asynccontextmanager
     async def request(
-        self, base_url: str, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
-        *, connect_timeout_s: float | None = None,
+        self,
+        base_url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        connect_timeout_s: float | None = None,
     ) -> AsyncIterator[Response]:
         self.bodies.append((base_url, body))
         await trio.sleep(1.0)  # the worker's simulated work, in virtual time (autojump clock)
@@ -122,14 +128,20 @@ MIXED = {"http://mixed-a": Role.MIXED}
 PD = {"http://prefill-a": Role.PREFILL, "http://decode-a": Role.DECODE}
 
 
-def service_over(workers: dict[str, Role], behaviour: dict[str, int | str]) -> tuple[GenerationService, Pool]:
-    settings = Settings.defaults(breaker_failure_threshold=1, breaker_cooldown_s=COOLDOWN_S, max_attempts=1)
+def service_over(
+    workers: dict[str, Role], behaviour: dict[str, int | str]
+) -> tuple[GenerationService, Pool]:
+    settings = Settings.defaults(
+        breaker_failure_threshold=1, breaker_cooldown_s=COOLDOWN_S, max_attempts=1
+    )
     breaker_settings = BreakerSettings(1, COOLDOWN_S, 60.0)
     fleet = Fleet(lambda worker_id: make_breaker(breaker_settings, worker_id))
     for url, role in workers.items():
         fleet.upsert(WorkerRecord(id=url, url=url, models=(MODEL,), role=role, dp_size=2))
     pool = Pool(behaviour)
-    return GenerationService(failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)), pool
+    return GenerationService(
+        failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)
+    ), pool
 
 
 def half_open_every_breaker(service: GenerationService) -> None:
@@ -143,7 +155,9 @@ def half_open_every_breaker(service: GenerationService) -> None:
     # The caller sleeps past the cooldown.
 
 
-async def prepared(workers: dict[str, Role], behaviour: dict[str, int | str]) -> tuple[GenerationService, Pool]:
+async def prepared(
+    workers: dict[str, Role], behaviour: dict[str, int | str]
+) -> tuple[GenerationService, Pool]:
     service, pool = service_over(workers, behaviour)
     half_open_every_breaker(service)
     await trio.sleep(COOLDOWN_S)
@@ -253,7 +267,9 @@ class BrokenBreaker:
         raise RuntimeError("the verdict failed")
 
 
-async def test_a_verdict_that_raises_still_ends_every_lease(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_verdict_that_raises_still_ends_every_lease(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     service, _ = service_over(PD, dict.fromkeys(PD, 200))
     workers = service.fleet.workers()
     for worker in workers:

@@ -61,7 +61,9 @@ async def test_a_frozen_source_is_reported_at_the_window_and_probed_each_half(
         nursery.cancel_scope.cancel()
 
 
-async def test_signs_of_life_keep_it_up_without_probes(autojump_clock: trio.testing.MockClock) -> None:
+async def test_signs_of_life_keep_it_up_without_probes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source = Source("hang")
     async with trio.open_nursery() as nursery:
         watch = watch_for(source)
@@ -83,7 +85,9 @@ async def test_an_answered_probe_is_a_sign_of_life(autojump_clock: trio.testing.
         nursery.cancel_scope.cancel()
 
 
-async def test_failing_probes_are_spaced_not_a_busy_loop(autojump_clock: trio.testing.MockClock) -> None:
+async def test_failing_probes_are_spaced_not_a_busy_loop(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     source = Source("fail")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_for(source).serve)

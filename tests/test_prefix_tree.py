@@ -45,11 +45,15 @@ class Reference:
         self.stored.pop(tenant, None)
 
     def match(self, text: str, tenant: str) -> int:
-        return max((common_prefix(text, stored) for stored in self.stored.get(tenant, ())), default=0)
+        return max(
+            (common_prefix(text, stored) for stored in self.stored.get(tenant, ())), default=0
+        )
 
     def distinct_chars(self) -> int:
         """Characters of the smallest radix tree holding every stored text: distinct non-empty prefixes."""
-        prefixes = {t[:i] for texts in self.stored.values() for t in texts for i in range(1, len(t) + 1)}
+        prefixes = {
+            t[:i] for texts in self.stored.values() for t in texts for i in range(1, len(t) + 1)
+        }
         return len(prefixes)
 
 

@@ -61,16 +61,25 @@ def _children(pid: int) -> list[int]:
     return children
 
 
-
-
 async def test_two_processes_serve_one_port_and_both_stop_on_one_sigterm() -> None:
     with trio.fail_after(30):
         async with open_fake_fleet(1) as fleet:
             port = free_port()
             command = [
-                sys.executable, "-m", "router.cli", "serve", "--port", str(port),
-                "--worker", fleet[0].url, "--processes", "2", "--log-level", "warning",
-                "--health-interval-s", "3600",
+                sys.executable,
+                "-m",
+                "router.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--worker",
+                fleet[0].url,
+                "--processes",
+                "2",
+                "--log-level",
+                "warning",
+                "--health-interval-s",
+                "3600",
             ]
             process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
             try:
@@ -99,8 +108,18 @@ async def test_a_sigterm_while_the_processes_start_stops_them_all_cleanly() -> N
     # SIGTERM ends them by its default action; nothing listened yet, nothing was cut.
     with trio.fail_after(30):
         command = [
-            sys.executable, "-m", "router.cli", "serve", "--port", str(free_port()),
-            "--worker", "http://127.0.0.1:9,model=m", "--processes", "2", "--log-level", "warning",
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--worker",
+            "http://127.0.0.1:9,model=m",
+            "--processes",
+            "2",
+            "--log-level",
+            "warning",
         ]
         process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
         try:
@@ -115,18 +134,35 @@ async def test_a_sigterm_while_the_processes_start_stops_them_all_cleanly() -> N
             os.kill(child, 0)
 
 
-async def test_sighup_reaches_every_process_and_reloads_the_keys_without_stopping_any(tmp_path: Path) -> None:
+async def test_sighup_reaches_every_process_and_reloads_the_keys_without_stopping_any(
+    tmp_path: Path,
+) -> None:
     keys_file = tmp_path / "keys.yaml"
     keys_file.write_text("alice: key-of-alice\n")
     with trio.fail_after(30):
         async with open_fake_fleet(1) as fleet:
             port = free_port()
             command = [
-                sys.executable, "-m", "router.cli", "serve", "--port", str(port),
-                "--worker", fleet[0].url, "--processes", "2", "--log-level", "info",
-                "--health-interval-s", "3600", "--api-keys-file", str(keys_file),
+                sys.executable,
+                "-m",
+                "router.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--worker",
+                fleet[0].url,
+                "--processes",
+                "2",
+                "--log-level",
+                "info",
+                "--health-interval-s",
+                "3600",
+                "--api-keys-file",
+                str(keys_file),
             ]
-            process = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            process = await trio.lowlevel.open_process(
+                command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
             output = bytearray()
 
             async def read_output() -> None:
@@ -141,11 +177,14 @@ async def test_sighup_reaches_every_process_and_reloads_the_keys_without_stoppin
                     await wait_until(lambda: output.count(b"router listening on") == 2)
                     keys_file.write_text("bob: key-of-bob\n")
                     process.send_signal(signal.SIGHUP)
-                    await wait_until(lambda: output.count(b"SIGHUP: 1 client keys in force (bob)") == 2)
+                    await wait_until(
+                        lambda: output.count(b"SIGHUP: 1 client keys in force (bob)") == 2
+                    )
                     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
                         for key, expected in (("key-of-bob", 200), ("key-of-alice", 401)) * 5:
                             response = await http.post(
-                                "/v1/chat/completions", json=CHAT,
+                                "/v1/chat/completions",
+                                json=CHAT,
                                 headers={"connection": "close", "authorization": f"Bearer {key}"},
                             )
                             assert response.status_code == expected

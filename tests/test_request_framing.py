@@ -43,7 +43,6 @@ def test_a_space_after_a_newline_in_the_body_is_not_a_fold() -> None:
             b"POST / HTTP/1.0\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n",
             "HTTP/1.0",
         ),
-
         (b"POST / HTTP/1.1\r\nHost: a\r\nX: a\r\n b\r\n\r\n", "folding"),
         (b"POST / HTTP/1.1\r\nHost: a\r\nX: a\r\n\tb\r\n\r\n", "folding"),
         (b"POST / HTTP/1.1\nHost: a\nX: a\n b\n\n", "folding"),

@@ -20,16 +20,28 @@ def _request(*headers: tuple[bytes, bytes]) -> Request:
 @pytest.mark.parametrize(
     ("headers", "expected"),
     [
-        ([(b"x-request-id", b"req-1"), (b"x-correlation-id", b"corr-1"), (b"traceparent", TRACE)], b"req-1"),
+        (
+            [
+                (b"x-request-id", b"req-1"),
+                (b"x-correlation-id", b"corr-1"),
+                (b"traceparent", TRACE),
+            ],
+            b"req-1",
+        ),
         ([(b"x-correlation-id", b"corr-1"), (b"traceparent", TRACE)], b"corr-1"),
         ([(b"traceparent", TRACE)], b"4bf92f3577b34da6a3ce929d0e0e4736"),
         ([(b"x-request-id", b"first"), (b"x-request-id", b"second")], b"first"),
         # Unusable values fall through to the next source.
         ([(b"x-request-id", b"has space"), (b"x-correlation-id", b"corr-2")], b"corr-2"),
-        ([(b"x-request-id", b"a" * (MAX_ID_BYTES + 1)), (b"traceparent", TRACE)], b"4bf92f3577b34da6a3ce929d0e0e4736"),
+        (
+            [(b"x-request-id", b"a" * (MAX_ID_BYTES + 1)), (b"traceparent", TRACE)],
+            b"4bf92f3577b34da6a3ce929d0e0e4736",
+        ),
     ],
 )
-def test_the_first_usable_client_id_wins(headers: list[tuple[bytes, bytes]], expected: bytes) -> None:
+def test_the_first_usable_client_id_wins(
+    headers: list[tuple[bytes, bytes]], expected: bytes
+) -> None:
     assert choose_request_id(_request(*headers)) == expected
 
 

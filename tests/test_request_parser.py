@@ -50,7 +50,9 @@ def _whole(data: bytes, step: int) -> tuple[RequestHead, bytes, bytes]:
 
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
 @pytest.mark.parametrize("request_bytes", [POST, CHUNKED], ids=["length", "chunked"])
-def test_a_request_is_parsed_alike_however_its_bytes_arrive(request_bytes: bytes, step: int) -> None:
+def test_a_request_is_parsed_alike_however_its_bytes_arrive(
+    request_bytes: bytes, step: int
+) -> None:
     head, body, rest = _whole(request_bytes + GET, step)
     assert body == b"hello"
     assert head.method == b"POST" and head.http_version == b"1.1"
@@ -125,7 +127,9 @@ def test_requests_llhttp_lets_through_or_refuses_are_refused(request_bytes: byte
 
 def test_gzip_then_chunked_which_llhttp_takes_is_a_framing_error() -> None:
     parser = RequestParser(65536, 1 << 20)
-    parser.receive_data(b"POST / HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n")
+    parser.receive_data(
+        b"POST / HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"
+    )
     with pytest.raises(FramingError):
         parser.next_event()
 
@@ -141,7 +145,9 @@ def test_a_chunk_past_the_body_limit_is_413_at_its_size_line() -> None:
 def test_the_method_is_known_once_the_request_line_is_in() -> None:
     parser = RequestParser(65536, 1 << 20)
     assert parser.method is None
-    parser.receive_data(b"HEAD / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n")
+    parser.receive_data(
+        b"HEAD / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     with pytest.raises(ParseError):
         parser.next_event()
     assert parser.method == b"HEAD"

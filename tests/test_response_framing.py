@@ -118,9 +118,7 @@ def test_heads_h11_refuses_are_refused(headers: Headers) -> None:
     with pytest.raises((h11.LocalProtocolError, UnicodeEncodeError, TypeError)):
         _h11_exchange(b"GET", b"1.1", [], 200, headers)
     with pytest.raises(ResponseError):
-        encode_head(
-            200, headers, b"", method="GET", http_version=b"1.1", request_keep_alive=True
-        )
+        encode_head(200, headers, b"", method="GET", http_version=b"1.1", request_keep_alive=True)
 
 
 @pytest.mark.parametrize("status", [100, 199, 1000])

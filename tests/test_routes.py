@@ -20,16 +20,31 @@ from router.worker_record import Role
 from tests.test_classify import NOW, fleet_of, record, trip
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-GENERATION = {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/messages"}
+GENERATION = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/generate",
+    "/v1/responses",
+    "/v1/messages",
+}
 
 
 def test_the_table_holds_the_whole_api_with_one_kind_and_dialect_each() -> None:
     assert {path for path, route in ROUTES.items() if route.kind is Kind.GENERATION} == GENERATION
     assert set(ROUTES) - GENERATION == {
-        "/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/classify", "/v1/tokenize", "/v1/detokenize",
-        "/tokenize", "/detokenize", "/pooling",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/v1/score",
+        "/v1/classify",
+        "/v1/tokenize",
+        "/v1/detokenize",
+        "/tokenize",
+        "/detokenize",
+        "/pooling",
     }
-    assert {path for path, route in ROUTES.items() if route.dialect is Dialect.ANTHROPIC} == {"/v1/messages"}
+    assert {path for path, route in ROUTES.items() if route.dialect is Dialect.ANTHROPIC} == {
+        "/v1/messages"
+    }
     assert ROUTES["/v1/responses"].dialect is Dialect.RESPONSES
     assert all(route.path == path and "model" in route.reads for path, route in ROUTES.items())
     assert not any(route.streams for route in ROUTES.values() if not route.generation)
@@ -61,7 +76,14 @@ def test_non_generation_bodies_are_checked_for_their_model_only() -> None:
 
 
 def test_messages_and_responses_are_checked_like_generation() -> None:
-    assert parse("/v1/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}], "stream": True}).stream
+    assert parse(
+        "/v1/messages",
+        {
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+            "stream": True,
+        },
+    ).stream
     with pytest.raises(BadRequest, match="'messages' must be a non-empty list"):
         parse("/v1/messages", {"max_tokens": 3, "messages": []})
     with pytest.raises(BadRequest, match="'stream' must be a boolean"):
@@ -93,10 +115,19 @@ def test_a_pd_only_model_is_503_for_non_generation_and_still_404_when_unknown() 
 
 
 def test_unavailable_mixed_workers_beside_pd_name_the_mixed_pool() -> None:
-    fleet = fleet_of(record("p", Role.PREFILL), record("d", Role.DECODE), record("a", draining=True), record("b"), unhealthy=("b",))
+    fleet = fleet_of(
+        record("p", Role.PREFILL),
+        record("d", Role.DECODE),
+        record("a", draining=True),
+        record("b"),
+        unhealthy=("b",),
+    )
     with pytest.raises(NoAvailableWorkers) as info:
         plan_request("m", fleet.for_model("m"), NOW, AllOpenMode.DISPATCH, generation=False)
-    assert info.value.message == "all 2 mixed workers for model 'm' are unavailable (1 draining, 1 unhealthy)"
+    assert (
+        info.value.message
+        == "all 2 mixed workers for model 'm' are unavailable (1 draining, 1 unhealthy)"
+    )
 
 
 def test_breaker_open_mixed_workers_follow_the_all_open_mode() -> None:

@@ -12,7 +12,14 @@ def test_chat_renders_every_message_with_its_role() -> None:
     body = {
         "messages": [
             {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "a cat"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look: "},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                    {"type": "text", "text": "a cat"},
+                ],
+            },
             {"role": "assistant", "content": None},
         ]
     }
@@ -26,7 +33,9 @@ def test_chat_routes_on_every_message_not_only_the_first() -> None:
 
 
 messages = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=20)}),
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=20)}
+    ),
     min_size=1,
     max_size=6,
 )
@@ -36,7 +45,9 @@ messages = st.lists(
 def test_a_conversation_that_grows_keeps_its_earlier_text_as_a_prefix(
     earlier: list[dict[str, str]], later: list[dict[str, str]]
 ) -> None:
-    assert routing_text({"messages": earlier + later}).startswith(routing_text({"messages": earlier}))
+    assert routing_text({"messages": earlier + later}).startswith(
+        routing_text({"messages": earlier})
+    )
 
 
 def test_completions_and_generate() -> None:

@@ -49,7 +49,10 @@ def test_flush_gives_the_rest() -> None:
 
 
 events = st.lists(
-    st.tuples(st.binary(max_size=30).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")), st.sampled_from(LINE_ENDS)),
+    st.tuples(
+        st.binary(max_size=30).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+        st.sampled_from(LINE_ENDS),
+    ),
     min_size=1,
     max_size=8,
 )

@@ -74,9 +74,13 @@ def build(scripts: dict[str, Script]) -> tuple[GenerationService, ScriptedPool, 
     for url in (ENCODE_A, ENCODE_B):
         encoders.upsert(WorkerRecord(id=url, url=url, models=(MODEL,)))
     pool = ScriptedPool(scripts)
-    service = GenerationService(failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet))
+    service = GenerationService(
+        failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)
+    )
     # The whole installation: one entry of the loop's table.
-    service.strategies[Mode.PD] = EncodeThenPair(service.runner, encoders, service.strategies[Mode.PD])
+    service.strategies[Mode.PD] = EncodeThenPair(
+        service.runner, encoders, service.strategies[Mode.PD]
+    )
     return service, pool, fleet, encoders
 
 
@@ -90,15 +94,23 @@ def every_worker(*fleets: Fleet) -> list[Worker]:
     return [worker for fleet in fleets for worker in fleet.workers()]
 
 
-async def test_the_encoder_runs_before_the_pair_and_every_lease_ends(autojump_clock: trio.testing.MockClock) -> None:
+async def test_the_encoder_runs_before_the_pair_and_every_lease_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     scripts = {url: Script(latency_s=1.0) for url in (ENCODE_A, ENCODE_B, PREFILL, DECODE)}
     service, pool, fleet, encoders = build(scripts)
     answer = await send(service)
     assert answer.status == 200
     assert orjson.loads(answer.body)["choices"][0]["message"]["content"] == "hello"
     # The encoder first (t=0), then prefill and decode together once it answered (t=1).
-    assert pool.dispatched == [(ENCODE_A, 0.0), (PREFILL, 1.0), (DECODE, 1.0)] or pool.dispatched == [
-        (ENCODE_A, 0.0), (DECODE, 1.0), (PREFILL, 1.0),
+    assert pool.dispatched == [
+        (ENCODE_A, 0.0),
+        (PREFILL, 1.0),
+        (DECODE, 1.0),
+    ] or pool.dispatched == [
+        (ENCODE_A, 0.0),
+        (DECODE, 1.0),
+        (PREFILL, 1.0),
     ]
     assert pool.to(ENCODE_B) == []
     for worker in every_worker(fleet, encoders):
@@ -146,7 +158,11 @@ def test_the_sketch_reaches_router_only_through_the_strategy_interface() -> None
     imports are the attempt layer, the plan and the worker (the rest of this module's
     router imports build the service around it)."""
     tree = ast.parse(Path(__file__).read_text())
-    sketch = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EncodeThenPair")
+    sketch = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "EncodeThenPair"
+    )
     used = {node.id for node in ast.walk(sketch) if isinstance(node, ast.Name)}
     router_names = {
         alias.asname or alias.name: node.module
@@ -155,5 +171,8 @@ def test_the_sketch_reaches_router_only_through_the_strategy_interface() -> None
         for alias in node.names
     }
     assert {router_names[name] for name in used if name in router_names} <= {
-        "router.attempt", "router.classify", "router.worker_record", "router.workers",
+        "router.attempt",
+        "router.classify",
+        "router.worker_record",
+        "router.workers",
     }

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from router.http.upstream_errors import UpstreamProtocolError
 from router.http.upstream_parser import UpstreamParser
 
-CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+CHUNKED_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 
 def parse(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], bool]:
@@ -61,9 +63,30 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
 
 # -- the head -----------------------------------------------------------------------------
 
-TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-ABCXYZ0123456789!#$%&'*+.^_`|~", min_size=1, max_size=8).map(str.encode)
-TEXT = st.lists(st.one_of(TOKEN, st.sampled_from([b" ", b"\t", b":", b",", b'"', b"/", b"\x80", b"\xff"])), max_size=4).map(b"".join)
-ODD_BYTES = [b"\x00", b"\x01", b"\x7f", b"\r", b"\n", b"\x0b", b"\x1f", b" ", b"\t", b":", b"\xff", b"0", b"/", b"\r\n", b"\r\n "]
+TOKEN = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyz-ABCXYZ0123456789!#$%&'*+.^_`|~", min_size=1, max_size=8
+).map(str.encode)
+TEXT = st.lists(
+    st.one_of(TOKEN, st.sampled_from([b" ", b"\t", b":", b",", b'"', b"/", b"\x80", b"\xff"])),
+    max_size=4,
+).map(b"".join)
+ODD_BYTES = [
+    b"\x00",
+    b"\x01",
+    b"\x7f",
+    b"\r",
+    b"\n",
+    b"\x0b",
+    b"\x1f",
+    b" ",
+    b"\t",
+    b":",
+    b"\xff",
+    b"0",
+    b"/",
+    b"\r\n",
+    b"\r\n ",
+]
 
 
 @st.composite
@@ -72,7 +95,9 @@ def valid_heads(draw: st.DrawFn) -> bytes:
     framing headers: those are the connection's to judge, tested over a socket)."""
     version = draw(st.sampled_from([b"HTTP/1.1", b"HTTP/1.0"]))
     reason = draw(st.sampled_from([b"", b" "])) + draw(TEXT)
-    lines = [version + b" %d" % draw(st.integers(100, 599)) + (reason and b" " + reason.lstrip(b" "))]
+    lines = [
+        version + b" %d" % draw(st.integers(100, 599)) + (reason and b" " + reason.lstrip(b" "))
+    ]
     for _ in range(draw(st.integers(0, 5))):
         lines.append(draw(TOKEN) + draw(st.sampled_from([b":", b": ", b":\t"])) + draw(TEXT))
     return b"\r\n".join(lines).rstrip(b"\r") + b"\r\n\r\n"
@@ -91,9 +116,13 @@ def heads(draw: st.DrawFn) -> bytes:
         elif action == "insert":
             head[position:position] = draw(st.sampled_from(ODD_BYTES))
         elif action == "version":
-            head[:8] = draw(st.sampled_from([b"HTTP/2.0", b"HTTP/0.9", b"http/1.1", b"HTTP/1.2", b"HTTP/1"]))
+            head[:8] = draw(
+                st.sampled_from([b"HTTP/2.0", b"HTTP/0.9", b"http/1.1", b"HTTP/1.2", b"HTTP/1"])
+            )
         elif head[9:12].isdigit():
-            head[9:12] = draw(st.sampled_from([b"000", b"099", b"600", b"999", b"2x0", b"20", b"2000"]))
+            head[9:12] = draw(
+                st.sampled_from([b"000", b"099", b"600", b"999", b"2x0", b"20", b"2000"])
+            )
     # The connection cuts a head at its first CRLF CRLF: nothing else reaches the parser.
     return bytes(head).split(b"\r\n\r\n")[0] + b"\r\n\r\n"
 
@@ -165,7 +194,11 @@ REFUSED_BY_LLHTTP = {
 }
 
 
-@pytest.mark.parametrize("head", [*REFUSED_IN_FRONT.values(), *REFUSED_BY_LLHTTP.values()], ids=[*REFUSED_IN_FRONT, *REFUSED_BY_LLHTTP])
+@pytest.mark.parametrize(
+    "head",
+    [*REFUSED_IN_FRONT.values(), *REFUSED_BY_LLHTTP.values()],
+    ids=[*REFUSED_IN_FRONT, *REFUSED_BY_LLHTTP],
+)
 def test_a_malformed_head_is_refused_as_a_started_response(head: bytes) -> None:
     with pytest.raises(UpstreamProtocolError) as refused:
         parse(head)
@@ -175,19 +208,32 @@ def test_a_malformed_head_is_refused_as_a_started_response(head: bytes) -> None:
 @pytest.mark.parametrize(
     ("head", "lengths"),
     [
-        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-a: 1\r\nContent-Length: 2\r\n\r\n", [b"2", b"2"]),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-a: 1\r\nContent-Length: 2\r\n\r\n",
+            [b"2", b"2"],
+        ),
         (b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 2, 2\r\n\r\n", [b"2, 2"]),
-        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\nx-a: 1\r\n\r\n", [b"2", b"3"]),
-        (b"HTTP/1.1 204 No Content\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n", [b"2"]),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\nx-a: 1\r\n\r\n",
+            [b"2", b"3"],
+        ),
+        (
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
+            [b"2"],
+        ),
     ],
 )
-def test_content_lengths_llhttp_refuses_reach_the_framing_logic_in_place(head: bytes, lengths: list[bytes]) -> None:
+def test_content_lengths_llhttp_refuses_reach_the_framing_logic_in_place(
+    head: bytes, lengths: list[bytes]
+) -> None:
     """llhttp refuses a content-length sent twice (even one value) and one beside
     transfer-encoding; the connection's framing logic judges those, so the fields come
     back as sent, in their places."""
     _, headers, _ = parse(head)
     assert [value for name, value in headers if name == b"content-length"] == lengths
-    assert [name for name, _ in headers] == [line.split(b":")[0].lower() for line in head.split(b"\r\n")[1:-2]]
+    assert [name for name, _ in headers] == [
+        line.split(b":")[0].lower() for line in head.split(b"\r\n")[1:-2]
+    ]
 
 
 # -- the chunked body ---------------------------------------------------------------------
@@ -247,17 +293,35 @@ def test_spaces_before_a_chunk_extension_are_taken() -> None:
 
 def test_a_chunked_body_split_at_every_byte_decodes_alike() -> None:
     body = b'data: {"a":1}\n\ndata: [DONE]\n\n'
-    encoded = b"e;x=1\r\n" + body[:14] + b"\r\n" + b"%x\r\n" % (len(body) - 14) + body[14:] + b"\r\n0\r\nx-t: 1\r\n\r\n"
+    encoded = (
+        b"e;x=1\r\n"
+        + body[:14]
+        + b"\r\n"
+        + b"%x\r\n" % (len(body) - 14)
+        + body[14:]
+        + b"\r\n0\r\nx-t: 1\r\n\r\n"
+    )
     for first, second in itertools.combinations(range(1, len(encoded)), 2):
         assert decode(split(encoded, [first, second])) == (body, True, False), (first, second)
 
 
-BEYOND = [b"\r\n", b"\n", b"\r", b"\r\n\r\n", b"X", b"\r\nX", b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc", b"0\r\n\r\n"]
+BEYOND = [
+    b"\r\n",
+    b"\n",
+    b"\r",
+    b"\r\n\r\n",
+    b"X",
+    b"\r\nX",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc",
+    b"0\r\n\r\n",
+]
 
 
 @pytest.mark.parametrize("extra", BEYOND)
 @pytest.mark.parametrize("trailer", [b"", b"x-t: 1\r\n"])
-def test_bytes_after_the_last_chunk_are_seen_however_the_reads_fall(trailer: bytes, extra: bytes) -> None:
+def test_bytes_after_the_last_chunk_are_seen_however_the_reads_fall(
+    trailer: bytes, extra: bytes
+) -> None:
     """llhttp skips CR and LF between messages without a callback: those are caught at the
     end of what was fed, anything else by the next message's start or an error."""
     encoded = b"5\r\nhello\r\n0\r\n" + trailer + b"\r\n"
@@ -275,7 +339,9 @@ def test_the_next_message_beyond_the_end_adds_nothing_to_the_body_nor_the_header
     parser = UpstreamParser()
     _, headers, _ = parser.parse_head(CHUNKED_HEAD)
     parser.expect_chunked()
-    data = parser.feed_chunked(b"2\r\nok\r\n0\r\nx-t: 1\r\n\r\nHTTP/1.1 200 OK\r\nx-b: 2\r\ncontent-length: 3\r\n\r\nabc")
+    data = parser.feed_chunked(
+        b"2\r\nok\r\n0\r\nx-t: 1\r\n\r\nHTTP/1.1 200 OK\r\nx-b: 2\r\ncontent-length: 3\r\n\r\nabc"
+    )
     assert (data, parser.complete, parser.beyond) == (b"ok", True, True)
     assert headers == [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
 
@@ -312,7 +378,9 @@ def test_a_body_llhttp_does_not_read_as_chunked_is_refused_at_its_first_bytes() 
     rather than relayed as a body of size lines."""
     for first_read in [b"5", b"5\r\nhello\r\n0\r\n\r\n"]:
         parser = UpstreamParser()
-        _, headers, _ = parser.parse_head(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\t\r\n\r\n")
+        _, headers, _ = parser.parse_head(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\t\r\n\r\n"
+        )
         assert headers == [(b"transfer-encoding", b"chunked")]
         parser.expect_chunked()
         with pytest.raises(UpstreamProtocolError, match="not read as chunked") as refused:

@@ -17,7 +17,9 @@ from router.worker_record import InvalidWorkerRecord, WorkerRecord
         ("http://node_7.local:1/v", WorkerAddress("node_7.local", 1, b"node_7.local:1", "/v")),
     ],
 )
-def test_good_urls_give_what_the_pool_connects_to_and_writes(url: str, address: WorkerAddress) -> None:
+def test_good_urls_give_what_the_pool_connects_to_and_writes(
+    url: str, address: WorkerAddress
+) -> None:
     assert parse_worker_url(url) == address
 
 

@@ -26,11 +26,16 @@ def _record(worker_id: str, status: Status = Status.ACTIVE, model: str = MODEL) 
 
 async def _plan(wait: WorkerWait, model: str) -> Plan:
     """`wait.plan` with the plain plan of the model's workers (no model memory)."""
-    return await wait.plan(model, lambda now: plan_request(model, wait.fleet.for_model(model), now, AllOpenMode.DISPATCH))
+    return await wait.plan(
+        model,
+        lambda now: plan_request(model, wait.fleet.for_model(model), now, AllOpenMode.DISPATCH),
+    )
 
 
 def _wait(fleet: Fleet, capacity_wait_s: float = 10.0, workers_wait_s: float = 0.0) -> WorkerWait:
-    return WorkerWait(fleet, WorkerWaitSettings(capacity_wait_s=capacity_wait_s, workers_wait_s=workers_wait_s))
+    return WorkerWait(
+        fleet, WorkerWaitSettings(capacity_wait_s=capacity_wait_s, workers_wait_s=workers_wait_s)
+    )
 
 
 def _worker_of(plan: Plan) -> list[str]:
@@ -58,7 +63,9 @@ def test_a_rank_multiplexed_worker_is_full_only_when_every_rank_is() -> None:
     assert worker.full
 
 
-async def test_a_request_waits_for_a_slot_and_takes_it_when_one_ends(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_request_waits_for_a_slot_and_takes_it_when_one_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fleet = Fleet(max_inflight=1)
     worker = fleet.upsert(_record("only"))
     wait = _wait(fleet)
@@ -78,7 +85,9 @@ async def test_a_request_waits_for_a_slot_and_takes_it_when_one_ends(autojump_cl
     assert wait.outcomes["served"] == 1
 
 
-async def test_waiters_for_a_slot_go_in_arrival_order(autojump_clock: trio.testing.MockClock) -> None:
+async def test_waiters_for_a_slot_go_in_arrival_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fleet = Fleet(max_inflight=1)
     worker = fleet.upsert(_record("only"))
     wait = _wait(fleet)
@@ -101,7 +110,9 @@ async def test_waiters_for_a_slot_go_in_arrival_order(autojump_clock: trio.testi
     assert order == [0, 1, 2, 3]
 
 
-async def test_no_slot_in_time_is_503_queue_timeout_at_exactly_the_wait(autojump_clock: trio.testing.MockClock) -> None:
+async def test_no_slot_in_time_is_503_queue_timeout_at_exactly_the_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fleet = Fleet(max_inflight=1)
     fleet.upsert(_record("only")).begin()
     wait = _wait(fleet, capacity_wait_s=4.0)
@@ -112,7 +123,9 @@ async def test_no_slot_in_time_is_503_queue_timeout_at_exactly_the_wait(autojump
     assert wait.waiting() == 0 and wait.outcomes["timed_out"] == 1
 
 
-async def test_without_a_wait_unavailable_workers_are_503_at_once(autojump_clock: trio.testing.MockClock) -> None:
+async def test_without_a_wait_unavailable_workers_are_503_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fleet = Fleet()
     fleet.upsert(_record("old", Status.DRAINING))
     with pytest.raises(NoAvailableWorkers):
@@ -120,7 +133,9 @@ async def test_without_a_wait_unavailable_workers_are_503_at_once(autojump_clock
     assert trio.current_time() == 0.0
 
 
-async def test_a_drained_worker_replaced_3s_later_is_waited_for(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_drained_worker_replaced_3s_later_is_waited_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fleet = Fleet()
     fleet.upsert(_record("old", Status.DRAINING))
     wait = _wait(fleet, workers_wait_s=10.0)
@@ -138,7 +153,9 @@ async def test_a_drained_worker_replaced_3s_later_is_waited_for(autojump_clock: 
     assert 3.0 <= got[0][1] <= 3.0 + wait.settings.recheck_s + 1e-9
 
 
-async def test_a_model_whose_last_worker_left_is_waited_for_not_404(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_model_whose_last_worker_left_is_waited_for_not_404(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fleet = Fleet()
     fleet.upsert(_record("old"))
     wait = _wait(fleet, workers_wait_s=10.0)
@@ -180,7 +197,9 @@ async def test_a_model_nobody_served_is_404_at_once_and_a_gone_one_404_after_the
     assert trio.current_time() == start
 
 
-async def test_a_waiter_that_leaves_lets_the_next_one_go(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_waiter_that_leaves_lets_the_next_one_go(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fleet = Fleet(max_inflight=1)
     worker = fleet.upsert(_record("only"))
     wait = _wait(fleet)

@@ -95,8 +95,13 @@ class Plane(ABC):
             return "unknown"
         try:
             done = subprocess.run(
-                argv, capture_output=True, text=True, timeout=30, check=False,
-                env=environment_for(self.environment()), stdin=subprocess.DEVNULL,
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+                env=environment_for(self.environment()),
+                stdin=subprocess.DEVNULL,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"unknown ({type(exc).__name__})"
@@ -120,13 +125,17 @@ class Plane(ABC):
         stops it). Runs before the fleet starts. Default: nothing."""
         return None
 
-    async def publish(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str) -> None:
+    async def publish(
+        self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str
+    ) -> None:
         """Make `worker`'s record, with `status` (`active` or `draining`), visible in the
         discovery backend the case names (`launch.case.discovery`). Only called for cases
         whose `discovery.*` capability the plane declares."""
         raise Unsupported(f"plane {self.name} publishes no worker records")
 
-    async def withdraw(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker) -> None:
+    async def withdraw(
+        self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker
+    ) -> None:
         """Remove `worker`'s record from the discovery backend."""
         raise Unsupported(f"plane {self.name} withdraws no worker records")
 
@@ -155,7 +164,9 @@ class Plane(ABC):
         wanted = {worker.spec.model for worker in launch.workers}
         while True:
             try:
-                response = await client.get(url + "/v1/models", timeout=2.0, headers=self.auth_headers(launch))
+                response = await client.get(
+                    url + "/v1/models", timeout=2.0, headers=self.auth_headers(launch)
+                )
                 if response.status_code == 200:
                     listed = {entry.get("id") for entry in response.json().get("data", [])}
                     if wanted <= listed:

@@ -16,4 +16,3 @@ def cache_aware_flags(c: CacheAwareSettings) -> list[str]:
     if c.balance_rel_threshold is not None:
         flags += ["--balance-rel-threshold", f"{c.balance_rel_threshold:g}"]
     return flags
-

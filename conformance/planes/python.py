@@ -65,13 +65,17 @@ class PythonPlane(Plane):
         elif case.discovery is not None:
             raise Unsupported(f"discovery {case.discovery} is not built into router serve yet")
 
-    async def publish(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str) -> None:
+    async def publish(
+        self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str
+    ) -> None:
         if launch.case.discovery == "kubernetes":
             await kube_sidecar.publish(client, launch.sidecars, worker, status)
         else:
             await etcd_sidecar.put_record(client, launch.sidecars, worker, status)
 
-    async def withdraw(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker) -> None:
+    async def withdraw(
+        self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker
+    ) -> None:
         if launch.case.discovery == "kubernetes":
             await kube_sidecar.withdraw(client, launch.sidecars, worker)
         else:
@@ -80,10 +84,14 @@ class PythonPlane(Plane):
     def command(self, launch: Launch) -> list[str]:
         argv = [
             *self.command_prefix,
-            "--host", launch.host,
-            "--port", str(launch.port),
-            "--shutdown-grace-s", "0",
-            "--log-level", "info",
+            "--host",
+            launch.host,
+            "--port",
+            str(launch.port),
+            "--shutdown-grace-s",
+            "0",
+            "--log-level",
+            "info",
         ]
         argv += self.fleet_flags(launch)
         argv += self.settings_flags(launch.case)
@@ -92,19 +100,27 @@ class PythonPlane(Plane):
     def fleet_flags(self, launch: Launch) -> list[str]:
         if launch.case.discovery == "kubernetes":
             return [
-                "--discovery", "kubernetes",
-                "--k8s-kubeconfig", launch.sidecars.values[kube_sidecar.KUBECONFIG_KEY],
-                "--k8s-namespace", kube_sidecar.NAMESPACE,
-                "--k8s-selector", kube_sidecar.SELECTOR,
-                "--k8s-port", str(kube_sidecar.shared_port(list(launch.workers))),
-            ]  # fmt: skip
+                "--discovery",
+                "kubernetes",
+                "--k8s-kubeconfig",
+                launch.sidecars.values[kube_sidecar.KUBECONFIG_KEY],
+                "--k8s-namespace",
+                kube_sidecar.NAMESPACE,
+                "--k8s-selector",
+                kube_sidecar.SELECTOR,
+                "--k8s-port",
+                str(kube_sidecar.shared_port(list(launch.workers))),
+            ]
         if launch.case.discovery == "etcd":
             values = launch.sidecars.values
             return [
-                "--discovery", "etcd",
-                "--etcd-endpoint", values[etcd_sidecar.URL_KEY],
-                "--etcd-prefix", values[etcd_sidecar.PREFIX_KEY],
-            ]  # fmt: skip
+                "--discovery",
+                "etcd",
+                "--etcd-endpoint",
+                values[etcd_sidecar.URL_KEY],
+                "--etcd-prefix",
+                values[etcd_sidecar.PREFIX_KEY],
+            ]
         if any(worker.spec.status != "active" for worker in launch.workers):
             path = launch.workdir / "workers.yaml"
             path.write_text(yaml.safe_dump({"workers": [_record(w) for w in launch.workers]}))
@@ -134,7 +150,11 @@ class PythonPlane(Plane):
         if b.cooldown_s is not None:
             flags += ["--breaker-cooldown-s", f"{b.cooldown_s:g}"]
         max_cooldown = b.max_cooldown_s
-        if max_cooldown is None and b.cooldown_s is not None and b.cooldown_s > DEFAULT_MAX_COOLDOWN_S:
+        if (
+            max_cooldown is None
+            and b.cooldown_s is not None
+            and b.cooldown_s > DEFAULT_MAX_COOLDOWN_S
+        ):
             max_cooldown = b.cooldown_s
         if max_cooldown is not None:
             flags += ["--breaker-max-cooldown-s", f"{max_cooldown:g}"]
@@ -142,7 +162,12 @@ class PythonPlane(Plane):
             flags += ["--breaker-all-open", b.all_open]
         h = s.health
         if h.interval_s is not None:
-            flags += ["--health-interval-s", f"{h.interval_s:g}", "--health-timeout-s", f"{min(h.interval_s, 2.0):g}"]
+            flags += [
+                "--health-interval-s",
+                f"{h.interval_s:g}",
+                "--health-timeout-s",
+                f"{min(h.interval_s, 2.0):g}",
+            ]
         if h.failure_threshold is not None:
             flags += ["--health-failure-threshold", str(h.failure_threshold)]
         if h.success_threshold is not None:

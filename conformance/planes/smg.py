@@ -66,7 +66,7 @@ class SmgPlane(Plane):
         "breaker.backoff": "the cooldown never grows: 1.4 s after a failed probe with a 1 s "
         "cooldown the worker was probed again",
         "breaker.all_open_dispatch": "with every worker open it answers 503 no_available_workers "
-        "(\"All workers are unavailable (circuit breaker open or unhealthy)\"), 0 dispatches; "
+        '("All workers are unavailable (circuit breaker open or unhealthy)"), 0 dispatches; '
         "no flag dispatches instead",
         "worker.status": "static workers have no DRAINING state to learn",
         "pd.mixed_fleet": "--pd-disaggregation takes prefill and decode workers only",
@@ -95,13 +95,20 @@ class SmgPlane(Plane):
         self.check(launch.case)
         argv = [
             *self.command_prefix,
-            "--host", launch.host,
-            "--port", str(launch.port),
-            "--prometheus-host", launch.host,
-            "--prometheus-port", str(free_port(launch.host)),
-            "--log-level", self.log_level,
-            "--worker-startup-check-interval", "1",
-            "--worker-startup-timeout-secs", "30",
+            "--host",
+            launch.host,
+            "--port",
+            str(launch.port),
+            "--prometheus-host",
+            launch.host,
+            "--prometheus-port",
+            str(free_port(launch.host)),
+            "--log-level",
+            self.log_level,
+            "--worker-startup-check-interval",
+            "1",
+            "--worker-startup-timeout-secs",
+            "30",
         ]
         argv += self.fleet_flags(launch)
         argv += self.settings_flags(launch.case)
@@ -113,27 +120,39 @@ class SmgPlane(Plane):
         elif case.discovery is not None:
             raise Unsupported(f"smg has no {case.discovery} discovery")
 
-    async def publish(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str) -> None:
+    async def publish(
+        self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str
+    ) -> None:
         await kube_sidecar.publish(client, launch.sidecars, worker, status)
 
-    async def withdraw(self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker) -> None:
+    async def withdraw(
+        self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker
+    ) -> None:
         await kube_sidecar.withdraw(client, launch.sidecars, worker)
 
     def launch_environment(self, launch: Launch) -> Mapping[str, str]:
         if launch.case.discovery != "kubernetes":
             return self.environment()
-        return {**self.environment(), "KUBECONFIG": launch.sidecars.values[kube_sidecar.KUBECONFIG_KEY]}
+        return {
+            **self.environment(),
+            "KUBECONFIG": launch.sidecars.values[kube_sidecar.KUBECONFIG_KEY],
+        }
 
     def fleet_flags(self, launch: Launch) -> list[str]:
         if launch.case.discovery == "kubernetes":
             if launch.case.is_pd:
-                raise Unsupported("the Kubernetes form of PD cases is not mapped to smg's prefill/decode selectors")
+                raise Unsupported(
+                    "the Kubernetes form of PD cases is not mapped to smg's prefill/decode selectors"
+                )
             return [
                 "--service-discovery",
-                "--selector", kube_sidecar.SELECTOR,
-                "--service-discovery-namespace", kube_sidecar.NAMESPACE,
-                "--service-discovery-port", str(kube_sidecar.shared_port(list(launch.workers))),
-            ]  # fmt: skip
+                "--selector",
+                kube_sidecar.SELECTOR,
+                "--service-discovery-namespace",
+                kube_sidecar.NAMESPACE,
+                "--service-discovery-port",
+                str(kube_sidecar.shared_port(list(launch.workers))),
+            ]
         flags: list[str] = []
         if any(worker.spec.dp_size > 1 for worker in launch.workers):
             flags.append("--dp-aware")
@@ -150,7 +169,9 @@ class SmgPlane(Plane):
             elif worker.spec.role == "decode":
                 flags += ["--decode", worker.url]
             else:
-                raise Unsupported(f"{self.name} serves either a PD fleet or mixed workers, not both at once")
+                raise Unsupported(
+                    f"{self.name} serves either a PD fleet or mixed workers, not both at once"
+                )
         return flags
 
     def settings_flags(self, case: Case) -> list[str]:
@@ -174,7 +195,12 @@ class SmgPlane(Plane):
                 flags += ["--cb-timeout-duration-secs", str(int(b.cooldown_s))]
         h = s.health
         if h.interval_s is not None:
-            flags += ["--health-check-interval-secs", str(int(h.interval_s)), "--health-check-timeout-secs", "1"]
+            flags += [
+                "--health-check-interval-secs",
+                str(int(h.interval_s)),
+                "--health-check-timeout-secs",
+                "1",
+            ]
         if h.failure_threshold is not None:
             flags += ["--health-failure-threshold", str(h.failure_threshold)]
         if h.success_threshold is not None:
@@ -202,10 +228,14 @@ class SmgPlane(Plane):
         wanted = {worker.url for worker in launch.workers if worker.spec.status == "active"}
         while True:
             try:
-                response = await client.get(url + "/workers", timeout=2.0, headers=self.auth_headers(launch))
+                response = await client.get(
+                    url + "/workers", timeout=2.0, headers=self.auth_headers(launch)
+                )
                 if response.status_code == 200:
                     entries = response.json().get("workers", [])
-                    listed = {str(entry.get("url", "")).split("@")[0].rstrip("/") for entry in entries}
+                    listed = {
+                        str(entry.get("url", "")).split("@")[0].rstrip("/") for entry in entries
+                    }
                     healthy = all(entry.get("is_healthy") for entry in entries)
                     if wanted <= listed and healthy:
                         return

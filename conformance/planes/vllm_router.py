@@ -80,8 +80,8 @@ class VllmRouterPlane(SmgPlane):
         "the cooldown sent 4 to the half-open worker",
         "breaker.backoff": "the cooldown never grows: about 3 s after a failed probe with a 2 s "
         "cooldown the worker was probed again",
-        "breaker.all_open_dispatch": "with every worker open it answers 503 in plain text (\"No "
-        "available workers (all circuits open or unhealthy)\"), 0 dispatches; no flag dispatches instead",
+        "breaker.all_open_dispatch": 'with every worker open it answers 503 in plain text ("No '
+        'available workers (all circuits open or unhealthy)"), 0 dispatches; no flag dispatches instead',
         "policy.least_load": "--policy offers random, round_robin, cache_aware, kv_aware, power_of_two, "
         "consistent_hash, sticky_least_loaded: no plain least-load",
         "pd.bootstrap": "--vllm-pd-disaggregation hands off with vLLM's NIXL parameters "
@@ -107,7 +107,7 @@ class VllmRouterPlane(SmgPlane):
         if case.is_pd and not {"prefill", "decode"} <= roles:
             raise Unsupported(
                 "vllm-router will not start a PD fleet without both pools "
-                "(\"PD disaggregation mode requires --decode\")"
+                '("PD disaggregation mode requires --decode")'
             )
         sizes = {worker.dp_size for worker in case.fleet}
         if len(sizes) > 1:
@@ -120,14 +120,21 @@ class VllmRouterPlane(SmgPlane):
         self.check(launch.case)
         argv = [
             _binary(),
-            "--host", launch.host,
-            "--port", str(launch.port),
-            "--prometheus-host", launch.host,
-            "--prometheus-port", str(free_port(launch.host)),
-            "--log-level", self.log_level,
-            "--worker-startup-check-interval", "1",
-            "--worker-startup-timeout-secs", "30",
-        ]  # fmt: skip
+            "--host",
+            launch.host,
+            "--port",
+            str(launch.port),
+            "--prometheus-host",
+            launch.host,
+            "--prometheus-port",
+            str(free_port(launch.host)),
+            "--log-level",
+            self.log_level,
+            "--worker-startup-check-interval",
+            "1",
+            "--worker-startup-timeout-secs",
+            "30",
+        ]
         argv += self.fleet_flags(launch)
         argv += self.settings_flags(launch.case)
         return argv

@@ -55,27 +55,92 @@ def build_parser() -> argparse.ArgumentParser:
         description="Register an engine in etcd for the router, and drain it on SIGTERM.",
     )
     engine = parser.add_argument_group("the engine")
-    engine.add_argument("--engine-url", required=True, help="where this agent reaches the engine, e.g. http://127.0.0.1:30000")
+    engine.add_argument(
+        "--engine-url",
+        required=True,
+        help="where this agent reaches the engine, e.g. http://127.0.0.1:30000",
+    )
     engine.add_argument("--model", required=True, help="the model id the engine serves")
-    engine.add_argument("--engine", choices=sorted(ENGINES), default="sglang", help="engine kind: its /metrics names (default sglang)")
-    engine.add_argument("--role", choices=[r.value for r in Role], default="mixed", help="PD role (default mixed)")
-    engine.add_argument("--bootstrap-port", type=int, default=None, help="prefill only: the KV bootstrap port decodes pull from")
-    engine.add_argument("--pd-protocol", default="mooncake", help="prefill only: KV transfer backend (default mooncake)")
-    engine.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks behind this URL (default 1)")
-    engine.add_argument("--dp-rank", type=int, default=None, help="the one rank this URL serves, if it serves one")
-    engine.add_argument("--health-poll-s", type=float, default=1.0, help="how often to ask the engine's /health before registering (default 1)")
+    engine.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="sglang",
+        help="engine kind: its /metrics names (default sglang)",
+    )
+    engine.add_argument(
+        "--role", choices=[r.value for r in Role], default="mixed", help="PD role (default mixed)"
+    )
+    engine.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=None,
+        help="prefill only: the KV bootstrap port decodes pull from",
+    )
+    engine.add_argument(
+        "--pd-protocol",
+        default="mooncake",
+        help="prefill only: KV transfer backend (default mooncake)",
+    )
+    engine.add_argument(
+        "--dp-size", type=int, default=1, help="data-parallel ranks behind this URL (default 1)"
+    )
+    engine.add_argument(
+        "--dp-rank", type=int, default=None, help="the one rank this URL serves, if it serves one"
+    )
+    engine.add_argument(
+        "--health-poll-s",
+        type=float,
+        default=1.0,
+        help="how often to ask the engine's /health before registering (default 1)",
+    )
     etcd = parser.add_argument_group("registration")
-    etcd.add_argument("--etcd-endpoint", default="http://127.0.0.1:2379", help="etcd client URL (default http://127.0.0.1:2379)")
-    etcd.add_argument("--etcd-prefix", default=DEFAULT_PREFIX, help=f"key prefix of worker records (default {DEFAULT_PREFIX})")
-    etcd.add_argument("--advertise-host", default=None, help="host routers reach the engine at (default: the --engine-url host)")
-    etcd.add_argument("--worker-id", default=None, help="worker id and key suffix (default: advertised host:port)")
-    etcd.add_argument("--lease-ttl-s", type=int, default=DEFAULT_LEASE_TTL_S, help=f"lease TTL; heartbeats every third of it (default {DEFAULT_LEASE_TTL_S})")
+    etcd.add_argument(
+        "--etcd-endpoint",
+        default="http://127.0.0.1:2379",
+        help="etcd client URL (default http://127.0.0.1:2379)",
+    )
+    etcd.add_argument(
+        "--etcd-prefix",
+        default=DEFAULT_PREFIX,
+        help=f"key prefix of worker records (default {DEFAULT_PREFIX})",
+    )
+    etcd.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host routers reach the engine at (default: the --engine-url host)",
+    )
+    etcd.add_argument(
+        "--worker-id", default=None, help="worker id and key suffix (default: advertised host:port)"
+    )
+    etcd.add_argument(
+        "--lease-ttl-s",
+        type=int,
+        default=DEFAULT_LEASE_TTL_S,
+        help=f"lease TTL; heartbeats every third of it (default {DEFAULT_LEASE_TTL_S})",
+    )
     drain = parser.add_argument_group("drain on SIGTERM")
-    drain.add_argument("--drain-settle-s", type=float, default=6.0, help="zero load must hold this long (default 6)")
-    drain.add_argument("--drain-timeout-s", type=float, default=300.0, help="give up waiting after this long (default 300)")
-    drain.add_argument("--drain-poll-s", type=float, default=0.5, help="seconds between /metrics readings (default 0.5)")
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    return parser  # fmt: skip
+    drain.add_argument(
+        "--drain-settle-s",
+        type=float,
+        default=6.0,
+        help="zero load must hold this long (default 6)",
+    )
+    drain.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=300.0,
+        help="give up waiting after this long (default 300)",
+    )
+    drain.add_argument(
+        "--drain-poll-s",
+        type=float,
+        default=0.5,
+        help="seconds between /metrics readings (default 0.5)",
+    )
+    parser.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="info"
+    )
+    return parser
 
 
 def options_from_args(args: argparse.Namespace) -> AgentOptions:
@@ -189,7 +254,10 @@ def main(argv: Sequence[str]) -> int:
         log.warning("%s", warning)
     log.info(
         "agent for %s (%s, %s) registering at %s%s",
-        options.record.url, options.record.role.value, options.engine,
-        options.etcd_endpoint, options.etcd_prefix,
-    )  # fmt: skip
+        options.record.url,
+        options.record.role.value,
+        options.engine,
+        options.etcd_endpoint,
+        options.etcd_prefix,
+    )
     return trio.run(run_agent, options)

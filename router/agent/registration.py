@@ -55,7 +55,9 @@ class Registration:
     and none happens once deregistration began.
     """
 
-    def __init__(self, client: EtcdClient, key: str, record: WorkerRecord, lease_ttl_s: int) -> None:
+    def __init__(
+        self, client: EtcdClient, key: str, record: WorkerRecord, lease_ttl_s: int
+    ) -> None:
         self._client = client
         self.key = key
         self.record = record
@@ -91,8 +93,10 @@ class Registration:
             return await self._write_with_retry("announcing DRAINING")
         log.error(
             "could not announce DRAINING for %s within %.1fs: routers keep sending it new "
-            "work until it deregisters", self.key, timeout_s,
-        )  # fmt: skip
+            "work until it deregisters",
+            self.key,
+            timeout_s,
+        )
         return False
 
     async def deregister(self, timeout_s: float = CLEANUP_TIMEOUT_S) -> bool:
@@ -117,13 +121,17 @@ class Registration:
         if revoked:
             log.info(
                 "deregistered %s: heartbeat stopped, lease revoked, key deleted (%.3fs)",
-                self.key, trio.current_time() - started,
-            )  # fmt: skip
+                self.key,
+                trio.current_time() - started,
+            )
         else:
             log.error(
                 "could not revoke the lease of %s within %.1fs: the key stays until the lease "
-                "expires (TTL %ds)", self.key, timeout_s, self.lease_ttl_s,
-            )  # fmt: skip
+                "expires (TTL %ds)",
+                self.key,
+                timeout_s,
+                self.lease_ttl_s,
+            )
         return revoked
 
     async def _revoke_with_retry(self) -> bool:
@@ -156,8 +164,12 @@ class Registration:
         except EtcdUnavailable:
             raise
         except EtcdError as exc:
-            log.warning("writing %s under lease %x failed (%s); granting a new lease",
-                        self.key, self.lease_id, exc.message)  # fmt: skip
+            log.warning(
+                "writing %s under lease %x failed (%s); granting a new lease",
+                self.key,
+                self.lease_id,
+                exc.message,
+            )
             self.lease_id = await self._client.grant_lease(self.lease_ttl_s)
             self._grants += 1
             await self._client.put(self.key, value, lease=self.lease_id)
@@ -176,7 +188,9 @@ class Registration:
                 return True
             except EtcdError as exc:
                 delay = backoff.failure()
-                log.warning("%s of %s failed (%s); retrying in %.1fs", what, self.key, exc.message, delay)
+                log.warning(
+                    "%s of %s failed (%s); retrying in %.1fs", what, self.key, exc.message, delay
+                )
                 await trio.sleep(delay)
 
     async def _heartbeat_forever(self) -> None:
@@ -196,8 +210,11 @@ class Registration:
             except EtcdError as exc:
                 delay = backoff.failure()
                 if not failing:
-                    log.warning("heartbeat of %s failed (%s); retrying while the lease lasts",
-                                self.key, exc.message)  # fmt: skip
+                    log.warning(
+                        "heartbeat of %s failed (%s); retrying while the lease lasts",
+                        self.key,
+                        exc.message,
+                    )
                 failing = True
                 continue
             if failing:
@@ -236,15 +253,20 @@ async def serve_registration(
         raise ValueError(f"lease_ttl_s must be >= 1, got {lease_ttl_s}")
     timeout_s = min(CLEANUP_TIMEOUT_S, max(1.0, lease_ttl_s / 3))
     async with open_etcd_client(etcd_endpoint, timeout_s=timeout_s) as client:
-        registration = Registration(client, registration_key(prefix, record.id), record, lease_ttl_s)
+        registration = Registration(
+            client, registration_key(prefix, record.id), record, lease_ttl_s
+        )
         try:
             try:
                 await registration._write_with_retry("registration")
                 log.info(
                     "registered %s at %s (lease %x, TTL %ds, heartbeat every %.1fs)",
-                    record.url, registration.key, registration.lease_id, lease_ttl_s,
+                    record.url,
+                    registration.key,
+                    registration.lease_id,
+                    lease_ttl_s,
                     registration.heartbeat_interval_s,
-                )  # fmt: skip
+                )
                 task_status.started(registration)
                 with registration._heartbeat_scope:
                     await registration._heartbeat_forever()
@@ -288,8 +310,11 @@ async def drain_and_deregister(
             log.info(
                 "drain of %s: DRAINING announced in %.3fs; waiting for the engine to hold no "
                 "work (settle %.1fs, timeout %.0fs)",
-                worker, announced_at - started, drain_settings.settle_s, drain_settings.timeout_s,
-            )  # fmt: skip
+                worker,
+                announced_at - started,
+                drain_settings.settle_s,
+                drain_settings.timeout_s,
+            )
         report = await wait_engine_idle(read_load, drain_settings)
     finally:
         deregister_started = trio.current_time()
@@ -297,9 +322,13 @@ async def drain_and_deregister(
         finished = trio.current_time()
     log.info(
         "drain of %s finished in %.2fs: announce %.3fs, engine %s after %.2fs, deregister %.3fs",
-        worker, finished - started, announced_at - started, report.result.value,
-        report.waited_s, finished - deregister_started,
-    )  # fmt: skip
+        worker,
+        finished - started,
+        announced_at - started,
+        report.result.value,
+        report.waited_s,
+        finished - deregister_started,
+    )
     return DrainOutcome(
         announced=announced,
         announce_s=announced_at - started,

@@ -105,8 +105,11 @@ class FleetMirror:
         after = {worker.id for worker in self._fleet.workers()}
         log.info(
             "listed %d worker(s) at revision %d (%d joined, %d left)",
-            len(after), revision, len(after - before), len(before - after),
-        )  # fmt: skip
+            len(after),
+            revision,
+            len(after - before),
+            len(before - after),
+        )
 
     def apply(self, event: WatchEvent) -> None:
         """Apply one PUT or DELETE to the fleet."""
@@ -130,8 +133,10 @@ class FleetMirror:
             if other.id == record.id and key != event.key:
                 log.warning(
                     "worker id %s is claimed by %s and %s; the latest write wins",
-                    record.id, key, event.key,
-                )  # fmt: skip
+                    record.id,
+                    key,
+                    event.key,
+                )
                 break
         self._records[event.key] = record
         known = self._fleet.get(record.id)
@@ -139,9 +144,12 @@ class FleetMirror:
         if known is None:
             log.info(
                 "worker %s joined: %s, model %s, role %s, %s",
-                record.id, record.url, "+".join(record.models), record.role.value,
+                record.id,
+                record.url,
+                "+".join(record.models),
+                record.role.value,
                 record.status.value,
-            )  # fmt: skip
+            )
         elif known.record.status is not record.status:
             log.info("worker %s is now %s", record.id, record.status.value)
 
@@ -302,8 +310,9 @@ class _Follower:
                 self._metrics.discovery_relists.inc()
                 log.warning(
                     "watch from revision %s is compacted (etcd keeps history from %d): relisting",
-                    None if self.revision is None else self.revision + 1, exc.compact_revision,
-                )  # fmt: skip
+                    None if self.revision is None else self.revision + 1,
+                    exc.compact_revision,
+                )
                 self.revision = None
             except EtcdError as exc:
                 self._confirmed = False
@@ -345,7 +354,9 @@ class _Follower:
         """Apply events after `self.revision`, advancing it, until the watch fails."""
         assert self.revision is not None
         watch = self._client.watch_prefix(
-            self._prefix, self.revision + 1, idle_timeout_s=self._timing.watch_idle_timeout_s,
+            self._prefix,
+            self.revision + 1,
+            idle_timeout_s=self._timing.watch_idle_timeout_s,
             on_alive=self._silence.heard,
         )
         async with aclosing(watch):

@@ -111,7 +111,9 @@ def load_kube_connection(
 def in_cluster(host: str, port: str, account: Path) -> KubeConnection:
     server_host = f"[{host}]" if ":" in host else host
     ca = account / "ca.crt"
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca.exists() else True
+    verify: ssl.SSLContext | bool = (
+        ssl.create_default_context(cafile=str(ca)) if ca.exists() else True
+    )
     namespace_file = account / "namespace"
     namespace = namespace_file.read_text().strip() if namespace_file.exists() else None
     return KubeConnection(
@@ -125,7 +127,11 @@ def in_cluster(host: str, port: str, account: Path) -> KubeConnection:
 
 def _named(entries: Any, name: str, kind: str, path: Path) -> dict[str, Any]:
     for entry in entries or []:
-        if isinstance(entry, dict) and entry.get("name") == name and isinstance(entry.get(kind), dict):
+        if (
+            isinstance(entry, dict)
+            and entry.get("name") == name
+            and isinstance(entry.get(kind), dict)
+        ):
             return entry[kind]
     raise KubeConfigError(f"kubeconfig {path}: no {kind} named {name!r}")
 
@@ -142,10 +148,16 @@ def from_kubeconfig(path: Path) -> KubeConnection:
         raise KubeConfigError(f"kubeconfig {path}: no current-context")
     context = _named(data.get("contexts"), context_name, "context", path)
     cluster = _named(data.get("clusters"), str(context.get("cluster")), "cluster", path)
-    user = _named(data.get("users"), str(context.get("user")), "user", path) if context.get("user") else {}
+    user = (
+        _named(data.get("users"), str(context.get("user")), "user", path)
+        if context.get("user")
+        else {}
+    )
     server = cluster.get("server")
     if not isinstance(server, str) or not server.startswith(("http://", "https://")):
-        raise KubeConfigError(f"kubeconfig {path}: cluster server must be an http(s) URL, got {server!r}")
+        raise KubeConfigError(
+            f"kubeconfig {path}: cluster server must be an http(s) URL, got {server!r}"
+        )
 
     def local(name: str) -> str:
         return str((path.parent / name).expanduser())
@@ -155,7 +167,9 @@ def from_kubeconfig(path: Path) -> KubeConnection:
         if cluster.get("insecure-skip-tls-verify"):
             verify = False
         elif cluster.get("certificate-authority-data"):
-            verify = ssl.create_default_context(cadata=_b64_text(cluster["certificate-authority-data"], path))
+            verify = ssl.create_default_context(
+                cadata=_b64_text(cluster["certificate-authority-data"], path)
+            )
         elif cluster.get("certificate-authority"):
             verify = ssl.create_default_context(cafile=local(cluster["certificate-authority"]))
         else:
@@ -190,7 +204,9 @@ def _b64_text(value: Any, path: Path) -> str:
         raise KubeConfigError(f"kubeconfig {path}: bad base64 data ({exc})") from None
 
 
-def _load_client_cert(context: ssl.SSLContext, user: dict[str, Any], local: Any, path: Path) -> None:
+def _load_client_cert(
+    context: ssl.SSLContext, user: dict[str, Any], local: Any, path: Path
+) -> None:
     cert, key = user.get("client-certificate"), user.get("client-key")
     cert_data, key_data = user.get("client-certificate-data"), user.get("client-key-data")
     if not (cert or cert_data):

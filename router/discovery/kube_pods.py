@@ -82,7 +82,9 @@ def pod_sources(mixed: str, prefill: str, decode: str) -> tuple[PodSource, ...]:
         if text.strip()
     ]
     if not sources:
-        raise BadSelector("Kubernetes discovery needs --k8s-selector or --k8s-prefill-selector/--k8s-decode-selector")
+        raise BadSelector(
+            "Kubernetes discovery needs --k8s-selector or --k8s-prefill-selector/--k8s-decode-selector"
+        )
     return tuple(sources)
 
 
@@ -134,7 +136,9 @@ class PodFacts:
             ip=ip if isinstance(ip, str) and ip else None,
             ready=ready,
             terminating=meta.get("deletionTimestamp") is not None,
-            resource_version=meta.get("resourceVersion") if isinstance(meta.get("resourceVersion"), str) else None,
+            resource_version=meta.get("resourceVersion")
+            if isinstance(meta.get("resourceVersion"), str)
+            else None,
         )
 
 
@@ -175,7 +179,10 @@ def pod_record(facts: PodFacts, role: Role, default_port: int) -> WorkerRecord:
     bootstrap_port = _annotation_int(facts, BOOTSTRAP_PORT_ANNOTATION, 1, 65535)
     if bootstrap_port is not None:
         protocol = str(facts.annotations.get(PD_PROTOCOL_ANNOTATION, "mooncake"))
-        data["disagg_meta"] = {"protocol": protocol, "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"}}
+        data["disagg_meta"] = {
+            "protocol": protocol,
+            "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"},
+        }
     record = WorkerRecord.from_json(data)
     if record.role is Role.PREFILL and bootstrap_port is None:
         unknown.add("bootstrap_port")

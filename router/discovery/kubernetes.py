@@ -112,7 +112,9 @@ class PodsApi:
         return items, version
 
     @asynccontextmanager
-    async def watch(self, source: PodSource, version: str) -> AsyncIterator[AsyncGenerator[dict[str, Any], None]]:
+    async def watch(
+        self, source: PodSource, version: str
+    ) -> AsyncIterator[AsyncGenerator[dict[str, Any], None]]:
         """The watch events after `version`, one dict per line; the iterator ends when the
         server ends the watch. Raises KubeGone for a 410, KubeUnavailable otherwise.
 
@@ -126,7 +128,9 @@ class PodsApi:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(timing.watch_timeout_s),
         }
-        timeout = httpx.Timeout(timing.request_timeout_s, read=timing.watch_timeout_s + timing.watch_read_margin_s)
+        timeout = httpx.Timeout(
+            timing.request_timeout_s, read=timing.watch_timeout_s + timing.watch_read_margin_s
+        )
         request = self._http.build_request("GET", self._path, params=params, timeout=timeout)
         try:
             response = await self._http.send(request, stream=True)
@@ -141,7 +145,9 @@ class PodsApi:
                     body = b""
                 if response.status_code == 410:
                     raise KubeGone(_status_text(body))
-                raise KubeUnavailable(f"watch pods: HTTP {response.status_code} {_status_text(body)}")
+                raise KubeUnavailable(
+                    f"watch pods: HTTP {response.status_code} {_status_text(body)}"
+                )
             yield self._events(chunks)
         finally:
             await close_stream(response, chunks)
@@ -163,7 +169,9 @@ class PodsApi:
                 *lines, rest = pending.split(b"\n")
                 pending = bytearray(rest)
                 if len(pending) > MAX_EVENT_BYTES:
-                    raise KubeUnavailable(f"watch pods: an event larger than {MAX_EVENT_BYTES} bytes")
+                    raise KubeUnavailable(
+                        f"watch pods: an event larger than {MAX_EVENT_BYTES} bytes"
+                    )
                 continue
             line = lines.pop(0)
             if not line.strip():
@@ -171,7 +179,9 @@ class PodsApi:
             try:
                 event = orjson.loads(line)
             except orjson.JSONDecodeError:
-                raise KubeUnavailable(f"watch pods: a line that is not JSON: {bytes(line[:100])!r}") from None
+                raise KubeUnavailable(
+                    f"watch pods: a line that is not JSON: {bytes(line[:100])!r}"
+                ) from None
             if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
                 raise KubeUnavailable(f"watch pods: not a watch event: {bytes(line[:100])!r}")
             if event.get("type") == "ERROR":
@@ -186,7 +196,9 @@ class PodsApi:
 class _Link:
     """What `/health` and `router_discovery_up` say: up only while every watch is."""
 
-    def __init__(self, health: DiscoveryHealth, metrics: RouterMetrics, fleet: Fleet, server: str) -> None:
+    def __init__(
+        self, health: DiscoveryHealth, metrics: RouterMetrics, fleet: Fleet, server: str
+    ) -> None:
         self._health = health
         self._metrics = metrics
         self._fleet = fleet
@@ -206,8 +218,12 @@ class _Link:
         if key not in self._down:
             log.warning(
                 "Kubernetes API %s unreachable for %s (%s); routing to the last known fleet "
-                "of %d worker(s), retrying with backoff", self._server, key, reason, len(self._fleet),
-            )  # fmt: skip
+                "of %d worker(s), retrying with backoff",
+                self._server,
+                key,
+                reason,
+                len(self._fleet),
+            )
         self._down[key] = reason
         self._show()
 
@@ -243,21 +259,27 @@ async def serve_kubernetes_discovery(
     """
     connection = connection or load_kube_connection(settings.kubeconfig)
     namespace = settings.namespace or connection.namespace or "default"
-    health = DiscoveryHealth(source="kubernetes", up=False, detail=f"connecting to {connection.server}")
+    health = DiscoveryHealth(
+        source="kubernetes", up=False, detail=f"connecting to {connection.server}"
+    )
     metrics.discovery_up.set(0)
     link = _Link(health, metrics, fleet, connection.server)
     mirror = PodMirror(fleet, settings.sources, settings.port)
     log.info(
         "Kubernetes discovery: %s, namespace %s, selectors %s",
-        connection.source, namespace, ", ".join(f"{s.role.value}: {s.selector}" for s in settings.sources),
-    )  # fmt: skip
+        connection.source,
+        namespace,
+        ", ".join(f"{s.role.value}: {s.selector}" for s in settings.sources),
+    )
     async with (
         httpx.AsyncClient(
-            base_url=connection.server, verify=connection.verify, auth=connection.auth,
+            base_url=connection.server,
+            verify=connection.verify,
+            auth=connection.auth,
             timeout=settings.timing.request_timeout_s,
         ) as http,
         trio.open_nursery() as nursery,
-    ):  # fmt: skip
+    ):
         api = PodsApi(http, namespace, settings.timing)
         for source in settings.sources:
             follower = _Follower(api, source, mirror, link, metrics, settings.timing)
@@ -269,8 +291,13 @@ class _Follower:
     """The list-then-watch loop of one selector."""
 
     def __init__(
-        self, api: PodsApi, source: PodSource, mirror: PodMirror, link: _Link,
-        metrics: RouterMetrics, timing: KubeTiming,
+        self,
+        api: PodsApi,
+        source: PodSource,
+        mirror: PodMirror,
+        link: _Link,
+        metrics: RouterMetrics,
+        timing: KubeTiming,
     ) -> None:
         self._api = api
         self._source = source
@@ -291,8 +318,15 @@ class _Follower:
                     self._mirror.relist(self._source, pods)
                     self._metrics.discovery_relists.inc()
                     self.version = version
-                    self._link.up(self._source, f"listed {self._source.selector} at version {version}")
-                    log.info("listed %d Pod(s) of %s at version %s", len(pods), self._source.selector, version)
+                    self._link.up(
+                        self._source, f"listed {self._source.selector} at version {version}"
+                    )
+                    log.info(
+                        "listed %d Pod(s) of %s at version %s",
+                        len(pods),
+                        self._source.selector,
+                        version,
+                    )
                 if not reported:
                     task_status.started()
                     reported = True
@@ -302,10 +336,20 @@ class _Follower:
                     # again at once either (a server that cuts every watch short).
                     await trio.sleep(self._backoff.failure())
             except WatchBroken as exc:
-                log.debug("watch of %s broke (%s); resuming after version %s", self._source.selector, exc, self.version)
+                log.debug(
+                    "watch of %s broke (%s); resuming after version %s",
+                    self._source.selector,
+                    exc,
+                    self.version,
+                )
                 await trio.sleep(self._backoff.failure())
             except KubeGone as exc:
-                log.warning("watch of %s from version %s is gone (%s): relisting", self._source.selector, self.version, exc)
+                log.warning(
+                    "watch of %s from version %s is gone (%s): relisting",
+                    self._source.selector,
+                    self.version,
+                    exc,
+                )
                 self.version = None
                 # Short the first time; a server that answers 410 to every watch is not
                 # relisted in a tight loop.
@@ -323,7 +367,9 @@ class _Follower:
         assert self.version is not None
         count = 0
         async with self._api.watch(self._source, self.version) as events:
-            self._link.up(self._source, f"watching {self._source.selector} after version {self.version}")
+            self._link.up(
+                self._source, f"watching {self._source.selector} after version {self.version}"
+            )
             async with aclosing(events):
                 try:
                     async for event in events:

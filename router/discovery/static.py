@@ -37,7 +37,11 @@ async def fetch_models(
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
         raise ValueError(f"{url}/v1/models is not an OpenAI model list")
-    models = tuple(entry["id"] for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"])
+    models = tuple(
+        entry["id"]
+        for entry in data
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"]
+    )
     if not models:
         raise ValueError(f"{url}/v1/models lists no model")
     return models
@@ -69,7 +73,9 @@ async def serve_static_discovery(
 
     async def resolve(record: WorkerRecord) -> bool:
         try:
-            models = await fetch_models(http, record.url, api_key=record.api_key or worker_api_key or None)
+            models = await fetch_models(
+                http, record.url, api_key=record.api_key or worker_api_key or None
+            )
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("worker %s: cannot read its model yet (%s); retrying", record.url, exc)
             return False

@@ -23,7 +23,12 @@ from router.fake_worker.formats import (
     token_bytes,
 )
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 529: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 
 
 def anthropic_error_body(message: str, status: int) -> bytes:
@@ -51,7 +56,9 @@ def parse_message_request(body: Any, default_model: str) -> Generation:
     prompt = content_words(body.get("system"))
     for message in messages:
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise BadGenerationRequest("messages: each must be an object with role 'user' or 'assistant'")
+            raise BadGenerationRequest(
+                "messages: each must be an object with role 'user' or 'assistant'"
+            )
         prompt += content_words(message.get("content"))
     return Generation(
         api=Api.MESSAGES,
@@ -84,7 +91,9 @@ def message_body(gen: Generation, message_id: str) -> bytes:
 
 
 def _event(kind: str, payload: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
+    return (
+        b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
+    )
 
 
 _DELTA_PREFIX = (
@@ -103,7 +112,9 @@ class MessageFrames:
     def head(self) -> list[bytes]:
         return [
             _event("message_start", {"message": _message(self.gen, self.message_id, done=False)}),
-            _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            _event(
+                "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+            ),
             _event("ping", {}),
         ]
 

@@ -58,19 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
     pace.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
     pace.add_argument("--token-latency-ms", type=float, default=0.0, help="time between tokens")
     pace.add_argument(
-        "--embedding-dim", type=int, default=16, help="floats per vector of /v1/embeddings and /pooling"
+        "--embedding-dim",
+        type=int,
+        default=16,
+        help="floats per vector of /v1/embeddings and /pooling",
     )
     pace.add_argument(
-        "--cache-tokens", type=int, default=0,
+        "--cache-tokens",
+        type=int,
+        default=0,
         help="prefix cache capacity in prompt tokens (LRU, 16-token blocks); 0 = off",
     )
     pace.add_argument(
-        "--prefill-us-per-token", type=float, default=0.0,
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
         help="time to first token grows by this per prompt token not found in the cache",
     )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
-        "--fail-first", type=int, default=0, help="first N requests of any model route fail; -1 = all"
+        "--fail-first",
+        type=int,
+        default=0,
+        help="first N requests of any model route fail; -1 = all",
     )
     fail.add_argument("--fail-status", type=int, default=503, help="status for --fail-mode status")
     fail.add_argument("--fail-mode", choices=[m.value for m in FailMode], default="status")

@@ -57,7 +57,9 @@ async def _respond_json(writer: ResponseWriter, status: int, payload: object) ->
 
 
 async def _bad_request(writer: ResponseWriter, message: str, path: str = "") -> None:
-    await writer.respond(400, JSON_HEADERS, error_body_for(path, message, "invalid_request_error", 400))
+    await writer.respond(
+        400, JSON_HEADERS, error_body_for(path, message, "invalid_request_error", 400)
+    )
 
 
 class FakeWorker:
@@ -77,7 +79,9 @@ class FakeWorker:
             trio.Semaphore(settings.max_concurrency) if settings.max_concurrency > 0 else None
         )
         self._next_id = 0
-        self.prefix_cache = PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
+        self.prefix_cache = (
+            PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
+        )
         self._models_body = orjson.dumps(info.models(settings))
         self._model_info_body = orjson.dumps(info.model_info(settings))
         self._routes: dict[str, tuple[frozenset[str], Route]] = {}
@@ -223,7 +227,9 @@ class FakeWorker:
             prompt = tokenize(api.value, body)
             tokens, cached = prompt.tokens, self.prefix_cache.serve(prompt)
         prefill_s = (tokens - (cached or 0)) * self.settings.prefill_us_per_token / 1e6
-        return dataclasses.replace(gen, prompt_tokens=tokens, cached_tokens=cached, prefill_s=prefill_s)
+        return dataclasses.replace(
+            gen, prompt_tokens=tokens, cached_tokens=cached, prefill_s=prefill_s
+        )
 
     def _rank(self, rank_text: str | None) -> int | None:
         """The DP rank a request runs on: its header, else 0; None when the header is bad."""
@@ -241,17 +247,25 @@ class FakeWorker:
 
     async def _unary(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
         behaviour = self.behaviour
-        delay_ms = behaviour.ttft_ms + gen.prefill_s * 1000 + behaviour.token_latency_ms * max(0, gen.tokens - 1)
+        delay_ms = (
+            behaviour.ttft_ms
+            + gen.prefill_s * 1000
+            + behaviour.token_latency_ms * max(0, gen.tokens - 1)
+        )
         if delay_ms > 0:
             await trio.sleep(delay_ms / 1000)
-        body = render_unary(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
+        body = render_unary(
+            gen, self._request_id(gen.api), int(time.time())
+        )  # wall-clock: OpenAI `created`
         load.generation_tokens += gen.completion_tokens
         await writer.respond(200, JSON_HEADERS, body)
 
     async def _stream(self, writer: ResponseWriter, gen: Generation, load: RankLoad) -> None:
         """Stream the events, sleeping between tokens; events between two sleeps go out in
         one write. Cancellation: stops at once; nothing is left behind."""
-        frames = stream_frames(gen, self._request_id(gen.api), int(time.time()))  # wall-clock: OpenAI `created`
+        frames = stream_frames(
+            gen, self._request_id(gen.api), int(time.time())
+        )  # wall-clock: OpenAI `created`
         await writer.start(200, SSE_HEADERS)
         pending: list[bytes] = []
         for item in paced_events(frames, self.behaviour, load):

@@ -45,7 +45,11 @@ def content_words(content: Any) -> int:
         return count_words(content)
     if not isinstance(content, list):
         return 0
-    return sum(count_words(part["text"]) for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return sum(
+        count_words(part["text"])
+        for part in content
+        if isinstance(part, dict) and isinstance(part.get("text"), str)
+    )
 
 
 class Api(enum.Enum):

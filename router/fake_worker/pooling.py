@@ -38,7 +38,9 @@ def vector(text: str, dim: int) -> list[float]:
     counter = 0
     seed = text.encode("utf-8", "surrogatepass")
     while len(values) < dim:
-        digest = hashlib.blake2b(seed, digest_size=64, person=counter.to_bytes(8, "little")).digest()
+        digest = hashlib.blake2b(
+            seed, digest_size=64, person=counter.to_bytes(8, "little")
+        ).digest()
         values.extend(x / 2**31 for x in struct.unpack("<16i", digest))
         counter += 1
     values = values[:dim]
@@ -48,12 +50,19 @@ def vector(text: str, dim: int) -> list[float]:
 
 def similarity(a: str, b: str) -> float:
     """A score in [0, 1] for a pair of texts: the same for the same pair."""
-    digest = hashlib.blake2b(a.encode("utf-8", "surrogatepass") + b"\x00" + b.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    digest = hashlib.blake2b(
+        a.encode("utf-8", "surrogatepass") + b"\x00" + b.encode("utf-8", "surrogatepass"),
+        digest_size=8,
+    ).digest()
     return round(int.from_bytes(digest, "little") / 2**64, 6)
 
 
 def token_ids(text: str) -> list[int]:
-    return [int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little") % VOCABULARY for word in text.split()]
+    return [
+        int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little")
+        % VOCABULARY
+        for word in text.split()
+    ]
 
 
 def _texts(value: Any, field: str) -> list[str]:
@@ -73,7 +82,9 @@ def _texts(value: Any, field: str) -> list[str]:
 
 
 def _is_ids(value: list[Any]) -> bool:
-    return bool(value) and all(isinstance(token, int) and not isinstance(token, bool) for token in value)
+    return bool(value) and all(
+        isinstance(token, int) and not isinstance(token, bool) for token in value
+    )
 
 
 def _ids_text(ids: list[int]) -> str:
@@ -92,8 +103,13 @@ def embeddings(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
     texts = _texts(body.get("input"), "input")
     dim = body.get("dimensions", ctx.embedding_dim)
     if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= ctx.embedding_dim:
-        raise BadGenerationRequest(f"'dimensions' must be an integer between 1 and {ctx.embedding_dim}")
-    data = [{"object": "embedding", "index": i, "embedding": vector(text, dim)} for i, text in enumerate(texts)]
+        raise BadGenerationRequest(
+            f"'dimensions' must be an integer between 1 and {ctx.embedding_dim}"
+        )
+    data = [
+        {"object": "embedding", "index": i, "embedding": vector(text, dim)}
+        for i, text in enumerate(texts)
+    ]
     usage = _usage(_words(texts))
     del usage["completion_tokens"]
     return {"object": "list", "data": data, "model": ctx.model, "usage": usage}
@@ -101,8 +117,18 @@ def embeddings(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
 
 def pooling(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
     texts = _texts(body.get("input"), "input")
-    data = [{"index": i, "object": "pooling", "data": vector(text, ctx.embedding_dim)} for i, text in enumerate(texts)]
-    return {"id": f"pool-{ctx.request_id}", "object": "list", "created": ctx.created, "model": ctx.model, "data": data, "usage": _usage(_words(texts))}
+    data = [
+        {"index": i, "object": "pooling", "data": vector(text, ctx.embedding_dim)}
+        for i, text in enumerate(texts)
+    ]
+    return {
+        "id": f"pool-{ctx.request_id}",
+        "object": "list",
+        "created": ctx.created,
+        "model": ctx.model,
+        "data": data,
+        "usage": _usage(_words(texts)),
+    }
 
 
 def rerank(body: dict[str, Any], ctx: PoolingContext) -> Any:
@@ -118,7 +144,10 @@ def rerank(body: dict[str, Any], ctx: PoolingContext) -> Any:
         if not isinstance(text, str):
             raise BadGenerationRequest("each document must be a string or an object with 'text'")
         texts.append(text)
-    scored = sorted(((similarity(query, text), i, text) for i, text in enumerate(texts)), key=lambda t: (-t[0], t[1]))
+    scored = sorted(
+        ((similarity(query, text), i, text) for i, text in enumerate(texts)),
+        key=lambda t: (-t[0], t[1]),
+    )
     top_n = body.get("top_n")
     if isinstance(top_n, int) and not isinstance(top_n, bool) and top_n > 0:
         scored = scored[:top_n]
@@ -126,11 +155,24 @@ def rerank(body: dict[str, Any], ctx: PoolingContext) -> Any:
     if ctx.engine == "sglang":
         # SGLang's /v1/rerank: a bare list, best first.
         return [
-            {"score": score, "document": text if body.get("return_documents", True) else None, "index": i, "meta_info": {"prompt_tokens": count_words(query) + count_words(text)}}
+            {
+                "score": score,
+                "document": text if body.get("return_documents", True) else None,
+                "index": i,
+                "meta_info": {"prompt_tokens": count_words(query) + count_words(text)},
+            }
             for score, i, text in scored
         ]
-    results = [{"index": i, "document": {"text": text}, "relevance_score": score} for score, i, text in scored]
-    return {"id": f"rerank-{ctx.request_id}", "model": ctx.model, "usage": {"total_tokens": tokens}, "results": results}
+    results = [
+        {"index": i, "document": {"text": text}, "relevance_score": score}
+        for score, i, text in scored
+    ]
+    return {
+        "id": f"rerank-{ctx.request_id}",
+        "model": ctx.model,
+        "usage": {"total_tokens": tokens},
+        "results": results,
+    }
 
 
 def score(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
@@ -151,9 +193,21 @@ def score(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
     if len(first) == 1:
         first = first * len(second)
     if len(first) != len(second):
-        raise BadGenerationRequest("'text_1' and 'text_2' must have the same length, or 'text_1' one text")
-    data = [{"index": i, "object": "score", "score": similarity(a, b)} for i, (a, b) in enumerate(zip(first, second, strict=True))]
-    return {"id": f"score-{ctx.request_id}", "object": "list", "created": ctx.created, "model": ctx.model, "data": data, "usage": _usage(_words(first) + _words(second))}
+        raise BadGenerationRequest(
+            "'text_1' and 'text_2' must have the same length, or 'text_1' one text"
+        )
+    data = [
+        {"index": i, "object": "score", "score": similarity(a, b)}
+        for i, (a, b) in enumerate(zip(first, second, strict=True))
+    ]
+    return {
+        "id": f"score-{ctx.request_id}",
+        "object": "list",
+        "created": ctx.created,
+        "model": ctx.model,
+        "data": data,
+        "usage": _usage(_words(first) + _words(second)),
+    }
 
 
 def classify(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
@@ -162,14 +216,32 @@ def classify(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
     for i, text in enumerate(texts):
         positive = similarity(text, "positive")
         probs = [round(1 - positive, 6), positive]
-        data.append({"index": i, "label": "LABEL_1" if positive >= 0.5 else "LABEL_0", "probs": probs, "num_classes": 2})
-    return {"id": f"classify-{ctx.request_id}", "object": "list", "created": ctx.created, "model": ctx.model, "data": data, "usage": _usage(_words(texts))}
+        data.append(
+            {
+                "index": i,
+                "label": "LABEL_1" if positive >= 0.5 else "LABEL_0",
+                "probs": probs,
+                "num_classes": 2,
+            }
+        )
+    return {
+        "id": f"classify-{ctx.request_id}",
+        "object": "list",
+        "created": ctx.created,
+        "model": ctx.model,
+        "data": data,
+        "usage": _usage(_words(texts)),
+    }
 
 
 def tokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
     prompt = body.get("prompt")
     if prompt is None and isinstance(body.get("messages"), list):
-        prompt = " ".join(m["content"] for m in body["messages"] if isinstance(m, dict) and isinstance(m.get("content"), str))
+        prompt = " ".join(
+            m["content"]
+            for m in body["messages"]
+            if isinstance(m, dict) and isinstance(m.get("content"), str)
+        )
     if not isinstance(prompt, str):
         raise BadGenerationRequest("'prompt' must be a string (or 'messages' a list of messages)")
     tokens = token_ids(prompt)
@@ -178,7 +250,9 @@ def tokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
 
 def detokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
         raise BadGenerationRequest("'tokens' must be a list of token ids")
     text = "".join(f"tok{token} " for token in tokens)
     return {"text": text} if ctx.engine == "sglang" else {"prompt": text}

@@ -22,13 +22,17 @@ from router.http.messages import ClientDisconnected, Request, ResponseWriter
 
 RANK_HEADER = b"x-data-parallel-rank"
 # What a `midstream` failure sends half of when the request itself cannot be answered.
-_PLACEHOLDER = orjson.dumps({"object": "list", "data": [{"index": 0, "object": "embedding", "embedding": [0.0] * 8}]})
+_PLACEHOLDER = orjson.dumps(
+    {"object": "list", "data": [{"index": 0, "object": "embedding", "embedding": [0.0] * 8}]}
+)
 
 
 class PoolingService:
     """Serves embeddings, rerank, score, classify, pooling, tokenize and detokenize."""
 
-    def __init__(self, settings: FakeWorkerSettings, behaviour: Behaviour, routing: RoutingStats) -> None:
+    def __init__(
+        self, settings: FakeWorkerSettings, behaviour: Behaviour, routing: RoutingStats
+    ) -> None:
         self.settings = settings
         self.behaviour = behaviour
         self.routing = routing
@@ -42,7 +46,9 @@ class PoolingService:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
             body = None
-        stats.count_dispatch(request.path, None if raw_rank is None else raw_rank.decode("latin-1"), body)
+        stats.count_dispatch(
+            request.path, None if raw_rank is None else raw_rank.decode("latin-1"), body
+        )
         stats.inflight += 1
         try:
             await self._serve(request, writer, body)
@@ -75,7 +81,11 @@ class PoolingService:
                 await serve_failure(behaviour, request, writer, streaming=False)
             return
         if answer is None:
-            await writer.respond(400, JSON_HEADERS, error_body(problem or "bad request", "invalid_request_error", 400))
+            await writer.respond(
+                400,
+                JSON_HEADERS,
+                error_body(problem or "bad request", "invalid_request_error", 400),
+            )
             return
         load = self.routing.loads[0]
         load.running += 1

@@ -53,7 +53,10 @@ def tokenize(path_api: str, body: Any) -> Prompt:
     if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
         return _text_prompt("\n".join(value))
     if isinstance(value, list) and all(isinstance(item, int) for item in value):
-        blocks = tuple(tuple(value[i : i + BLOCK_TOKENS]) for i in range(0, len(value) - BLOCK_TOKENS + 1, BLOCK_TOKENS))
+        blocks = tuple(
+            tuple(value[i : i + BLOCK_TOKENS])
+            for i in range(0, len(value) - BLOCK_TOKENS + 1, BLOCK_TOKENS)
+        )
         return Prompt(blocks, len(value))
     return Prompt((), 0)
 
@@ -66,7 +69,9 @@ def _chat_text(messages: Any) -> str:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(
-                part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+                part["text"]
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
             )
         parts.append(f"<|{message.get('role')}|>{content if isinstance(content, str) else ''}\n")
     return "".join(parts)

@@ -41,17 +41,50 @@ class FakeRegistration:
 
 def add_registration_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("registration in etcd (as `router agent` does it)")
-    group.add_argument("--register", metavar="etcd://HOST:PORT", default=None, help="register in this etcd; drain on SIGTERM")
-    group.add_argument("--etcd-prefix", default=DEFAULT_PREFIX, help=f"key prefix (default {DEFAULT_PREFIX})")
-    group.add_argument("--advertise-host", default=None, help="host routers reach this worker at (default: --host)")
-    group.add_argument("--worker-id", default=None, help="worker id (default: advertised host:port)")
-    group.add_argument("--lease-ttl-s", type=int, default=DEFAULT_LEASE_TTL_S, help=f"lease TTL (default {DEFAULT_LEASE_TTL_S})")
-    group.add_argument("--drain-settle-s", type=float, default=6.0, help="zero load must hold this long (default 6)")
-    group.add_argument("--drain-timeout-s", type=float, default=300.0, help="drain gives up after this (default 300)")
-    group.add_argument("--drain-poll-s", type=float, default=0.5, help="seconds between own /metrics readings (default 0.5)")  # fmt: skip
+    group.add_argument(
+        "--register",
+        metavar="etcd://HOST:PORT",
+        default=None,
+        help="register in this etcd; drain on SIGTERM",
+    )
+    group.add_argument(
+        "--etcd-prefix", default=DEFAULT_PREFIX, help=f"key prefix (default {DEFAULT_PREFIX})"
+    )
+    group.add_argument(
+        "--advertise-host", default=None, help="host routers reach this worker at (default: --host)"
+    )
+    group.add_argument(
+        "--worker-id", default=None, help="worker id (default: advertised host:port)"
+    )
+    group.add_argument(
+        "--lease-ttl-s",
+        type=int,
+        default=DEFAULT_LEASE_TTL_S,
+        help=f"lease TTL (default {DEFAULT_LEASE_TTL_S})",
+    )
+    group.add_argument(
+        "--drain-settle-s",
+        type=float,
+        default=6.0,
+        help="zero load must hold this long (default 6)",
+    )
+    group.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=300.0,
+        help="drain gives up after this (default 300)",
+    )
+    group.add_argument(
+        "--drain-poll-s",
+        type=float,
+        default=0.5,
+        help="seconds between own /metrics readings (default 0.5)",
+    )
 
 
-def registration_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> FakeRegistration | None:
+def registration_options(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> FakeRegistration | None:
     """The registration flags of `argv` (None without `--register`); exits with status 2
     and a usage message when one is invalid."""
     args = parser.parse_args(list(argv))
@@ -89,7 +122,9 @@ async def register_and_drain(
     registered, and the caller then stops the server.
     """
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        )
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per etcd call
     port = urlsplit(url).port
     assert port is not None, "the server reports its bound URL"
@@ -109,7 +144,11 @@ async def register_and_drain(
     warning = loopback_warning(host, options.etcd_endpoint)
     if warning:
         log.warning("%s", warning)
-    own = "127.0.0.1" if settings.host in _UNSPECIFIED_HOSTS else urlsplit(url).netloc.rsplit(":", 1)[0]
+    own = (
+        "127.0.0.1"
+        if settings.host in _UNSPECIFIED_HOSTS
+        else urlsplit(url).netloc.rsplit(":", 1)[0]
+    )
     metrics_url = f"http://{own}:{port}/metrics"
     async with httpx.AsyncClient(timeout=5.0) as http:
         await run_registered(

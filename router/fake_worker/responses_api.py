@@ -37,8 +37,12 @@ def parse_response_request(body: Any, default_tokens: int, default_model: str) -
     if not isinstance(stream, bool):
         raise BadGenerationRequest("'stream' must be true or false")
     limit = body.get("max_output_tokens")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MAX_TOKENS):
-        raise BadGenerationRequest(f"'max_output_tokens' must be an integer between 0 and {MAX_TOKENS}")
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MAX_TOKENS
+    ):
+        raise BadGenerationRequest(
+            f"'max_output_tokens' must be an integer between 0 and {MAX_TOKENS}"
+        )
     prompt = _input_tokens(body.get("input"))
     instructions = body.get("instructions")
     if isinstance(instructions, str):
@@ -79,11 +83,21 @@ def _usage(gen: Generation, output_tokens: int) -> dict[str, Any]:
 
 
 def _message(gen: Generation, item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+    content = (
+        [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    )
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
 
 
-def response_object(gen: Generation, response_id: str, created: int, *, done: bool) -> dict[str, Any]:
+def response_object(
+    gen: Generation, response_id: str, created: int, *, done: bool
+) -> dict[str, Any]:
     """The response object: finished (`done`, with output and usage) or just begun."""
     status = "in_progress"
     incomplete = None
@@ -168,7 +182,13 @@ class ResponseFrames:
         ]
 
     def token(self, i: int, choice: int = 0) -> bytes:
-        return self._delta_prefix + token_bytes(i) + b'","sequence_number":' + str(self._next()).encode() + b"}\n\n"
+        return (
+            self._delta_prefix
+            + token_bytes(i)
+            + b'","sequence_number":'
+            + str(self._next()).encode()
+            + b"}\n\n"
+        )
 
     def tail(self) -> list[bytes]:
         text = expected_text(self.gen.tokens)

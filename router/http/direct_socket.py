@@ -79,9 +79,7 @@ class DirectSocket:
                             with trio.move_on_after(stall_timeout_s) as stalled:
                                 await trio.lowlevel.wait_writable(sock)
                             if stalled.cancelled_caught:
-                                raise SendStalled(
-                                    f"the peer took no byte for {stall_timeout_s:g}s"
-                                )
+                                raise SendStalled(f"the peer took no byte for {stall_timeout_s:g}s")
                         try:
                             sent += sock.send(view[sent:])
                         except BlockingIOError:

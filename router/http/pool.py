@@ -92,8 +92,15 @@ class PooledRequest:
     """
 
     __slots__ = (
-        "_pool", "base_url", "body", "connect_timeout_s", "connection", "endpoint", "headers",
-        "method", "target",
+        "_pool",
+        "base_url",
+        "body",
+        "connect_timeout_s",
+        "connection",
+        "endpoint",
+        "headers",
+        "method",
+        "target",
     )
 
     def __init__(
@@ -194,8 +201,11 @@ class UpstreamPool:
         # Built (and validated) before any connection is touched, so a malformed request
         # costs no connection.
         data = encode_request(
-            request.method, endpoint.prefix + request.target, endpoint.host_header,
-            request.headers, request.body,
+            request.method,
+            endpoint.prefix + request.target,
+            endpoint.host_header,
+            request.headers,
+            request.body,
         )
         connection, status, response_headers = await self._start(
             endpoint, data, request.method == "HEAD", request.connect_timeout_s

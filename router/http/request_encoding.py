@@ -24,8 +24,14 @@ def encode_request(
     if _TOKEN.fullmatch(method_bytes) is None or _TARGET.fullmatch(target_bytes) is None:
         raise ValueError(f"cannot send request line {method!r} {target!r}")
     parts = [
-        method_bytes, b" ", target_bytes, b" HTTP/1.1\r\nhost: ", host,
-        b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n",
+        method_bytes,
+        b" ",
+        target_bytes,
+        b" HTTP/1.1\r\nhost: ",
+        host,
+        b"\r\ncontent-length: ",
+        b"%d" % len(body),
+        b"\r\n",
     ]
     for name, value in headers:
         if _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:

@@ -128,9 +128,7 @@ class RequestReader:
         if head.content_length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         if head.expects_continue:
-            await self._socket.send_all(
-                _CONTINUE, stall_timeout_s=settings.client_write_timeout_s
-            )
+            await self._socket.send_all(_CONTINUE, stall_timeout_s=settings.client_write_timeout_s)
         parser = self._reader.parser
         chunks: list[bytes] = []
         size = 0

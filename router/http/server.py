@@ -203,7 +203,15 @@ class _Connection:
     parser of its own (what it holds past the request starts the next one), each answer
     written by a `ResponseWriter`."""
 
-    __slots__ = ("_server", "client", "gone_scope", "reader", "requests", "socket", "write_timeout_s")
+    __slots__ = (
+        "_server",
+        "client",
+        "gone_scope",
+        "reader",
+        "requests",
+        "socket",
+        "write_timeout_s",
+    )
 
     def __init__(self, server: _Server, sock: socket.socket) -> None:
         self._server = server

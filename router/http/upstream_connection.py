@@ -130,8 +130,8 @@ class UpstreamConnection:
                 interim += 1
                 if interim > _MAX_INTERIM_RESPONSES:
                     raise UpstreamProtocolError(
-                        f"upstream sent more than {_MAX_INTERIM_RESPONSES} interim (1xx) "
-                        "responses", response_started=True,
+                        f"upstream sent more than {_MAX_INTERIM_RESPONSES} interim (1xx) responses",
+                        response_started=True,
                     )
         except _TRANSPORT_ERRORS as exc:
             raise UpstreamProtocolError(
@@ -241,7 +241,9 @@ class UpstreamConnection:
         if framing == _ENDED:
             return b""
         if framing == _BROKEN:
-            raise UpstreamProtocolError("the response body broke off earlier", response_started=True)
+            raise UpstreamProtocolError(
+                "the response body broke off earlier", response_started=True
+            )
         try:
             while True:
                 if framing == _LENGTH:
@@ -335,11 +337,7 @@ class UpstreamConnection:
         Only a response read to its end, on HTTP/1.1 without `connection: close`, with no
         byte beyond its end, leaves a connection that can be reused.
         """
-        return (
-            self._framing == _ENDED
-            and self._keep_alive
-            and self._position == len(self._buffer)
-        )
+        return self._framing == _ENDED and self._keep_alive and self._position == len(self._buffer)
 
     def peer_is_silent(self) -> bool:
         """Whether the worker has neither closed this idle connection nor written to it."""

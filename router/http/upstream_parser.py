@@ -144,7 +144,8 @@ class UpstreamParser:
             keep_alive = False
         else:
             raise UpstreamProtocolError(
-                f"upstream sent no HTTP/1.1 status line: {status_line[:40]!r}", response_started=True
+                f"upstream sent no HTTP/1.1 status line: {status_line[:40]!r}",
+                response_started=True,
             )
         code = status_line[9:12]
         if (
@@ -156,7 +157,8 @@ class UpstreamParser:
         ):
             # A status outside 100-599 (`000` included) is no HTTP answer: RFC 9110 section 15.
             raise UpstreamProtocolError(
-                f"upstream sent a malformed status line: {status_line[:40]!r}", response_started=True
+                f"upstream sent a malformed status line: {status_line[:40]!r}",
+                response_started=True,
             )
         events = self._events
         try:
@@ -239,7 +241,8 @@ class UpstreamParser:
                 if self._without_data > _MAX_FRAMING_WITHOUT_DATA:
                     raise UpstreamProtocolError(
                         f"upstream sent over {_MAX_FRAMING_WITHOUT_DATA} bytes of chunked "
-                        "framing without data", response_started=True,
+                        "framing without data",
+                        response_started=True,
                     )
             return b""
         self._without_data = 0

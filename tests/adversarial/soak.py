@@ -67,14 +67,21 @@ class SoakReport:
             found.append(f"in-flight left on workers: {self.inflight_after}")
         if self.connections_in_use_after != 0:
             found.append(f"upstream connections still in use: {self.connections_in_use_after}")
-        if self.connections_idle_after is None or self.connections_idle_after > self.idle_pool_bound:
-            found.append(f"idle upstream connections {self.connections_idle_after} > bound {self.idle_pool_bound}")
+        if (
+            self.connections_idle_after is None
+            or self.connections_idle_after > self.idle_pool_bound
+        ):
+            found.append(
+                f"idle upstream connections {self.connections_idle_after} > bound {self.idle_pool_bound}"
+            )
         if self.tasks_before is None or self.tasks_after != self.tasks_before:
             found.append(f"router tasks {self.tasks_after} after, {self.tasks_before} before")
         if self.rss_after_warmup_kib is None or self.rss_after_kib is None:
             found.append("router RSS could not be read")
         elif self.rss_after_kib > self.rss_after_warmup_kib * 1.10:
-            found.append(f"router RSS {self.rss_after_kib} KiB > 110% of {self.rss_after_warmup_kib} KiB after warm-up")
+            found.append(
+                f"router RSS {self.rss_after_kib} KiB > 110% of {self.rss_after_warmup_kib} KiB after warm-up"
+            )
         return found
 
 
@@ -105,11 +112,15 @@ class _Lines:
 
 
 @asynccontextmanager
-async def _child(nursery: trio.Nursery, args: Sequence[str]) -> AsyncIterator[tuple[trio.Process, str]]:
+async def _child(
+    nursery: trio.Nursery, args: Sequence[str]
+) -> AsyncIterator[tuple[trio.Process, str]]:
     """`python -m router.cli ARGS`, its URL read from its output; killed on exit."""
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "router.cli", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
     )
     lines = _Lines()
     assert process.stdout is not None
@@ -143,10 +154,14 @@ def _gauge(scrape: str, name: str, labels: str = "") -> int | None:
 async def _one_stream(address: tuple[str, int], rng: random.Random, report: SoakReport) -> None:
     """One streamed chat request on its own connection; a fifth of the clients leave
     after the first bytes of the answer."""
-    body = orjson.dumps({
-        "model": "fake-model", "stream": True, "max_tokens": TOKENS,
-        "messages": [{"role": "user", "content": f"soak {rng.random()}"}],
-    })
+    body = orjson.dumps(
+        {
+            "model": "fake-model",
+            "stream": True,
+            "max_tokens": TOKENS,
+            "messages": [{"role": "user", "content": f"soak {rng.random()}"}],
+        }
+    )
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
         b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -170,7 +185,11 @@ async def _one_stream(address: tuple[str, int], rng: random.Random, report: Soak
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             _lose(report, f"transport: {exc!r}")
             return
-    if received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received and b"event: error" not in received:
+    if (
+        received.startswith(b"HTTP/1.1 200")
+        and b"data: [DONE]" in received
+        and b"event: error" not in received
+    ):
         report.completed += 1
     else:
         _lose(report, bytes(received[:200]).decode(errors="replace"))
@@ -182,7 +201,9 @@ def _lose(report: SoakReport, what: str) -> None:
         report.lost_examples.append(what)
 
 
-async def _client_loop(address: tuple[str, int], seed: int, until: float, report: SoakReport) -> None:
+async def _client_loop(
+    address: tuple[str, int], seed: int, until: float, report: SoakReport
+) -> None:
     rng = random.Random(seed)
     while trio.current_time() < until:
         await _one_stream(address, rng, report)
@@ -191,22 +212,45 @@ async def _client_loop(address: tuple[str, int], seed: int, until: float, report
 async def run_soak(duration_s: float, streams: int) -> SoakReport:
     """Run the soak and read what the router holds afterwards."""
     report = SoakReport(duration_s=duration_s, streams=streams)
-    fake = ["fake-worker", "--port", "0", "--tokens", str(TOKENS), "--token-latency-ms", str(TOKEN_LATENCY_MS)]
+    fake = [
+        "fake-worker",
+        "--port",
+        "0",
+        "--tokens",
+        str(TOKENS),
+        "--token-latency-ms",
+        str(TOKEN_LATENCY_MS),
+    ]
     async with trio.open_nursery() as nursery:
         workers = []
         async with (
             _child(nursery, fake) as (_, healthy_a),
             _child(nursery, fake) as (_, healthy_b),
-            _child(nursery, [*fake, "--fail-first", "-1", "--fail-mode", "reset"]) as (_, resetting),
+            _child(nursery, [*fake, "--fail-first", "-1", "--fail-mode", "reset"]) as (
+                _,
+                resetting,
+            ),
             _child(nursery, [*fake, "--fail-first", "-1", "--fail-status", "503"]) as (_, wedged),
         ):
             workers = [healthy_a, healthy_b, resetting, wedged]
             report.idle_pool_bound = POOL_MAX_IDLE * len(workers)
-            args = ["serve", "--port", "0", "--log-level", "info", "--health-interval-s", "3600",
-                    "--pool-max-idle-per-worker", str(POOL_MAX_IDLE)]
+            args = [
+                "serve",
+                "--port",
+                "0",
+                "--log-level",
+                "info",
+                "--health-interval-s",
+                "3600",
+                "--pool-max-idle-per-worker",
+                str(POOL_MAX_IDLE),
+            ]
             for url in workers:
                 args += ["--worker", url]
-            async with _child(nursery, args) as (router, router_url), httpx.AsyncClient(base_url=router_url, timeout=10) as http:
+            async with (
+                _child(nursery, args) as (router, router_url),
+                httpx.AsyncClient(base_url=router_url, timeout=10) as http,
+            ):
                 host, _, port = router_url.removeprefix("http://").rpartition(":")
                 address = (host, int(port))
                 # One request each way before the baseline: lazy state (pool endpoints,
@@ -225,13 +269,24 @@ async def run_soak(duration_s: float, streams: int) -> SoakReport:
                 await _wait_idle(http, workers)
                 scrape = (await http.get("/metrics")).text
                 report.tasks_after = _gauge(scrape, "router_tasks")
-                report.connections_in_use_after = _gauge(scrape, "router_upstream_connections", '{state="in_use"}')
-                report.connections_idle_after = _gauge(scrape, "router_upstream_connections", '{state="idle"}')
-                report.inflight_after = {w["id"]: w["inflight"] for w in (await http.get("/v1/workers")).json()["workers"]}
+                report.connections_in_use_after = _gauge(
+                    scrape, "router_upstream_connections", '{state="in_use"}'
+                )
+                report.connections_idle_after = _gauge(
+                    scrape, "router_upstream_connections", '{state="idle"}'
+                )
+                report.inflight_after = {
+                    w["id"]: w["inflight"]
+                    for w in (await http.get("/v1/workers")).json()["workers"]
+                }
                 report.rss_after_kib = _rss_kib(router.pid)
                 async with httpx.AsyncClient(timeout=5) as direct:
-                    report.dispatches_at_reset_worker = (await direct.get(resetting + "/debug/routing")).json()["dispatches"]
-                    report.dispatches_at_wedged_worker = (await direct.get(wedged + "/debug/routing")).json()["dispatches"]
+                    report.dispatches_at_reset_worker = (
+                        await direct.get(resetting + "/debug/routing")
+                    ).json()["dispatches"]
+                    report.dispatches_at_wedged_worker = (
+                        await direct.get(wedged + "/debug/routing")
+                    ).json()["dispatches"]
         nursery.cancel_scope.cancel()
     return report
 

@@ -52,9 +52,10 @@ async def open_setup(
     worker: FakeWorkerSettings | None = None, **overrides: Any
 ) -> AsyncIterator[Setup]:
     """A router (settings `overrides`) in front of one fake worker."""
-    async with open_fake_fleet([worker or FakeWorkerSettings()]) as fleet, open_router(
-        [fleet[0].url], **overrides
-    ) as router:
+    async with (
+        open_fake_fleet([worker or FakeWorkerSettings()]) as fleet,
+        open_router([fleet[0].url], **overrides) as router,
+    ):
         yield Setup(router, fleet[0])
 
 

@@ -106,9 +106,14 @@ def target() -> Iterator[FuzzTarget]:
 
 
 def _request(head: list[bytes], body: bytes, *, version: bytes = b"HTTP/1.1") -> bytes:
-    return b"POST /v1/chat/completions " + version + b"\r\n" + b"".join(
-        line + b"\r\n" for line in head
-    ) + b"\r\n" + body
+    return (
+        b"POST /v1/chat/completions "
+        + version
+        + b"\r\n"
+        + b"".join(line + b"\r\n" for line in head)
+        + b"\r\n"
+        + body
+    )
 
 
 _BASE_HEAD = [b"Host: router", b"Content-Type: application/json"]
@@ -180,7 +185,12 @@ def hostile_bytes(draw: st.DrawFn) -> list[bytes]:
                 data = data[:at] + data[at + draw(st.integers(1, 8)) :]
             else:
                 line_at = data.find(b"\r\n")
-                data = data[: line_at + 2] + draw(st.sampled_from(NASTY_LINES)) + b"\r\n" + data[line_at + 2 :]
+                data = (
+                    data[: line_at + 2]
+                    + draw(st.sampled_from(NASTY_LINES))
+                    + b"\r\n"
+                    + data[line_at + 2 :]
+                )
         if kind == "pipelined":
             data += draw(st.sampled_from(VALID))
     cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=3)))

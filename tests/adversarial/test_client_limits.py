@@ -129,7 +129,17 @@ async def test_a_head_over_the_limit_is_431_and_a_body_over_it_413() -> None:
                 (oversized_head, 431),
                 (_post(_large_body(2000)), 413),
                 (_post(_large_body(2000), chunked=True), 413),
-                (_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"200\r\n" + b"a" * 512 + b"\r\n" * 1 + b"201\r\n" + b"a" * 513 + b"\r\n0\r\n\r\n", 413),
+                (
+                    _HEAD
+                    + b"Transfer-Encoding: chunked\r\n\r\n"
+                    + b"200\r\n"
+                    + b"a" * 512
+                    + b"\r\n" * 1
+                    + b"201\r\n"
+                    + b"a" * 513
+                    + b"\r\n0\r\n\r\n",
+                    413,
+                ),
             ):
                 answer = await exchange(setup.port, data + FOLLOW_UP)
                 assert statuses(answer) == [status], answer[:200]
@@ -141,7 +151,9 @@ async def test_pipelined_requests_are_served_in_order_until_a_bad_one() -> None:
     bad = _HEAD + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
     with trio.fail_after(GUARD_S):
         async with open_setup() as setup:
-            three = FOLLOW_UP * 2 + FOLLOW_UP.replace(b"Host: router", b"Host: router\r\nConnection: close")
+            three = FOLLOW_UP * 2 + FOLLOW_UP.replace(
+                b"Host: router", b"Host: router\r\nConnection: close"
+            )
             answer = await exchange(setup.port, three)
             assert statuses(answer) == [200, 200, 200]
             assert setup.dispatches == 3
@@ -188,13 +200,13 @@ async def test_a_flood_past_the_connection_cap_is_turned_away_with_bounded_work(
             # Connection tasks (2 holders with their reader tasks) plus at most 64 answers.
             assert peak - baseline <= 2 * 2 + 64
             assert 0 < answered <= flood
-            await wait_until(
-                lambda: trio.lowlevel.current_statistics().tasks_living <= baseline
-            )
+            await wait_until(lambda: trio.lowlevel.current_statistics().tasks_living <= baseline)
             await assert_still_serving(setup)
 
 
-async def test_budget_bytes_are_given_back_when_a_handler_raises_or_the_server_is_cancelled() -> None:
+async def test_budget_bytes_are_given_back_when_a_handler_raises_or_the_server_is_cancelled() -> (
+    None
+):
     """The two paths a router cannot show from outside: a handler that raises (a clean 500)
     and the server cancelled while a body is half read."""
     load = ServerLoad(body_limit=1 << 20)

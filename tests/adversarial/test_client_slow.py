@@ -93,9 +93,7 @@ async def test_a_body_trickled_byte_by_byte_is_cut_at_the_body_timeout() -> None
 
 
 async def test_a_chunked_body_trickled_is_cut_at_the_body_timeout() -> None:
-    head = _HEAD.replace(
-        b"Content-Length: %d" % len(CHAT_BODY), b"Transfer-Encoding: chunked"
-    )
+    head = _HEAD.replace(b"Content-Length: %d" % len(CHAT_BODY), b"Transfer-Encoding: chunked")
     chunks = b"".join(b"1\r\n%s\r\n" % CHAT_BODY[i : i + 1] for i in range(len(CHAT_BODY)))
     with trio.fail_after(GUARD_S):
         async with open_setup(header_timeout_s=5.0, body_timeout_s=1.0) as setup:

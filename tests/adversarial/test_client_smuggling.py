@@ -74,14 +74,15 @@ CASES = {
     "chunk_extension_not_a_token": _chunked(
         b"%x;a b c\r\n%s\r\n0\r\n\r\n" % (len(CHAT_BODY), CHAT_BODY)
     ),
-    "chunk_data_longer_than_its_size": _chunked(
-        b"2\r\n%s\r\n0\r\n\r\n" % CHAT_BODY
-    ),
+    "chunk_data_longer_than_its_size": _chunked(b"2\r\n%s\r\n0\r\n\r\n" % CHAT_BODY),
     "obs_fold_space": _with_headers(
         b"X-Note: a\r\n", b" folded\r\n", b"Content-Length: %d\r\n" % len(CHAT_BODY), body=CHAT_BODY
     ),
     "obs_fold_tab": _with_headers(
-        b"X-Note: a\r\n", b"\tfolded\r\n", b"Content-Length: %d\r\n" % len(CHAT_BODY), body=CHAT_BODY
+        b"X-Note: a\r\n",
+        b"\tfolded\r\n",
+        b"Content-Length: %d\r\n" % len(CHAT_BODY),
+        body=CHAT_BODY,
     ),
     "obs_fold_of_content_length": _with_headers(
         b"Content-Length:\r\n", b" %d\r\n" % len(CHAT_BODY), body=CHAT_BODY

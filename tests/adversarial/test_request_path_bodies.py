@@ -48,7 +48,9 @@ class Layout:
     pd: bool
 
     async def post(self, body: bytes, path: str = "/v1/chat/completions") -> httpx.Response:
-        return await self.client.post(path, content=body, headers={"content-type": "application/json"})
+        return await self.client.post(
+            path, content=body, headers={"content-type": "application/json"}
+        )
 
     async def assert_clean(self) -> None:
         """Every lease released, no probe held, and a plain request still served."""
@@ -73,7 +75,10 @@ async def layout(pd: bool) -> AsyncIterator[Layout]:
         open_raw_upstream(stubs[-1].respond) as second,
     ):
         if pd:
-            specs = [f"{first.url},role=prefill,model={MODEL},bootstrap_port=8998", f"{second.url},role=decode,model={MODEL}"]
+            specs = [
+                f"{first.url},role=prefill,model={MODEL},bootstrap_port=8998",
+                f"{second.url},role=decode,model={MODEL}",
+            ]
         else:
             specs = [f"{first.url},model={MODEL}"]
         async with (
@@ -89,7 +94,10 @@ LAYOUTS = pytest.mark.parametrize("pd", [False, True], ids=["mixed", "pd"])
 def exact(raw: bytes) -> Any:
     """Parse keeping each number's spelling and every key, duplicates included."""
     return json.loads(
-        raw, parse_float=lambda t: ("float", t), parse_int=lambda t: ("int", t), object_pairs_hook=list
+        raw,
+        parse_float=lambda t: ("float", t),
+        parse_int=lambda t: ("int", t),
+        object_pairs_hook=list,
     )
 
 
@@ -138,7 +146,9 @@ async def test_the_clients_handoff_keys_are_replaced_never_duplicated() -> None:
                 keys = [key for key, _ in exact(stub.bodies[-1])]
                 assert sorted(keys) == sorted(["model", "messages", *HANDOFF])
                 received = orjson.loads(stub.bodies[-1])
-                assert received["bootstrap_host"] == "127.0.0.1" and received["bootstrap_port"] == 8998
+                assert (
+                    received["bootstrap_host"] == "127.0.0.1" and received["bootstrap_port"] == 8998
+                )
             await setup.assert_clean()
 
 
@@ -149,10 +159,16 @@ async def test_the_clients_handoff_keys_are_replaced_never_duplicated() -> None:
         ("/v1/chat/completions", chat(n=129), b"'n' is 129; the limit is 128 (--max-n)"),
         ("/v1/chat/completions", chat(n=10**6), b"the limit is 128 (--max-n)"),
         ("/v1/chat/completions", chat(n=1)[:-2] + b"1180591620717411303424}", b"'n' must be"),
-        ("/generate", orjson.dumps({"model": MODEL, "text": "x", "sampling_params": {"n": 10**6}}),
-         b"'sampling_params.n' is 1000000; the limit is 128"),
-        ("/generate", orjson.dumps({"model": MODEL, "text": "x", "sampling_params": {"n": 0}}),
-         b"'sampling_params.n' must be a positive integer"),
+        (
+            "/generate",
+            orjson.dumps({"model": MODEL, "text": "x", "sampling_params": {"n": 10**6}}),
+            b"'sampling_params.n' is 1000000; the limit is 128",
+        ),
+        (
+            "/generate",
+            orjson.dumps({"model": MODEL, "text": "x", "sampling_params": {"n": 0}}),
+            b"'sampling_params.n' must be a positive integer",
+        ),
     ],
 )
 async def test_request_controlled_fan_out_is_refused_before_any_worker_is_taken(
@@ -175,7 +191,9 @@ async def test_a_pd_batch_beyond_max_n_is_a_400_and_one_within_it_is_served() ->
             assert response.status_code == 400
             assert b"needs 129 prefill/decode handoffs" in response.content
             assert [stub.bodies for stub in setup.stubs] == [[], []]
-            response = await setup.post(orjson.dumps({"model": MODEL, "prompt": ["x"] * 128}), "/v1/completions")
+            response = await setup.post(
+                orjson.dumps({"model": MODEL, "prompt": ["x"] * 128}), "/v1/completions"
+            )
             assert response.status_code == 200
             rooms = orjson.loads(setup.stubs[1].bodies[-1])["bootstrap_room"]
             assert len(rooms) == 128
@@ -186,12 +204,27 @@ async def test_a_pd_batch_beyond_max_n_is_a_400_and_one_within_it_is_served() ->
 @pytest.mark.parametrize(
     "body",
     [
-        b"", b"{", b"[]", b"null", b"\xef\xbb\xbf{}", b'{"model":"m","messages":"\\ud800"}',
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b"\xef\xbb\xbf{}",
+        b'{"model":"m","messages":"\\ud800"}',
         b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":1e400}',
         b'{"model":"m","messages":[{"role":"user","content":"hi"}]}' + b" " * 1000 + b"x",
         b"[" * 2000 + b"]" * 2000,
     ],
-    ids=["empty", "truncated", "array", "null", "bom", "lone-surrogate", "huge-float", "trailing", "deep-2000"],
+    ids=[
+        "empty",
+        "truncated",
+        "array",
+        "null",
+        "bom",
+        "lone-surrogate",
+        "huge-float",
+        "trailing",
+        "deep-2000",
+    ],
 )
 async def test_unreadable_bodies_are_400_and_reach_no_worker(pd: bool, body: bytes) -> None:
     with trio.fail_after(30):

@@ -53,7 +53,9 @@ class Stub:
             return
         if self.fail_next:
             self.fail_next -= 1
-            await exchange.respond(503, [(b"content-type", b"application/json")], b'{"error":"busy"}')
+            await exchange.respond(
+                503, [(b"content-type", b"application/json")], b'{"error":"busy"}'
+            )
             return
         if self.hold:
             await self.release.wait()
@@ -76,7 +78,8 @@ class Setup:
         def released() -> bool:
             now = trio.current_time()
             return all(
-                worker.inflight == 0 and worker.breaker is not None
+                worker.inflight == 0
+                and worker.breaker is not None
                 and not worker.breaker.statistics(now).probe_in_flight
                 for worker in self.router.fleet.workers()
             )
@@ -108,7 +111,10 @@ async def setup(pd: bool, **overrides: Any) -> AsyncIterator[Setup]:
         open_raw_upstream(stubs[-1].respond) as second,
     ):
         if pd:
-            specs = [f"{first.url},role=prefill,model={MODEL},bootstrap_port=8998", f"{second.url},role=decode,model={MODEL}"]
+            specs = [
+                f"{first.url},role=prefill,model={MODEL},bootstrap_port=8998",
+                f"{second.url},role=decode,model={MODEL}",
+            ]
         else:
             specs = [f"{first.url},model={MODEL}"]
         async with (
@@ -124,14 +130,18 @@ LAYOUTS = pytest.mark.parametrize("pd", [False, True], ids=["mixed", "pd"])
 async def leave_mid_request(port: int, stubs: list[Stub]) -> None:
     """A raw client sends a request, waits until every worker has it, and hangs up."""
     raw = await RawClient.connect(port)
-    await raw.send_request("POST", "/v1/chat/completions", [("content-type", "application/json")], CHAT)
+    await raw.send_request(
+        "POST", "/v1/chat/completions", [("content-type", "application/json")], CHAT
+    )
     for stub in stubs:
         await stub.arrived.wait()
     await raw.aclose()
 
 
 @LAYOUTS
-async def test_a_client_that_leaves_mid_request_leaves_no_lease_and_no_upstream_connection(pd: bool) -> None:
+async def test_a_client_that_leaves_mid_request_leaves_no_lease_and_no_upstream_connection(
+    pd: bool,
+) -> None:
     with trio.fail_after(30):
         async with setup(pd) as s:
             for stub in s.stubs:
@@ -170,7 +180,9 @@ async def test_a_probe_whose_client_leaves_frees_the_probe_slot(pd: bool) -> Non
             # Wait out the cooldown (real time: the router runs on the real clock here).
             decode = s.router.fleet.workers()[-1]
             assert decode.breaker is not None
-            await wait_until(lambda: decode.breaker.state(trio.current_time()) is BreakerState.HALF_OPEN)  # type: ignore[union-attr]
+            await wait_until(
+                lambda: decode.breaker.state(trio.current_time()) is BreakerState.HALF_OPEN
+            )  # type: ignore[union-attr]
             for stub in s.stubs:
                 stub.hold = True
                 stub.arrived = trio.Event()

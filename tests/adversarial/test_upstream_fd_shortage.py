@@ -45,13 +45,23 @@ def _limit_descriptors() -> None:
 
 @asynccontextmanager
 async def open_starved_router(*worker_urls: str) -> AsyncIterator[tuple[str, list[bytes]]]:
-    args = ["serve", "--port", "0", "--health-interval-s", "3600", "--breaker-failure-threshold", "1"]
+    args = [
+        "serve",
+        "--port",
+        "0",
+        "--health-interval-s",
+        "3600",
+        "--breaker-failure-threshold",
+        "1",
+    ]
     for url in worker_urls:
         args += ["--worker", f"{url},model=m"]
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "router.cli", *args],
-        stderr=subprocess.PIPE, cwd=REPO, preexec_fn=_limit_descriptors,
-    )  # fmt: skip
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        preexec_fn=_limit_descriptors,
+    )
     assert process.stderr is not None
     log: list[bytes] = []
     try:
@@ -113,7 +123,9 @@ async def test_a_descriptor_flood_is_refused_with_503_and_trips_no_breaker() -> 
     assert set(statuses) <= {200, 503}, (statuses, text[-3000:])
     assert set(codes) == {"router_overloaded"}, text[-3000:]
     assert statuses.count(200) >= 1
-    assert {(w["breaker"]["state"], w["breaker"]["trips"], w["inflight"]) for w in workers} == {("closed", 0, 0)}
+    assert {(w["breaker"]["state"], w["breaker"]["trips"], w["inflight"]) for w in workers} == {
+        ("closed", 0, 0)
+    }
     refused = re.search(r'router_local_errors_total\{kind="emfile"\} (\S+)', metrics)
     assert refused is not None and float(refused.group(1)) == len(codes)
     assert "Traceback" not in text
@@ -136,7 +148,10 @@ async def test_checkouts_past_the_connection_cap_wait_then_get_503_router_overlo
 
     with trio.fail_after(GUARD_S):
         async with open_edge(
-            busy, max_connections_per_worker=1, connect_timeout_s=0.3, breaker_failure_threshold=1,
+            busy,
+            max_connections_per_worker=1,
+            connect_timeout_s=0.3,
+            breaker_failure_threshold=1,
         ) as edge:
             async with trio.open_nursery() as nursery:
                 for _ in range(3):

@@ -46,37 +46,61 @@ CASES: dict[str, bytes] = {
     "HTTP/2.0 status line": head(b"HTTP/2.0 200 OK", JSON_CL) + GOOD_JSON,
     "bare CR in the status line": head(b"HTTP/1.1 200 OK\rHTTP/1.1 200 OK", JSON_CL) + GOOD_JSON,
     "control byte in the reason": head(b"HTTP/1.1 200 O\x00K", JSON_CL) + GOOD_JSON,
-    "1xx storm": head(b"HTTP/1.1 100 Continue") * 50 + head(b"HTTP/1.1 200 OK", JSON_CL) + GOOD_JSON,
+    "1xx storm": head(b"HTTP/1.1 100 Continue") * 50
+    + head(b"HTTP/1.1 200 OK", JSON_CL)
+    + GOOD_JSON,
     "101 unasked": head(b"HTTP/1.1 101 Switching Protocols", b"upgrade: h2c"),
-    "content-length shorter than the body": head(b"HTTP/1.1 200 OK", b"content-length: 5") + GOOD_JSON,
-    "conflicting content-lengths": head(b"HTTP/1.1 200 OK", JSON_CL, b"content-length: 3") + GOOD_JSON,
+    "content-length shorter than the body": head(b"HTTP/1.1 200 OK", b"content-length: 5")
+    + GOOD_JSON,
+    "conflicting content-lengths": head(b"HTTP/1.1 200 OK", JSON_CL, b"content-length: 3")
+    + GOOD_JSON,
     "bad content-length": head(b"HTTP/1.1 200 OK", b"content-length: -1") + GOOD_JSON,
     "transfer-encoding twice": head(
         b"HTTP/1.1 200 OK", b"transfer-encoding: chunked", b"transfer-encoding: chunked"
-    ) + b"%x\r\n" % len(GOOD_JSON) + GOOD_JSON + b"\r\n0\r\n\r\n",
+    )
+    + b"%x\r\n" % len(GOOD_JSON)
+    + GOOD_JSON
+    + b"\r\n0\r\n\r\n",
     "content-length and transfer-encoding": head(
         b"HTTP/1.1 200 OK", JSON_CL, b"transfer-encoding: chunked"
-    ) + b"%x\r\n" % len(GOOD_JSON) + GOOD_JSON + b"\r\n0\r\n\r\n",
+    )
+    + b"%x\r\n" % len(GOOD_JSON)
+    + GOOD_JSON
+    + b"\r\n0\r\n\r\n",
     "transfer-encoding gzip": head(b"HTTP/1.1 200 OK", b"transfer-encoding: gzip") + GOOD_JSON,
-    "bad chunk size": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked") + b"zz\r\n" + GOOD_JSON,
+    "bad chunk size": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
+    + b"zz\r\n"
+    + GOOD_JSON,
     "chunk size beyond 64 bits": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
-    + b"1" * 40 + b"\r\n" + GOOD_JSON,
+    + b"1" * 40
+    + b"\r\n"
+    + GOOD_JSON,
     "chunk data without CRLF": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
-    + b"%x\r\n" % len(GOOD_JSON) + GOOD_JSON + b"XX0\r\n\r\n",
-    "header section too large": head(b"HTTP/1.1 200 OK", b"x-junk: " + b"a" * 70_000, JSON_CL) + GOOD_JSON,
+    + b"%x\r\n" % len(GOOD_JSON)
+    + GOOD_JSON
+    + b"XX0\r\n\r\n",
+    "header section too large": head(b"HTTP/1.1 200 OK", b"x-junk: " + b"a" * 70_000, JSON_CL)
+    + GOOD_JSON,
     "malformed header line": head(b"HTTP/1.1 200 OK", b"no colon here", JSON_CL) + GOOD_JSON,
     "obs-fold header": head(b"HTTP/1.1 200 OK", JSON_CL, b"x-a: b", b" folded") + GOOD_JSON,
-    "control byte in a relayed header": head(b"HTTP/1.1 200 OK", b"content-type:\x0bapplication/json", JSON_CL)
+    "control byte in a relayed header": head(
+        b"HTTP/1.1 200 OK", b"content-type:\x0bapplication/json", JSON_CL
+    )
     + GOOD_JSON,
     "control byte in a header": head(b"HTTP/1.1 200 OK", b"x-a: b\x1fc", JSON_CL) + GOOD_JSON,
 }
 # Answers that break off: the worker closes where the framing says more is coming.
 BREAKS: dict[str, bytes] = {
     "close mid-head": b"HTTP/1.1 200 OK\r\ncontent-le",
-    "content-length longer than the body": head(b"HTTP/1.1 200 OK", b"content-length: 5000") + GOOD_JSON,
-    "close mid-chunk": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked") + b"400\r\n" + GOOD_JSON,
+    "content-length longer than the body": head(b"HTTP/1.1 200 OK", b"content-length: 5000")
+    + GOOD_JSON,
+    "close mid-chunk": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
+    + b"400\r\n"
+    + GOOD_JSON,
     "close before the last chunk": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
-    + b"%x\r\n" % len(GOOD_JSON) + GOOD_JSON + b"\r\n",
+    + b"%x\r\n" % len(GOOD_JSON)
+    + GOOD_JSON
+    + b"\r\n",
 }
 
 
@@ -104,7 +128,9 @@ FRAMING_PARAMS = [
 
 
 @pytest.mark.parametrize(("data", "stream"), FRAMING_PARAMS)
-async def test_a_framing_error_fails_over_and_the_connection_is_not_pooled(data: bytes, stream: bool) -> None:
+async def test_a_framing_error_fails_over_and_the_connection_is_not_pooled(
+    data: bytes, stream: bool
+) -> None:
     with trio.fail_after(GUARD_S):
         # The bad worker keeps each connection open after its answer: only the router's
         # refusal to pool it closes it.
@@ -118,7 +144,8 @@ async def test_a_stream_shorter_than_its_bytes_is_relayed_as_framed_and_not_pool
     surplus bytes would be read as the next answer."""
     with trio.fail_after(GUARD_S):
         async with open_edge(
-            raw_answer(CASES["content-length shorter than the body"], then_close=False), max_attempts=1,
+            raw_answer(CASES["content-length shorter than the body"], then_close=False),
+            max_attempts=1,
         ) as edge:
             for _ in range(2):  # round robin: one to each worker of the model
                 response = await edge.client.post("/v1/chat/completions", json=chat(stream=True))
@@ -138,8 +165,10 @@ async def test_an_answer_broken_off_fails_over(data: bytes) -> None:
 
 async def test_a_few_interim_responses_are_skipped() -> None:
     answer = (
-        head(b"HTTP/1.1 100 Continue") + head(b"HTTP/1.1 103 Early Hints", b"link: </a>")
-        + head(b"HTTP/1.1 200 OK", JSON_CL) + GOOD_JSON
+        head(b"HTTP/1.1 100 Continue")
+        + head(b"HTTP/1.1 103 Early Hints", b"link: </a>")
+        + head(b"HTTP/1.1 200 OK", JSON_CL)
+        + GOOD_JSON
     )
     with trio.fail_after(GUARD_S):
         async with open_edge(raw_answer(answer), max_attempts=1) as edge:
@@ -184,7 +213,9 @@ async def test_a_worker_that_reads_the_request_and_closes_is_dispatched_once_per
             await edge.assert_no_harm_left()
 
 
-async def test_a_connection_the_worker_closed_while_idle_is_replaced_without_a_second_send() -> None:
+async def test_a_connection_the_worker_closed_while_idle_is_replaced_without_a_second_send() -> (
+    None
+):
     """The stale case of hole 4: found at checkout, before the request is written."""
 
     async def answer_then_close(exchange: Exchange) -> None:
@@ -212,11 +243,15 @@ async def test_a_connection_the_worker_closed_while_idle_is_replaced_without_a_s
 async def test_a_broken_worker_trips_only_its_own_breaker() -> None:
     with trio.fail_after(GUARD_S):
         async with open_edge(
-            raw_answer(CASES["status 000"]), breaker_failure_threshold=1, breaker_cooldown_s=60,
+            raw_answer(CASES["status 000"]),
+            breaker_failure_threshold=1,
+            breaker_cooldown_s=60,
             breaker_max_cooldown_s=60,
         ) as edge:
             for _ in range(REQUESTS):
-                assert (await edge.client.post("/v1/chat/completions", json=chat())).status_code == 200
+                assert (
+                    await edge.client.post("/v1/chat/completions", json=chat())
+                ).status_code == 200
             workers = await edge.workers()
             assert workers[edge.bad.url]["breaker"]["state"] == "open"
             assert workers[edge.good.url]["breaker"]["state"] == "closed"

@@ -43,7 +43,9 @@ def reference_verdict(data: bytes) -> bool:
     """Whether h11, as a client after a POST, reads `data` as exactly one complete final
     response on a connection that stays open: the only case a pool may keep it."""
     connection = h11.Connection(h11.CLIENT)
-    connection.send(h11.Request(method="POST", target="/", headers=[("host", "w"), ("content-length", "0")]))
+    connection.send(
+        h11.Request(method="POST", target="/", headers=[("host", "w"), ("content-length", "0")])
+    )
     connection.send(h11.EndOfMessage())
     connection.receive_data(data)
     try:
@@ -161,7 +163,10 @@ def valid_answers(draw: st.DrawFn) -> bytes:
     status = draw(STATUSES)
     body, content_type = draw(bodies())
     headers = [b"content-type: " + content_type]
-    headers += [name.encode() + b": " + value.encode() for name, value in draw(st.lists(st.tuples(TOKEN, TOKEN), max_size=3))]
+    headers += [
+        name.encode() + b": " + value.encode()
+        for name, value in draw(st.lists(st.tuples(TOKEN, TOKEN), max_size=3))
+    ]
     framing = draw(st.sampled_from(["length", "chunked", "close"]))
     if framing == "length":
         headers.append(b"content-length: %d" % len(body))
@@ -172,8 +177,22 @@ def valid_answers(draw: st.DrawFn) -> bytes:
     else:
         headers.append(b"connection: close")
         payload = body
-    interim = draw(st.sampled_from([b"", b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"]))
-    return interim + b"HTTP/1.1 %d OK\r\n" % status + b"".join(h + b"\r\n" for h in headers) + b"\r\n" + payload
+    interim = draw(
+        st.sampled_from(
+            [
+                b"",
+                b"HTTP/1.1 100 Continue\r\n\r\n",
+                b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n",
+            ]
+        )
+    )
+    return (
+        interim
+        + b"HTTP/1.1 %d OK\r\n" % status
+        + b"".join(h + b"\r\n" for h in headers)
+        + b"\r\n"
+        + payload
+    )
 
 
 @st.composite
@@ -190,7 +209,11 @@ def mutated(draw: st.DrawFn) -> bytes:
         elif action == "cut":
             del data[position : position + draw(st.integers(1, 16))]
         elif action == "insert":
-            data[position:position] = draw(st.sampled_from([b"\r\n", b"\n", b"\r", b" ", b":", b"\x00", b"0", b"f", b"\r\n\r\n"]))
+            data[position:position] = draw(
+                st.sampled_from(
+                    [b"\r\n", b"\n", b"\r", b" ", b":", b"\x00", b"0", b"f", b"\r\n\r\n"]
+                )
+            )
         elif action == "repeat":
             data[position:position] = data[position : position + draw(st.integers(1, 32))]
         else:
@@ -201,11 +224,23 @@ def mutated(draw: st.DrawFn) -> bytes:
 @st.composite
 def random_heads(draw: st.DrawFn) -> bytes:
     """Random status lines and header sections, then a small body."""
-    version = draw(st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 ", b"http/1.1", b""]))
+    version = draw(
+        st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 ", b"http/1.1", b""])
+    )
     status = draw(st.one_of(st.integers(0, 999).map(lambda n: b"%03d" % n), st.binary(max_size=5)))
     reason = draw(st.binary(max_size=10))
     headers = draw(st.lists(st.binary(max_size=40), max_size=5))
-    return version + b" " + status + b" " + reason + b"\r\n" + b"\r\n".join(headers) + b"\r\n\r\n" + GOOD_JSON
+    return (
+        version
+        + b" "
+        + status
+        + b" "
+        + reason
+        + b"\r\n"
+        + b"\r\n".join(headers)
+        + b"\r\n\r\n"
+        + GOOD_JSON
+    )
 
 
 @st.composite
@@ -214,14 +249,34 @@ def bad_chunking(draw: st.DrawFn) -> bytes:
     lines = draw(
         st.lists(
             st.one_of(
-                st.sampled_from([b"5", b"-1", b"0x5", b"ffffffffffffffffff", b"5;ext=1", b"5 ", b" 5", b"", b"g"]),
+                st.sampled_from(
+                    [
+                        b"5",
+                        b"-1",
+                        b"0x5",
+                        b"ffffffffffffffffff",
+                        b"5;ext=1",
+                        b"5 ",
+                        b" 5",
+                        b"",
+                        b"g",
+                    ]
+                ),
                 st.binary(max_size=12),
             ),
-            min_size=1, max_size=4,
+            min_size=1,
+            max_size=4,
         )
     )
-    pieces = [line + b"\r\n" + draw(st.binary(max_size=8)) + draw(st.sampled_from([b"\r\n", b"", b"\n"])) for line in lines]
-    ending = draw(st.sampled_from([b"0\r\n\r\n", b"0\r\n", b"", b"0\r\nx: y\r\n\r\n", b"0\r\nbad trailer\r\n\r\n"]))
+    pieces = [
+        line + b"\r\n" + draw(st.binary(max_size=8)) + draw(st.sampled_from([b"\r\n", b"", b"\n"]))
+        for line in lines
+    ]
+    ending = draw(
+        st.sampled_from(
+            [b"0\r\n\r\n", b"0\r\n", b"", b"0\r\nx: y\r\n\r\n", b"0\r\nbad trailer\r\n\r\n"]
+        )
+    )
     return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"".join(pieces) + ending
 
 
@@ -229,7 +284,14 @@ def bad_chunking(draw: st.DrawFn) -> bytes:
 def bytes_after(draw: st.DrawFn) -> bytes:
     """A valid answer and bytes past its end: line ends (which llhttp skips between
     messages without a word), another response, garbage."""
-    extra = draw(st.one_of(st.sampled_from([b"\r\n", b"\n", b"\r", b"\r\n\r\n", b"HTTP/1.1 204 No Content\r\n\r\n"]), st.binary(min_size=1, max_size=8)))
+    extra = draw(
+        st.one_of(
+            st.sampled_from(
+                [b"\r\n", b"\n", b"\r", b"\r\n\r\n", b"HTTP/1.1 204 No Content\r\n\r\n"]
+            ),
+            st.binary(min_size=1, max_size=8),
+        )
+    )
     return draw(valid_answers()) + extra
 
 
@@ -247,17 +309,29 @@ async def one_request(rig: Rig, stream: bool) -> tuple[int, bytes, str | None, i
         response = await edge.client.post("/v1/chat/completions", json=chat(stream=stream))
         inflight = sum(worker.inflight for worker in edge.router.fleet.workers())
         pooled = edge.pooled_to_bad()
-        return response.status_code, response.content, response.headers.get("x-router-worker"), inflight, pooled
+        return (
+            response.status_code,
+            response.content,
+            response.headers.get("x-router-worker"),
+            inflight,
+            pooled,
+        )
 
 
 async def still_serving(rig: Rig) -> int:
     with trio.fail_after(STEP_GUARD_S):
-        response: httpx.Response = await rig.edge.client.post("/v1/chat/completions", json=chat(model="other"))
+        response: httpx.Response = await rig.edge.client.post(
+            "/v1/chat/completions", json=chat(model="other")
+        )
         assert response.json() == orjson.loads(GOOD_JSON)
         return response.status_code
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(answer=answers, stream=st.booleans())
 def test_no_response_bytes_make_a_500_leak_a_lease_or_pool_a_broken_connection(
     rig: Rig, answer: bytes, stream: bool

@@ -24,12 +24,16 @@ def event(index: int, end: bytes) -> bytes:
     return b'data: {"choices":[{"delta":{"content":"%d"}}]}' % index + end + end
 
 
-async def read_stream_with_arrival_times(edge: Edge, expected: list[bytes]) -> tuple[bytes, list[float]]:
+async def read_stream_with_arrival_times(
+    edge: Edge, expected: list[bytes]
+) -> tuple[bytes, list[float]]:
     """The stream's body and, for each expected event, when it had fully arrived."""
     client = await RawClient.connect(edge.router.port)
     try:
         body = orjson.dumps(chat(stream=True))
-        await client.send_request("POST", "/v1/chat/completions", [("content-type", "application/json")], body)
+        await client.send_request(
+            "POST", "/v1/chat/completions", [("content-type", "application/json")], body
+        )
         head = await client.read_head("POST")
         assert head.status == 200
         received = b""
@@ -37,7 +41,10 @@ async def read_stream_with_arrival_times(edge: Edge, expected: list[bytes]) -> t
         while (chunk := await client.read_chunk()) is not None:
             received += chunk
             now = trio.current_time()
-            while len(arrivals) < len(expected) and b"".join(expected[: len(arrivals) + 1]) in received:
+            while (
+                len(arrivals) < len(expected)
+                and b"".join(expected[: len(arrivals) + 1]) in received
+            ):
                 arrivals.append(now)
         return received, arrivals
     finally:
@@ -129,13 +136,17 @@ MID_STREAM_BREAKS = {
 
 
 @pytest.mark.parametrize("tail", MID_STREAM_BREAKS.values(), ids=MID_STREAM_BREAKS.keys())
-async def test_a_framing_error_mid_stream_ends_with_an_error_event_after_the_whole_events(tail: bytes) -> None:
+async def test_a_framing_error_mid_stream_ends_with_an_error_event_after_the_whole_events(
+    tail: bytes,
+) -> None:
     first = event(0, b"\n")
 
     async def first_event_then_broken_framing(exchange: Exchange) -> None:
         await exchange.send_raw(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            + b"%x\r\n" % len(first) + first + b"\r\n"
+            + b"%x\r\n" % len(first)
+            + first
+            + b"\r\n"
         )
         await trio.sleep(0.05)  # real time: the first event goes out on its own
         await exchange.send_raw(tail)

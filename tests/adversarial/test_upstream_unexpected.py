@@ -30,7 +30,9 @@ async def test_an_unexpected_exception_answers_502_naming_the_worker(
         async with open_edge(never_called, max_attempts=2) as edge:
             edge.router.fleet.upsert(WorkerRecord(id="hand-made", url=bad_url, models=("n",)))
             with caplog.at_level(logging.ERROR, logger="router.dispatch"):
-                response = await edge.client.post("/v1/chat/completions", json=chat(stream=stream, model="n"))
+                response = await edge.client.post(
+                    "/v1/chat/completions", json=chat(stream=stream, model="n")
+                )
             assert response.status_code == 502
             error = response.json()["error"]
             assert error["code"] == "worker_unreachable"
@@ -52,7 +54,11 @@ async def test_an_unexpected_exception_gives_the_breaker_no_verdict() -> None:
                 response = await edge.client.post("/v1/chat/completions", json=chat(model="n"))
                 assert response.status_code == 502
             breaker = (await edge.workers())[bad_url]["breaker"]
-            assert (breaker["state"], breaker["consecutive_faults"], breaker["trips"]) == ("closed", 0, 0)
+            assert (breaker["state"], breaker["consecutive_faults"], breaker["trips"]) == (
+                "closed",
+                0,
+                0,
+            )
 
 
 async def test_an_unexpected_exception_in_a_pd_leg_answers_502_and_releases_both_leases() -> None:
@@ -60,11 +66,21 @@ async def test_an_unexpected_exception_in_a_pd_leg_answers_502_and_releases_both
     with trio.fail_after(GUARD_S):
         async with open_edge(never_called) as edge:
             fleet = edge.router.fleet
-            fleet.upsert(WorkerRecord(
-                id="prefill-1", url=bad_url, models=("pd",), role=Role.PREFILL,
-                disagg_meta={"protocol": "mooncake", "params": {"bootstrap_addr": "127.0.0.1:8998"}},
-            ))  # fmt: skip
-            fleet.upsert(WorkerRecord(id="decode-1", url=edge.good.url, models=("pd",), role=Role.DECODE))
+            fleet.upsert(
+                WorkerRecord(
+                    id="prefill-1",
+                    url=bad_url,
+                    models=("pd",),
+                    role=Role.PREFILL,
+                    disagg_meta={
+                        "protocol": "mooncake",
+                        "params": {"bootstrap_addr": "127.0.0.1:8998"},
+                    },
+                )
+            )
+            fleet.upsert(
+                WorkerRecord(id="decode-1", url=edge.good.url, models=("pd",), role=Role.DECODE)
+            )
             response = await edge.client.post("/v1/chat/completions", json=chat(model="pd"))
             assert response.status_code == 502
             assert bad_url in response.json()["error"]["message"]

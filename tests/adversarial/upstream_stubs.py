@@ -27,10 +27,14 @@ GOOD_JSON = orjson.dumps(
         "id": "chatcmpl-1",
         "object": "chat.completion",
         "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        ],
     }
 )
-GOOD_EVENTS = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(3)] + [b"data: [DONE]\n\n"]
+GOOD_EVENTS = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(3)] + [
+    b"data: [DONE]\n\n"
+]
 
 
 def chat(stream: bool = False, model: str = "m") -> dict[str, Any]:
@@ -119,9 +123,15 @@ async def open_edge(bad: Respond, **overrides: Any) -> AsyncIterator[Edge]:
         open_raw_upstream(good_dispatches) as good_worker,
         open_raw_upstream(answer_well) as other_worker,
         open_router(
-            [f"{bad_worker.url},model=m+solo", f"{good_worker.url},model=m", f"{other_worker.url},model=other"],
+            [
+                f"{bad_worker.url},model=m+solo",
+                f"{good_worker.url},model=m",
+                f"{other_worker.url},model=other",
+            ],
             **overrides,
         ) as router,
         httpx.AsyncClient(base_url=router.url, timeout=30) as client,
     ):
-        yield Edge(bad_worker, good_worker, other_worker, router, client, bad_dispatches, good_dispatches)
+        yield Edge(
+            bad_worker, good_worker, other_worker, router, client, bad_dispatches, good_dispatches
+        )

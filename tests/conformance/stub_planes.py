@@ -48,7 +48,13 @@ class StubPlane(Plane):
 
     def command(self, launch: Launch) -> list[str]:
         models = {worker.spec.model for worker in launch.workers}
-        return [sys.executable, str(STUB_ROUTER), "--model", sorted(models)[0], *(w.url for w in launch.workers)]
+        return [
+            sys.executable,
+            str(STUB_ROUTER),
+            "--model",
+            sorted(models)[0],
+            *(w.url for w in launch.workers),
+        ]
 
 
 class SidecarStubPlane(StubPlane):

@@ -38,7 +38,9 @@ def main() -> None:
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                self.answer(200, json.dumps({"object": "list", "data": [{"id": args.model}]}).encode())
+                self.answer(
+                    200, json.dumps({"object": "list", "data": [{"id": args.model}]}).encode()
+                )
             else:
                 self.answer(404, b'{"error": {"message": "not found"}}')
 
@@ -47,14 +49,21 @@ def main() -> None:
             try:
                 json.loads(body)
             except ValueError:
-                self.answer(500, b'{"error": {"message": "internal error", "code": "internal_error"}}')
+                self.answer(
+                    500, b'{"error": {"message": "internal error", "code": "internal_error"}}'
+                )
                 return
             request = urllib.request.Request(
-                next(turn) + self.path, data=body, method="POST", headers={"content-type": "application/json"}
+                next(turn) + self.path,
+                data=body,
+                method="POST",
+                headers={"content-type": "application/json"},
             )
             try:
                 with urllib.request.urlopen(request, timeout=10) as response:
-                    self.answer(response.status, response.read(), response.headers.get("content-type", ""))
+                    self.answer(
+                        response.status, response.read(), response.headers.get("content-type", "")
+                    )
             except urllib.error.HTTPError as failed:
                 self.answer(failed.code, failed.read())
 

@@ -48,18 +48,41 @@ def test_a_kubernetes_case_loads_and_needs_only_kubernetes_discovery(tmp_path: P
     ("text", "line", "field", "words"),
     [
         # A terminating Pod cannot turn back; it can only go (and a new one come).
-        (KUBE.replace("  - remove: a\n  - add: a\n", "  - set_status: {worker: a, status: active}\n"), 10,
-         "steps[2].set_status", "pod a is terminating, which cannot be undone"),
-        (KUBE.replace("  - remove: a\n  - add: a\n", "  - remove: a\n  - set_status: {worker: a, status: active}\n"), 11,
-         "steps[3].set_status", "pod a is not there"),
+        (
+            KUBE.replace(
+                "  - remove: a\n  - add: a\n", "  - set_status: {worker: a, status: active}\n"
+            ),
+            10,
+            "steps[2].set_status",
+            "pod a is terminating, which cannot be undone",
+        ),
+        (
+            KUBE.replace(
+                "  - remove: a\n  - add: a\n",
+                "  - remove: a\n  - set_status: {worker: a, status: active}\n",
+            ),
+            11,
+            "steps[3].set_status",
+            "pod a is not there",
+        ),
         (KUBE.replace("  - remove: a\n", ""), 10, "steps[2].add", "pod a is still there"),
         # not_ready is a Pod's state: a static or etcd fleet has none.
-        (KUBE.replace("discovery: kubernetes", "discovery: etcd"), 6, "fleet.b.status", "needs `discovery: kubernetes`"),
-        (KUBE.replace("discovery: kubernetes", "discovery: etcd").replace("b: {status: not_ready}", "b: {}")
-         .replace("{worker: b, status: active}", "{worker: b, status: not_ready}"), 9,
-         "steps[1].set_status", "needs `discovery: kubernetes`"),
+        (
+            KUBE.replace("discovery: kubernetes", "discovery: etcd"),
+            6,
+            "fleet.b.status",
+            "needs `discovery: kubernetes`",
+        ),
+        (
+            KUBE.replace("discovery: kubernetes", "discovery: etcd")
+            .replace("b: {status: not_ready}", "b: {}")
+            .replace("{worker: b, status: active}", "{worker: b, status: not_ready}"),
+            9,
+            "steps[1].set_status",
+            "needs `discovery: kubernetes`",
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_impossible_pod_change_names_file_line_and_field(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, line: int, field: str, words: str
 ) -> None:

@@ -88,7 +88,10 @@ class Watched(SidecarStubPlane):
         self.seen_at_ready.append(len(marked(self.mark)))
 
 
-@pytest.mark.parametrize(("case_id", "verdict"), [("stub/passes", "pass"), ("stub/fails", "fail"), ("stub/hangs", "error")])
+@pytest.mark.parametrize(
+    ("case_id", "verdict"),
+    [("stub/passes", "pass"), ("stub/fails", "fail"), ("stub/hangs", "error")],
+)
 async def test_no_process_is_left_when_a_case_passes_fails_or_times_out(
     tmp_path: Path, case_id: str, verdict: str
 ) -> None:
@@ -116,9 +119,23 @@ def test_an_interrupted_runner_stops_every_process_it_started(tmp_path: Path, si
     # Everything the runner starts inherits the mark: fake workers, plane, sidecars.
     env = {**os.environ, MARK_VARIABLE: mark}
     runner = subprocess.Popen(
-        [sys.executable, "-m", "conformance", "--spec", str(root), "run", "--case", "stub/hangs",
-         "--plane", "tests.conformance.stub_planes:SidecarStubPlane"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "--spec",
+            str(root),
+            "run",
+            "--case",
+            "stub/hangs",
+            "--plane",
+            "tests.conformance.stub_planes:SidecarStubPlane",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 60  # wall clock: a real subprocess, not trio's clock
@@ -146,7 +163,9 @@ class MissingSidecar(SidecarStubPlane):
         await sidecars.start(["/nonexistent/sidecar-binary"], "missing")
 
 
-async def test_a_sidecar_that_cannot_start_is_an_error_of_its_case_not_a_crash(tmp_path: Path) -> None:
+async def test_a_sidecar_that_cannot_start_is_an_error_of_its_case_not_a_crash(
+    tmp_path: Path,
+) -> None:
     root = write_spec(tmp_path)
     [case] = [c for c in load_cases([root], root).cases if c.id == "stub/passes"]
     with trio.fail_after(30):

@@ -81,20 +81,31 @@ class NoBodyLimit(PythonPlane):
     [
         (
             BreakerOff(),
-            ["breaker/opens-at-threshold", "breaker/probe-after-cooldown", "breaker/all-open-reject",
-             "pd/decode-failure-spares-prefill"],
+            [
+                "breaker/opens-at-threshold",
+                "breaker/probe-after-cooldown",
+                "breaker/all-open-reject",
+                "pd/decode-failure-spares-prefill",
+            ],
             ["failover/5xx-fails-over"],
         ),
         (
             SingleAttempt(),
-            ["failover/5xx-fails-over", "failover/attempts-bound-the-cost",
-             "classification/429-fails-over-without-tripping", "failover/reset-fails-over"],
+            [
+                "failover/5xx-fails-over",
+                "failover/attempts-bound-the-cost",
+                "classification/429-fails-over-without-tripping",
+                "failover/reset-fails-over",
+            ],
             ["classification/4xx-verbatim-no-failover"],
         ),
         (
             OtherPolicy(),
-            ["breaker/success-resets-count", "classification/4xx-verbatim-no-failover",
-             "failover/single-attempt-no-retry"],
+            [
+                "breaker/success-resets-count",
+                "classification/4xx-verbatim-no-failover",
+                "failover/single-attempt-no-retry",
+            ],
             ["classification/unknown-model-404"],
         ),
         (NoBodyLimit(), ["raw/oversize-is-413"], ["raw/non-json-is-400"]),
@@ -126,7 +137,9 @@ async def test_the_raw_body_cases_fail_on_a_plane_that_answers_500_to_non_json()
     from tests.conformance.stub_planes import StubPlane
 
     loaded = load_cases([SPEC], SPEC)
-    cases = select_cases(loaded.cases, ["raw/non-json-is-400", "raw/oversize-is-413", "raw/deep-json-never-500"], [])
+    cases = select_cases(
+        loaded.cases, ["raw/non-json-is-400", "raw/oversize-is-413", "raw/deep-json-never-500"], []
+    )
     assert len(cases) == 3
     with trio.fail_after(120):
         outcomes = await run_suite(cases, [StubPlane()], {}, RunOptions(jobs=3))

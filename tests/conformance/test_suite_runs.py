@@ -24,12 +24,31 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITE_TIMEOUT_S = 400
 
 
-def run_plane(plane: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, ET.Element], str]:
+def run_plane(
+    plane: str, tmp_path: Path
+) -> tuple[subprocess.CompletedProcess[str], dict[str, ET.Element], str]:
     junit, markdown = tmp_path / "junit.xml", tmp_path / "parity.md"
     result = subprocess.run(
-        [sys.executable, "-m", "conformance", "run", "-v", "--plane", plane, "--jobs", "4",
-         "--junit", str(junit), "--report-md", str(markdown)],
-        cwd=ROOT, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, check=False,
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "run",
+            "-v",
+            "--plane",
+            plane,
+            "--jobs",
+            "4",
+            "--junit",
+            str(junit),
+            "--report-md",
+            str(markdown),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SUITE_TIMEOUT_S,
+        check=False,
     )
     assert junit.exists(), result.stdout + result.stderr
     cases = {case.get("name", ""): case for case in ET.parse(junit).getroot().iter("testcase")}
@@ -45,7 +64,10 @@ def verdict(case: ET.Element) -> str:
 
 
 def spec_ids() -> set[str]:
-    return {p.relative_to(ROOT / "spec").with_suffix("").as_posix() for p in (ROOT / "spec").rglob("*.yaml")}
+    return {
+        p.relative_to(ROOT / "spec").with_suffix("").as_posix()
+        for p in (ROOT / "spec").rglob("*.yaml")
+    }
 
 
 def test_every_case_passes_on_the_python_plane(tmp_path: Path) -> None:
@@ -61,16 +83,19 @@ def test_every_case_passes_on_the_python_plane(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "plane",
-    [pytest.param(SmgPlane, marks=pytest.mark.smg), pytest.param(VllmRouterPlane, marks=pytest.mark.vllm_router)],
+    [
+        pytest.param(SmgPlane, marks=pytest.mark.smg),
+        pytest.param(VllmRouterPlane, marks=pytest.mark.vllm_router),
+    ],
     ids=["smg", "vllm-router"],
 )
 def test_a_peer_plane_passes_or_diverges_as_listed(tmp_path: Path, plane: type[SmgPlane]) -> None:
     result, cases, markdown = run_plane(plane.name, tmp_path)
     verdicts = {name: verdict(case) for name, case in cases.items()}
     assert set(verdicts) == spec_ids()
-    assert {name for name, v in verdicts.items() if v not in ("pass", "divergent", "unsupported")} == set(), (
-        result.stdout[-4000:]
-    )
+    assert {
+        name for name, v in verdicts.items() if v not in ("pass", "divergent", "unsupported")
+    } == set(), result.stdout[-4000:]
     listed = set(load_divergences(plane.divergences))
     assert {name for name, v in verdicts.items() if v == "divergent"} == listed
     unsupported = {name for name, v in verdicts.items() if v == "unsupported"}

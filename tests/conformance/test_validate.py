@@ -50,29 +50,64 @@ def test_a_good_case_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str
     ("text", "line", "field", "words"),
     [
         # A typo in a field name, with a suggestion.
-        (GOOD.replace("  a: {}", "  a:\n    behavior: {fail_first: 1}"), 5, "fleet.a.behavior", "did you mean 'behaviour'"),
+        (
+            GOOD.replace("  a: {}", "  a:\n    behavior: {fail_first: 1}"),
+            5,
+            "fleet.a.behavior",
+            "did you mean 'behaviour'",
+        ),
         # A wrong type, reported at the value's own line.
         (GOOD.replace("count: 2", "count: two"), 7, "steps[0].send.count", "must be an integer"),
         # A worker the fleet does not have.
         (GOOD.replace("b: [0, 1]", "c: 1"), 10, "steps[0].expect.dispatches.c", "no worker 'c'"),
         # A range upside down.
-        (GOOD.replace("[0, 1]", "[3, 1]"), 10, "steps[0].expect.dispatches.b", "max 1 is below min 3"),
+        (
+            GOOD.replace("[0, 1]", "[3, 1]"),
+            10,
+            "steps[0].expect.dispatches.b",
+            "max 1 is below min 3",
+        ),
         # Not an HTTP status.
         (GOOD.replace("{200: 2}", "{ok: 2}"), 9, "steps[0].expect.status.ok", "HTTP status"),
         # A required field missing: reported at the mapping that lacks it.
-        (GOOD.replace("description: two workers, one request\n", ""), 1, "description", "is required"),
+        (
+            GOOD.replace("description: two workers, one request\n", ""),
+            1,
+            "description",
+            "is required",
+        ),
         # The same key twice.
         (GOOD.replace("  b: {}", "  b: {}\n  a: {}"), 6, "fleet.a", "given twice"),
         # A behaviour value out of range.
-        (GOOD.replace("  a: {}", "  a:\n    behaviour: {fail_status: 200}"), 5, "fleet.a.behaviour.fail_status", "400"),
+        (
+            GOOD.replace("  a: {}", "  a:\n    behaviour: {fail_status: 200}"),
+            5,
+            "fleet.a.behaviour.fail_status",
+            "400",
+        ),
         # stream_end on a request that does not stream.
-        (GOOD.replace("status: {200: 2}", "stream_end: done"), 9, "steps[0].expect.stream_end", "stream: true"),
+        (
+            GOOD.replace("status: {200: 2}", "stream_end: done"),
+            9,
+            "steps[0].expect.stream_end",
+            "stream: true",
+        ),
         # A step with two actions.
-        (GOOD.replace("  - send: {count: 2}", "  - wait: 1\n    send: {count: 2}"), 7, "steps[0]", "exactly one of"),
+        (
+            GOOD.replace("  - send: {count: 2}", "  - wait: 1\n    send: {count: 2}"),
+            7,
+            "steps[0]",
+            "exactly one of",
+        ),
         # `busiest` names no worker: a worker may not take the name.
         (GOOD.replace("  b: {}", "  busiest: {}"), 5, "fleet.busiest", "reserved"),
         # A cache threshold is a share of the prompt.
-        (GOOD.replace("fleet:", "settings:\n  cache_aware: {cache_threshold: 1.5}\nfleet:"), 4, "settings.cache_aware.cache_threshold", "between 0 and 1"),
+        (
+            GOOD.replace("fleet:", "settings:\n  cache_aware: {cache_threshold: 1.5}\nfleet:"),
+            4,
+            "settings.cache_aware.cache_threshold",
+            "between 0 and 1",
+        ),
         # Broken YAML.
         (GOOD.replace("fleet:", "fleet: [unclosed"), 4, "", "not valid YAML"),
     ],
@@ -93,12 +128,19 @@ def test_every_bad_file_is_reported_and_good_ones_still_count(
 ) -> None:
     write(tmp_path, GOOD, "good.yaml")
     first = write(tmp_path, GOOD.replace("count: 2", "count: -1"), "bad1.yaml")
-    second = write(tmp_path, GOOD.replace("route", "x").replace("send: {count: 2}", "send: {route: grpc}"), "bad2.yaml")
+    second = write(
+        tmp_path,
+        GOOD.replace("route", "x").replace("send: {count: 2}", "send: {route: grpc}"),
+        "bad2.yaml",
+    )
     code = main(["--spec", str(tmp_path), "validate"])
     out, err = capsys.readouterr()
     assert code == 2
     assert f"{first}:7: steps[0].send.count: must be >= 1" in err
-    assert f"{second}:7: steps[0].send.route: must be one of chat, completions, generate, responses, messages, embeddings" in err
+    assert (
+        f"{second}:7: steps[0].send.route: must be one of chat, completions, generate, responses, messages, embeddings"
+        in err
+    )
     assert "1 valid case(s), 2 error(s)" in out
 
 
@@ -137,10 +179,21 @@ def test_background_sends_raw_bodies_and_fleet_changes_load(tmp_path: Path) -> N
     assert case.discovery == "etcd"
     assert {"discovery.etcd", "worker.status"} <= case.capabilities_needed()
     kinds = [type(step).__name__ for step in case.steps]
-    assert kinds == ["SendStep", "FleetChangeStep", "FleetChangeStep", "FleetChangeStep", "SendStep", "AwaitStep"]
+    assert kinds == [
+        "SendStep",
+        "FleetChangeStep",
+        "FleetChangeStep",
+        "FleetChangeStep",
+        "SendStep",
+        "AwaitStep",
+    ]
     first, change, _, add, raw, wait = case.steps
     assert isinstance(first, SendStep) and first.request.background == "long"
-    assert isinstance(change, FleetChangeStep) and (change.action, change.workers, change.status) == ("set_status", ("a",), "draining")
+    assert isinstance(change, FleetChangeStep) and (
+        change.action,
+        change.workers,
+        change.status,
+    ) == ("set_status", ("a",), "draining")
     assert isinstance(add, FleetChangeStep) and add.workers == ("b",)
     assert isinstance(raw, SendStep) and raw.request.raw is not None and raw.request.raw.nested == 5
     assert isinstance(wait, AwaitStep) and wait.name == "long"
@@ -150,19 +203,59 @@ def test_background_sends_raw_bodies_and_fleet_changes_load(tmp_path: Path) -> N
     ("text", "line", "field", "words"),
     [
         # A capability nobody declares, with a suggestion.
-        (GOOD.replace("fleet:", "requires: [breaker.single_prob]\nfleet:"), 3, "requires", "did you mean 'breaker.single_probe'"),
+        (
+            GOOD.replace("fleet:", "requires: [breaker.single_prob]\nfleet:"),
+            3,
+            "requires",
+            "did you mean 'breaker.single_probe'",
+        ),
         # A fleet change needs a discovery backend to happen in.
         (DISCOVERY.replace("discovery: etcd\n", ""), 8, "steps[1].set_status", "set `discovery`"),
-        (DISCOVERY.replace("discovery: etcd", "discovery: consul"), 3, "discovery", "must be one of etcd, kubernetes"),
+        (
+            DISCOVERY.replace("discovery: etcd", "discovery: consul"),
+            3,
+            "discovery",
+            "must be one of etcd, kubernetes",
+        ),
         # An await of a name no send started, and a send never awaited.
-        (DISCOVERY.replace("await: long", "await: short"), 13, "steps[5].await", "no background send 'short'"),
-        (DISCOVERY.replace("  - await: long\n    expect: {status: 200}\n", ""), 12, "steps", "never awaited: long"),
+        (
+            DISCOVERY.replace("await: long", "await: short"),
+            13,
+            "steps[5].await",
+            "no background send 'short'",
+        ),
+        (
+            DISCOVERY.replace("  - await: long\n    expect: {status: 200}\n", ""),
+            12,
+            "steps",
+            "never awaited: long",
+        ),
         # A background send is checked by its await, not by itself.
-        (DISCOVERY.replace("background: long}", "background: long}\n    expect: {status: 200}"), 9, "steps[0].expect", "await step"),
+        (
+            DISCOVERY.replace("background: long}", "background: long}\n    expect: {status: 200}"),
+            9,
+            "steps[0].expect",
+            "await step",
+        ),
         # A raw body is one thing.
-        (DISCOVERY.replace("raw: {nested: 5}", "raw: {nested: 5, size: 10}"), 12, "steps[4].send.raw", "exactly one of text, nested, size"),
-        (DISCOVERY.replace("raw: {nested: 5}", "raw: {text: 5}"), 12, "steps[4].send.raw.text", "must be a string"),
-        (DISCOVERY.replace("raw: {nested: 5}", "raw: {nested: 5}, body: {n: 2}"), 12, "steps[4].send.body", "no body fields"),
+        (
+            DISCOVERY.replace("raw: {nested: 5}", "raw: {nested: 5, size: 10}"),
+            12,
+            "steps[4].send.raw",
+            "exactly one of text, nested, size",
+        ),
+        (
+            DISCOVERY.replace("raw: {nested: 5}", "raw: {text: 5}"),
+            12,
+            "steps[4].send.raw.text",
+            "must be a string",
+        ),
+        (
+            DISCOVERY.replace("raw: {nested: 5}", "raw: {nested: 5}, body: {n: 2}"),
+            12,
+            "steps[4].send.body",
+            "no body fields",
+        ),
     ],
 )
 def test_a_bad_new_field_names_file_line_and_field(
@@ -181,7 +274,18 @@ def test_validate_checks_a_module_class_plane_and_the_spec_version(
 ) -> None:
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     assert main(["validate", "--plane", "tests.conformance.stub_planes:StubPlane"]) == 0
-    assert main(["list", "--plane", "tests.conformance.stub_planes:StubPlane", "--case", "raw/non-json-is-400"]) == 0
+    assert (
+        main(
+            [
+                "list",
+                "--plane",
+                "tests.conformance.stub_planes:StubPlane",
+                "--case",
+                "raw/non-json-is-400",
+            ]
+        )
+        == 0
+    )
     assert "raw/non-json-is-400" in capsys.readouterr().out
     assert main(["validate", "--plane", "tests.conformance.test_validate:TypoPlane"]) == 2
     assert "plane typo: unknown capability 'breaker.singel_probe'" in capsys.readouterr().err

@@ -26,7 +26,17 @@ from conformance.runner import judge
 
 
 def case(*workers: WorkerSpec) -> Case:
-    return Case("x/y", Path("x/y.yaml"), "n", "d", (), frozenset(), workers, RouterSettings(), (WaitStep(1, 1.0),))
+    return Case(
+        "x/y",
+        Path("x/y.yaml"),
+        "n",
+        "d",
+        (),
+        frozenset(),
+        workers,
+        RouterSettings(),
+        (WaitStep(1, 1.0),),
+    )
 
 
 def test_status_counts_are_strict() -> None:
@@ -49,15 +59,24 @@ def test_headers_and_error_code_apply_to_every_answer() -> None:
     assert check_answers(expect, [good]) == []
     lines = check_answers(expect, [good, bad])
     assert len(lines) == 2
-    assert lines[0].startswith("error_code: expected 'no_available_workers' on every answer, 1 of 2")
-    assert lines[1].startswith("headers[retry-after]: expected an integer >= 1 on every answer, 1 of 2 had {'0': 1}")
+    assert lines[0].startswith(
+        "error_code: expected 'no_available_workers' on every answer, 1 of 2"
+    )
+    assert lines[1].startswith(
+        "headers[retry-after]: expected an integer >= 1 on every answer, 1 of 2 had {'0': 1}"
+    )
 
 
 def test_stream_end_tells_done_error_and_truncated_apart() -> None:
     head = b'data: {"choices": []}\n\n'
     assert stream_end(Answer(200, body=head + b"data: [DONE]\n\n")) == "done"
     assert stream_end(Answer(200, body=head + b'event: error\ndata: {"error": {}}\n\n')) == "error"
-    assert stream_end(Answer(200, body=head + b'data: {"error": {"message": "x"}}\n\ndata: [DONE]\n\n')) == "error"
+    assert (
+        stream_end(
+            Answer(200, body=head + b'data: {"error": {"message": "x"}}\n\ndata: [DONE]\n\n')
+        )
+        == "error"
+    )
     assert stream_end(Answer(200, body=head, transport_error="RemoteProtocolError")) == "truncated"
 
 
@@ -65,7 +84,9 @@ def test_dispatch_counts_per_worker_and_for_the_whole_fleet() -> None:
     c = case(WorkerSpec("a"), WorkerSpec("b"))
     view = WorkerView(delta={"a": 3, "b": 5}, total={"a": 4, "b": 5}, handoffs={})
     assert check_workers(Expect(dispatches={"a": Range(3, 3), "all": Range(8, 8)}), c, view) == []
-    lines = check_workers(Expect(dispatches={"b": Range(0, 4)}, dispatches_total={"a": Range(3, 3)}), c, view)
+    lines = check_workers(
+        Expect(dispatches={"b": Range(0, 4)}, dispatches_total={"a": Range(3, 3)}), c, view
+    )
     assert lines == [
         "dispatches[b]: expected [0, 4], got 5 (per worker: {a: 3, b: 5})",
         "dispatches_total[a]: expected 3, got 4 (per worker: {a: 4, b: 5})",
@@ -82,7 +103,10 @@ def test_busiest_is_whichever_worker_received_the_most() -> None:
 
 
 def test_rooms_must_match_across_legs_and_name_the_prefill_rank() -> None:
-    c = case(WorkerSpec("p", role="prefill", dp_size=4, bootstrap_port=9000), WorkerSpec("d", role="decode"))
+    c = case(
+        WorkerSpec("p", role="prefill", dp_size=4, bootstrap_port=9000),
+        WorkerSpec("d", role="decode"),
+    )
     good: dict[str, list[dict[str, Any]]] = {
         "p": [{"bootstrap_room": 4 * 7 + 2, "dp_rank_header": "2", "bootstrap_port": 9000}],
         "d": [{"bootstrap_room": 4 * 7 + 2, "disagg_prefill_dp_rank": 2, "bootstrap_port": 9000}],
@@ -93,7 +117,9 @@ def test_rooms_must_match_across_legs_and_name_the_prefill_rank() -> None:
         "d": [{"bootstrap_room": 30, "disagg_prefill_dp_rank": 0, "bootstrap_port": 9000}],
     }
     lines = check_handoffs(HandoffCheck(rooms_match=True, room_matches_rank=True), c, wrong_rank)
-    assert lines[0].startswith("handoffs.rooms_match: the legs saw different rooms (prefill only: [29], decode only: [30])")
+    assert lines[0].startswith(
+        "handoffs.rooms_match: the legs saw different rooms (prefill only: [29], decode only: [30])"
+    )
     assert lines[1].startswith("handoffs.room_matches_rank: 2 of 2 rooms wrong")
     assert "no rank for room 29" in lines[1]
     assert "room 30 % 4 = 2, rank 0" in lines[1]
@@ -112,7 +138,9 @@ def test_verdicts_against_the_divergence_list() -> None:
 
 def test_a_divergence_file_is_checked_like_a_case(tmp_path: Path) -> None:
     path = tmp_path / "d.yaml"
-    path.write_text("x/y:\n  observed: answers 503\n  reason: by design\nx/gone:\n  observed: o\n  reason: r\n")
+    path.write_text(
+        "x/y:\n  observed: answers 503\n  reason: by design\nx/gone:\n  observed: o\n  reason: r\n"
+    )
     divergences = load_divergences(path)
     assert sorted(divergences) == ["x/gone", "x/y"]
     [error] = unknown_cases(path, divergences, {"x/y"})
@@ -137,7 +165,12 @@ def test_the_report_shows_every_verdict_in_markdown_and_junit() -> None:
         Outcome("x/y", "two", "stale", "listed but passes", seconds=2.0),
     ]
     info = RunInfo(
-        {"one": "1.0", "two": "2.0"}, {"one": frozenset({"pd"}), "two": frozenset()}, "conformance run", 3.0, 4, "7"
+        {"one": "1.0", "two": "2.0"},
+        {"one": frozenset({"pd"}), "two": frozenset()},
+        "conformance run",
+        3.0,
+        4,
+        "7",
     )
     text = markdown(outcomes, info)
     assert "| case | one 1.0 | two 2.0 |" in text
@@ -153,12 +186,17 @@ def test_the_report_shows_every_verdict_in_markdown_and_junit() -> None:
     assert failure is not None and failure.get("type") == "stale"
 
 
-def test_a_plane_is_named_or_imported_as_module_and_class(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_plane_is_named_or_imported_as_module_and_class(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from conformance.cli import main
     from conformance.planes import resolve_plane
 
     assert resolve_plane("smg").name == "smg"
-    assert resolve_plane("tests.conformance.test_suite_can_fail:BreakerOff").name == "python-breaker-off"
+    assert (
+        resolve_plane("tests.conformance.test_suite_can_fail:BreakerOff").name
+        == "python-breaker-off"
+    )
     with pytest.raises(ValueError, match="unknown plane 'vllm'"):
         resolve_plane("vllm")
     assert main(["run", "--plane", "vllm"]) == 2
@@ -170,7 +208,20 @@ def test_list_says_what_each_plane_makes_of_a_case(capsys: pytest.CaptureFixture
     from conformance.cli import main
 
     spec = Path(__file__).resolve().parents[2] / "spec"
-    assert main(["--spec", str(spec), "list", "--case", "breaker/single-probe-under-concurrency", "--case", "pd/unknown-model-404"]) == 0
+    assert (
+        main(
+            [
+                "--spec",
+                str(spec),
+                "list",
+                "--case",
+                "breaker/single-probe-under-concurrency",
+                "--case",
+                "pd/unknown-model-404",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "breaker/single-probe-under-concurrency" in out
     assert "python: runs; smg: unsupported; vllm-router: unsupported" in out

@@ -51,12 +51,32 @@ async def test_agent_waits_for_health_registers_and_drains_on_sigterm(
 
                 nursery.start_soon(record_events)
                 command = [
-                    "agent", "--engine-url", worker.url, "--model", "fake-model",
-                    "--role", "mixed", "--engine", "sglang", "--etcd-endpoint", etcd.url,
-                    "--etcd-prefix", PREFIX, "--worker-id", "agent-w1", "--lease-ttl-s", "30",
-                    "--health-poll-s", "0.1", "--drain-poll-s", "0.1",
-                    "--drain-settle-s", str(SETTLE_S), "--drain-timeout-s", "30",
-                ]  # fmt: skip
+                    "agent",
+                    "--engine-url",
+                    worker.url,
+                    "--model",
+                    "fake-model",
+                    "--role",
+                    "mixed",
+                    "--engine",
+                    "sglang",
+                    "--etcd-endpoint",
+                    etcd.url,
+                    "--etcd-prefix",
+                    PREFIX,
+                    "--worker-id",
+                    "agent-w1",
+                    "--lease-ttl-s",
+                    "30",
+                    "--health-poll-s",
+                    "0.1",
+                    "--drain-poll-s",
+                    "0.1",
+                    "--drain-settle-s",
+                    str(SETTLE_S),
+                    "--drain-timeout-s",
+                    "30",
+                ]
                 async with open_cli(command, log_path=log_path) as agent:
                     await registered.wait()
                     registered_at, put = events[0]
@@ -65,14 +85,22 @@ async def test_agent_waits_for_health_registers_and_drains_on_sigterm(
                     assert worker.worker.routing.paths.get("/health", 0) >= 2
                     assert (put.type, put.key) == ("PUT", PREFIX + "agent-w1")
                     assert orjson.loads(put.value) == {
-                        "id": "agent-w1", "url": worker.url, "model": ["fake-model"],
-                        "role": "mixed", "engine": "sglang", "dp_size": 1, "dp_rank": None,
-                    }  # fmt: skip
+                        "id": "agent-w1",
+                        "url": worker.url,
+                        "model": ["fake-model"],
+                        "role": "mixed",
+                        "engine": "sglang",
+                        "dp_size": 1,
+                        "dp_rank": None,
+                    }
 
                     # A long generation straight at the engine, in flight at SIGTERM.
                     async with httpx.AsyncClient(base_url=worker.url, timeout=30) as engine_client:
-                        body = {"model": "fake-model", "stream": True,
-                                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+                        body = {
+                            "model": "fake-model",
+                            "stream": True,
+                            "messages": [{"role": "user", "content": "hi"}],
+                        }
                         async with engine_client.stream(
                             "POST", "/v1/chat/completions", json=body
                         ) as response:
@@ -85,8 +113,10 @@ async def test_agent_waits_for_health_registers_and_drains_on_sigterm(
 
                 text, done = sse_text(streamed)
                 assert done and text == expected_text(100)
-                kinds = [(event.type, orjson.loads(event.value).get("status") if event.value else None)
-                         for _, event in events]  # fmt: skip
+                kinds = [
+                    (event.type, orjson.loads(event.value).get("status") if event.value else None)
+                    for _, event in events
+                ]
                 assert kinds == [("PUT", None), ("PUT", "DRAINING"), ("DELETE", None)]
                 draining_at, deleted_at = events[1][0], events[2][0]
                 assert draining_at - signalled_at < 1.0
@@ -106,9 +136,16 @@ async def test_agent_waits_for_health_registers_and_drains_on_sigterm(
 
 async def test_agent_refuses_a_prefill_without_bootstrap_port(tmp_path: Path) -> None:
     command = [
-        "agent", "--engine-url", "http://127.0.0.1:9", "--model", "m", "--role", "prefill",
-        "--etcd-endpoint", "http://127.0.0.1:9",
-    ]  # fmt: skip
+        "agent",
+        "--engine-url",
+        "http://127.0.0.1:9",
+        "--model",
+        "m",
+        "--role",
+        "prefill",
+        "--etcd-endpoint",
+        "http://127.0.0.1:9",
+    ]
     with trio.fail_after(20):
         async with open_cli(command, log_path=tmp_path / "agent.log") as agent:
             assert await agent.wait() == 2

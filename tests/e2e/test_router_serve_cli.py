@@ -94,24 +94,42 @@ async def _wait_refused(port: int) -> None:
 async def _run(*args: str) -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
         [sys.executable, "-m", "router.cli", *args],
-        capture_stdout=True, capture_stderr=True, check=False, cwd=REPO,
-    )  # fmt: skip
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        cwd=REPO,
+    )
 
 
 async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0() -> None:
     with trio.fail_after(30):
         async with _child(
-            "fake-worker", "--port", "0", "--tokens", str(TOKENS), "--token-latency-ms", str(TOKEN_LATENCY_MS)
+            "fake-worker",
+            "--port",
+            "0",
+            "--tokens",
+            str(TOKENS),
+            "--token-latency-ms",
+            str(TOKEN_LATENCY_MS),
         ) as (worker, worker_out, _):
-            worker_url = (await worker_out.wait_for(r"^fake-worker listening on (http://\S+)$")).group(1)
+            worker_url = (
+                await worker_out.wait_for(r"^fake-worker listening on (http://\S+)$")
+            ).group(1)
             async with _child(
                 "serve", "--port", "0", "--worker", worker_url, "--shutdown-grace-s", "60"
             ) as (router, _, router_err):
-                router_url = (await router_err.wait_for(r"router listening on (http://\S+) with 1 workers")).group(1)
-                body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-                async with httpx.AsyncClient(base_url=router_url, timeout=10) as client, client.stream(
-                    "POST", "/v1/chat/completions", json=body
-                ) as stream:
+                router_url = (
+                    await router_err.wait_for(r"router listening on (http://\S+) with 1 workers")
+                ).group(1)
+                body = {
+                    "model": "fake-model",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True,
+                }
+                async with (
+                    httpx.AsyncClient(base_url=router_url, timeout=10) as client,
+                    client.stream("POST", "/v1/chat/completions", json=body) as stream,
+                ):
                     assert stream.status_code == 200
                     assert stream.headers["x-router-worker"] == worker_url
                     chunks = stream.aiter_raw()
@@ -144,13 +162,19 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0() -> None:
     [
         (["--port", "abc"], "router serve: --port must be an integer, got 'abc'"),
         (["--policy", "fastest"], "router serve: --policy must be one of round_robin, random, "),
-        (["--worker", "localhost:8000"], "router serve: --worker 'localhost:8000': worker URL 'localhost:8000' must start with http://"),
+        (
+            ["--worker", "localhost:8000"],
+            "router serve: --worker 'localhost:8000': worker URL 'localhost:8000' must start with http://",
+        ),
         (
             ["--worker", "http://127.0.0.1:1,model=m", "--worker", "https://gpu-7:8000,model=m"],
             "router serve: --worker 'https://gpu-7:8000,model=m': worker URL 'https://gpu-7:8000': "
             "TLS to workers is not supported",
         ),
-        (["--worker", "http://gpü-7:8000"], "router serve: --worker 'http://gpü-7:8000': worker URL 'http://gpü-7:8000' must be ASCII"),
+        (
+            ["--worker", "http://gpü-7:8000"],
+            "router serve: --worker 'http://gpü-7:8000': worker URL 'http://gpü-7:8000' must be ASCII",
+        ),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )

@@ -24,20 +24,46 @@ async def test_serve_follows_pods_and_drains_a_terminating_one(tmp_path: Path) -
             await nursery.start(api.serve)
             kubeconfig = write_kubeconfig(tmp_path, api)
             async with _child(
-                "serve", "--port", "0", "--discovery", "kubernetes", "--k8s-selector", "app=engine",
-                "--k8s-kubeconfig", str(kubeconfig),
-            ) as (router, _, err):  # fmt: skip
-                url = (await err.wait_for(r"router listening on (http://\S+) with 2 workers")).group(1)
-                body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+                "serve",
+                "--port",
+                "0",
+                "--discovery",
+                "kubernetes",
+                "--k8s-selector",
+                "app=engine",
+                "--k8s-kubeconfig",
+                str(kubeconfig),
+            ) as (router, _, err):
+                url = (
+                    await err.wait_for(r"router listening on (http://\S+) with 2 workers")
+                ).group(1)
+                body = {
+                    "model": "fake-model",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 1,
+                }
                 async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-                    served = {(await client.post("/v1/chat/completions", json=body)).headers["x-router-worker"] for _ in range(4)}
+                    served = {
+                        (await client.post("/v1/chat/completions", json=body)).headers[
+                            "x-router-worker"
+                        ]
+                        for _ in range(4)
+                    }
                     assert served == {"default/w-0", "default/w-1"}
                     api.begin_deletion("w-1", grace_s=15)
                     await err.wait_for(r"Pod default/w-1 is terminating: DRAINING")
-                    after = [(await client.post("/v1/chat/completions", json=body)) for _ in range(4)]
+                    after = [
+                        (await client.post("/v1/chat/completions", json=body)) for _ in range(4)
+                    ]
                     health = (await client.get("/health")).json()
-                assert [(r.status_code, r.headers["x-router-worker"]) for r in after] == [(200, "default/w-0")] * 4
-                assert health["discovery"] == {"source": "kubernetes", "up": True, "detail": health["discovery"]["detail"]}
+                assert [(r.status_code, r.headers["x-router-worker"]) for r in after] == [
+                    (200, "default/w-0")
+                ] * 4
+                assert health["discovery"] == {
+                    "source": "kubernetes",
+                    "up": True,
+                    "detail": health["discovery"]["detail"],
+                }
                 assert router.returncode is None
             nursery.cancel_scope.cancel()
     assert "Traceback" not in err.text
@@ -47,14 +73,26 @@ async def test_serve_follows_pods_and_drains_a_terminating_one(tmp_path: Path) -
     ("args", "complaint"),
     [
         (["--discovery", "kubernetes"], "Kubernetes discovery needs --k8s-selector"),
-        (["--discovery", "kubernetes", "--k8s-selector", "app"], "label selector term 'app' is not key=value"),
         (
-            ["--discovery", "kubernetes", "--k8s-selector", "app=x", "--k8s-kubeconfig", "/nonexistent/kubeconfig"],
+            ["--discovery", "kubernetes", "--k8s-selector", "app"],
+            "label selector term 'app' is not key=value",
+        ),
+        (
+            [
+                "--discovery",
+                "kubernetes",
+                "--k8s-selector",
+                "app=x",
+                "--k8s-kubeconfig",
+                "/nonexistent/kubeconfig",
+            ],
             "kubeconfig /nonexistent/kubeconfig: [Errno 2]",
         ),
     ],
 )
-async def test_a_kubernetes_setting_it_cannot_use_exits_2_with_the_reason(args: list[str], complaint: str) -> None:
+async def test_a_kubernetes_setting_it_cannot_use_exits_2_with_the_reason(
+    args: list[str], complaint: str
+) -> None:
     with trio.fail_after(30):
         result = await _run("serve", "--port", "0", *args)
     stderr = result.stderr.decode()

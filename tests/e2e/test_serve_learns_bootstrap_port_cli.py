@@ -11,19 +11,33 @@ from tests.e2e.test_router_serve_cli import _child
 
 async def test_serve_starts_with_a_bare_prefill_and_hands_off_with_the_learned_port() -> None:
     with trio.fail_after(60):
-        async with _child(
-            "fake-worker", "--port", "0", "--role", "prefill", "--bootstrap-port", "9555"
-        ) as (_, prefill_out, _), _child("fake-worker", "--port", "0", "--role", "decode") as (_, decode_out, _):
+        async with (
+            _child(
+                "fake-worker", "--port", "0", "--role", "prefill", "--bootstrap-port", "9555"
+            ) as (_, prefill_out, _),
+            _child("fake-worker", "--port", "0", "--role", "decode") as (_, decode_out, _),
+        ):
             pattern = r"^fake-worker listening on (http://\S+)$"
             prefill_url = (await prefill_out.wait_for(pattern)).group(1)
             decode_url = (await decode_out.wait_for(pattern)).group(1)
             async with _child(
-                "serve", "--port", "0",
-                "--worker", f"{prefill_url},role=prefill", "--worker", f"{decode_url},role=decode",
-            ) as (router, _, router_err):  # fmt: skip
-                router_url = (await router_err.wait_for(r"router listening on (http://\S+)")).group(1)
+                "serve",
+                "--port",
+                "0",
+                "--worker",
+                f"{prefill_url},role=prefill",
+                "--worker",
+                f"{decode_url},role=decode",
+            ) as (router, _, router_err):
+                router_url = (await router_err.wait_for(r"router listening on (http://\S+)")).group(
+                    1
+                )
                 await router_err.wait_for(r"admitted with facts from its engine")
-                body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                body = {
+                    "model": "fake-model",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                }
                 async with httpx.AsyncClient(timeout=10) as client:
                     answer = await client.post(router_url + "/v1/chat/completions", json=body)
                     routing = (await client.get(decode_url + "/debug/routing")).json()

@@ -23,9 +23,14 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 async def test_without_the_setting_the_admin_routes_do_not_exist() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(1) as fleet, open_router([f"{fleet[0].url},model={MODEL}"]) as router:
+        async with (
+            open_fake_fleet(1) as fleet,
+            open_router([f"{fleet[0].url},model={MODEL}"]) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
-                added = await client.post("/v1/workers", json={"spec": "http://127.0.0.1:9"}, headers=ADMIN)
+                added = await client.post(
+                    "/v1/workers", json={"spec": "http://127.0.0.1:9"}, headers=ADMIN
+                )
                 drained = await client.post(f"/v1/workers/{fleet[0].url}/drain", headers=ADMIN)
                 deleted = await client.delete(f"/v1/workers/{fleet[0].url}", headers=ADMIN)
                 listing = await client.get("/v1/workers")
@@ -38,9 +43,14 @@ async def test_without_the_setting_the_admin_routes_do_not_exist() -> None:
 async def test_a_wrong_admin_key_is_401_and_changes_nothing(authorization: str | None) -> None:
     headers = {} if authorization is None else {"authorization": authorization}
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(2) as fleet, open_router([f"{fleet[0].url},model={MODEL}"], admin_api_key=ADMIN_KEY) as router:
+        async with (
+            open_fake_fleet(2) as fleet,
+            open_router([f"{fleet[0].url},model={MODEL}"], admin_api_key=ADMIN_KEY) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
-                added = await client.post("/v1/workers", json={"spec": f"{fleet[1].url},model={MODEL}"}, headers=headers)
+                added = await client.post(
+                    "/v1/workers", json={"spec": f"{fleet[1].url},model={MODEL}"}, headers=headers
+                )
                 deleted = await client.delete(f"/v1/workers/{fleet[0].url}", headers=headers)
     assert (added.status_code, deleted.status_code) == (401, 401)
     assert [worker.id for worker in router.fleet.workers()] == [fleet[0].url]
@@ -55,9 +65,17 @@ async def test_add_then_drain_then_delete_with_a_request_in_flight() -> None:
             httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
         ):
             # Add the second worker, in the `--worker` syntax, and as a JSON record a bad way.
-            added = await client.post("/v1/workers", json={"spec": f"{fleet[1].url},model={MODEL},id=second"}, headers=ADMIN)
+            added = await client.post(
+                "/v1/workers",
+                json={"spec": f"{fleet[1].url},model={MODEL},id=second"},
+                headers=ADMIN,
+            )
             assert added.status_code == 201 and added.json()["id"] == "second"
-            again = await client.post("/v1/workers", json={"url": fleet[1].url, "id": "second", "model": MODEL}, headers=ADMIN)
+            again = await client.post(
+                "/v1/workers",
+                json={"url": fleet[1].url, "id": "second", "model": MODEL},
+                headers=ADMIN,
+            )
             assert again.status_code == 409
             bad = await client.post("/v1/workers", content=b"{not json", headers=ADMIN)
             assert bad.status_code == 400
@@ -89,8 +107,13 @@ async def test_add_then_drain_then_delete_with_a_request_in_flight() -> None:
                 assert fleet[1].worker.routing.inflight == 0  # removed only once idle
             assert results == [200, 200]
 
-            deleted = await client.delete(f"/v1/workers/{quote(fleet[0].url, safe='')}", headers=ADMIN)
-            assert deleted.status_code == 200 and deleted.json() == {"id": fleet[0].url, "removed": True}
+            deleted = await client.delete(
+                f"/v1/workers/{quote(fleet[0].url, safe='')}", headers=ADMIN
+            )
+            assert deleted.status_code == 200 and deleted.json() == {
+                "id": fleet[0].url,
+                "removed": True,
+            }
             missing = await client.delete("/v1/workers/nobody", headers=ADMIN)
             assert missing.status_code == 404
             assert len(router.fleet) == 0
@@ -99,10 +122,15 @@ async def test_add_then_drain_then_delete_with_a_request_in_flight() -> None:
 async def test_with_discovery_on_the_admin_api_answers_409(etcd: EtcdServer) -> None:
     with trio.fail_after(GUARD_S):
         async with open_router(
-            discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix="/admin-test/", admin_api_key=ADMIN_KEY
+            discovery="etcd",
+            etcd_endpoint=etcd.url,
+            etcd_prefix="/admin-test/",
+            admin_api_key=ADMIN_KEY,
         ) as router:
             async with httpx.AsyncClient(base_url=router.url) as client:
-                added = await client.post("/v1/workers", json={"spec": "http://127.0.0.1:9,model=m"}, headers=ADMIN)
+                added = await client.post(
+                    "/v1/workers", json={"spec": "http://127.0.0.1:9,model=m"}, headers=ADMIN
+                )
                 deleted = await client.delete("/v1/workers/any", headers=ADMIN)
     assert (added.status_code, deleted.status_code) == (409, 409)
     assert added.json()["error"]["code"] == "conflict"
@@ -115,7 +143,9 @@ async def test_a_rolling_update_through_the_admin_api_loses_no_request() -> None
         async with (
             open_fake_fleet(2, tokens=2) as fleet,
             open_router(
-                [f"{fleet[0].url},model={MODEL},id=old"], admin_api_key=ADMIN_KEY, wait_for_workers_s=10.0
+                [f"{fleet[0].url},model={MODEL},id=old"],
+                admin_api_key=ADMIN_KEY,
+                wait_for_workers_s=10.0,
             ) as router,
             httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
         ):
@@ -134,7 +164,9 @@ async def test_a_rolling_update_through_the_admin_api_loses_no_request() -> None
                 assert (await client.delete("/v1/workers/old", headers=ADMIN)).status_code == 200
                 await trio.sleep(3.0)  # the replacement's start-up time, as the scenario says
                 spec = {"spec": f"{fleet[1].url},model={MODEL},id=new"}
-                assert (await client.post("/v1/workers", json=spec, headers=ADMIN)).status_code == 201
+                assert (
+                    await client.post("/v1/workers", json=spec, headers=ADMIN)
+                ).status_code == 201
                 await wait_until(lambda: sum(1 for _, worker in statuses if worker == "new") >= 6)
                 stop.set()
     assert all(status == 200 for status, _ in statuses), [s for s in statuses if s[0] != 200]

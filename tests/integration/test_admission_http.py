@@ -69,13 +69,21 @@ async def test_twenty_at_once_with_limit_4_and_queue_4_serve_8_and_refuse_12() -
     with trio.fail_after(GUARD_S):
         async with (
             open_held_worker() as (worker, url),
-            open_router([f"{url},model={MODEL}"], max_concurrent_requests=4, queue_size=4) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=GUARD_S, limits=httpx.Limits(max_connections=32)) as client,
+            open_router(
+                [f"{url},model={MODEL}"], max_concurrent_requests=4, queue_size=4
+            ) as router,
+            httpx.AsyncClient(
+                base_url=router.url, timeout=GUARD_S, limits=httpx.Limits(max_connections=32)
+            ) as client,
         ):
 
             async def send() -> None:
                 response = await client.post("/v1/chat/completions", json=CHAT)
-                code = response.json().get("error", {}).get("code", "") if response.status_code != 200 else ""
+                code = (
+                    response.json().get("error", {}).get("code", "")
+                    if response.status_code != 200
+                    else ""
+                )
                 results.append((response.status_code, response.headers.get("retry-after"), code))
 
             async with trio.open_nursery() as nursery:
@@ -87,7 +95,11 @@ async def test_twenty_at_once_with_limit_4_and_queue_4_serve_8_and_refuse_12() -
                 worker.release.set()
             scrape = (await client.get("/metrics")).text
     assert sorted(status for status, _, _ in results) == [200] * 8 + [429] * 12
-    assert all(retry_after == "1" and code == "queue_full" for status, retry_after, code in results if status == 429)
+    assert all(
+        retry_after == "1" and code == "queue_full"
+        for status, retry_after, code in results
+        if status == 429
+    )
     assert worker.received == 8
     assert gate_of(router) == (0, 0)
     assert 'router_admission_refused_total{reason="queue_full"} 12.0' in scrape
@@ -100,14 +112,21 @@ async def test_waiters_past_the_queue_timeout_get_503_queue_timeout() -> None:
         async with (
             open_held_worker() as (worker, url),
             open_router(
-                [f"{url},model={MODEL}"], max_concurrent_requests=1, queue_size=4, queue_timeout_s=0.3
+                [f"{url},model={MODEL}"],
+                max_concurrent_requests=1,
+                queue_size=4,
+                queue_timeout_s=0.3,
             ) as router,
             httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
         ):
 
             async def send() -> None:
                 response = await client.post("/v1/chat/completions", json=CHAT)
-                code = response.json().get("error", {}).get("code", "") if response.status_code != 200 else ""
+                code = (
+                    response.json().get("error", {}).get("code", "")
+                    if response.status_code != 200
+                    else ""
+                )
                 results.append((response.status_code, response.headers.get("retry-after"), code))
 
             async with trio.open_nursery() as nursery:
@@ -115,7 +134,11 @@ async def test_waiters_past_the_queue_timeout_get_503_queue_timeout() -> None:
                     nursery.start_soon(send)
                 await wait_until(lambda: len(results) == 2)
                 worker.release.set()
-    assert sorted(results) == [(200, None, ""), (503, "1", "queue_timeout"), (503, "1", "queue_timeout")]
+    assert sorted(results) == [
+        (200, None, ""),
+        (503, "1", "queue_timeout"),
+        (503, "1", "queue_timeout"),
+    ]
     assert worker.received == 1
     assert router.app.admission.statistics().queue_timeout == 2
 
@@ -124,7 +147,9 @@ async def test_a_queued_client_that_disconnects_frees_its_place_at_once() -> Non
     with trio.fail_after(GUARD_S):
         async with (
             open_held_worker() as (worker, url),
-            open_router([f"{url},model={MODEL}"], max_concurrent_requests=1, queue_size=1) as router,
+            open_router(
+                [f"{url},model={MODEL}"], max_concurrent_requests=1, queue_size=1
+            ) as router,
             httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
         ):
             body = orjson.dumps(CHAT)

@@ -33,7 +33,9 @@ def _anthropic(base_url: str) -> anthropic.Anthropic:
 
 def _embeddings(base_url: str) -> dict[str, Any]:
     with _openai(base_url) as client:
-        result = client.embeddings.create(model=MODEL, input=["the same words", "other words here", "the same words"])
+        result = client.embeddings.create(
+            model=MODEL, input=["the same words", "other words here", "the same words"]
+        )
     return {
         "vectors": [item.embedding for item in result.data],
         "indexes": [item.index for item in result.data],
@@ -44,7 +46,10 @@ def _embeddings(base_url: str) -> dict[str, Any]:
 
 async def test_openai_embeddings_create_through_the_router() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([FakeWorkerSettings(embedding_dim=12)]) as fleet, open_router([fleet[0].url]) as router:
+        async with (
+            open_fake_fleet([FakeWorkerSettings(embedding_dim=12)]) as fleet,
+            open_router([fleet[0].url]) as router,
+        ):
             routed = await trio.to_thread.run_sync(_embeddings, router.url)
             direct = await trio.to_thread.run_sync(_embeddings, fleet[0].url)
             paths = dict(fleet[0].worker.routing.paths)
@@ -60,8 +65,12 @@ async def test_openai_embeddings_create_through_the_router() -> None:
 
 def _responses(base_url: str) -> dict[str, Any]:
     with _openai(base_url) as client:
-        unary = client.responses.create(model=MODEL, input="say four words please", max_output_tokens=5)
-        with client.responses.create(model=MODEL, input="say four words please", max_output_tokens=5, stream=True) as stream:
+        unary = client.responses.create(
+            model=MODEL, input="say four words please", max_output_tokens=5
+        )
+        with client.responses.create(
+            model=MODEL, input="say four words please", max_output_tokens=5, stream=True
+        ) as stream:
             events = list(stream)
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     final = events[-1]
@@ -88,7 +97,12 @@ async def test_openai_responses_create_unary_and_streaming_through_the_router() 
     assert routed["status"] == "incomplete"  # stopped by max_output_tokens
     assert routed["usage"] == (4, 5, 9)
     types = routed["event_types"]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert types.count("response.output_text.delta") == 5
     assert types[-1] == "response.incomplete"
     assert routed["sequence"] == list(range(len(types)))
@@ -98,11 +112,17 @@ async def test_openai_responses_create_unary_and_streaming_through_the_router() 
 def _messages(base_url: str) -> dict[str, Any]:
     conversation = [{"role": "user", "content": "three words here"}]
     with _anthropic(base_url) as client:
-        unary = client.messages.create(model=MODEL, max_tokens=6, system="be brief", messages=conversation)  # type: ignore[arg-type]
-        with client.messages.stream(model=MODEL, max_tokens=6, system="be brief", messages=conversation) as stream:  # type: ignore[arg-type]
+        unary = client.messages.create(
+            model=MODEL, max_tokens=6, system="be brief", messages=conversation
+        )  # type: ignore[arg-type]
+        with client.messages.stream(
+            model=MODEL, max_tokens=6, system="be brief", messages=conversation
+        ) as stream:  # type: ignore[arg-type]
             streamed_text = "".join(stream.text_stream)
             final = stream.get_final_message()
-        with client.messages.create(model=MODEL, max_tokens=2, messages=conversation, stream=True) as raw:  # type: ignore[arg-type]
+        with client.messages.create(
+            model=MODEL, max_tokens=2, messages=conversation, stream=True
+        ) as raw:  # type: ignore[arg-type]
             raw_events = [event.type for event in raw]
     text = unary.content[0].text  # type: ignore[union-attr]
     return {
@@ -128,8 +148,13 @@ async def test_anthropic_messages_create_unary_and_streaming_through_the_router(
     assert routed["final"] == ("max_tokens", 5, 6)
     # (the client drops `ping` events)
     assert routed["raw_events"] == [
-        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
-        "content_block_stop", "message_delta", "message_stop",
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
     ]
     assert dispatches == 6
 
@@ -137,7 +162,9 @@ async def test_anthropic_messages_create_unary_and_streaming_through_the_router(
 def _anthropic_error(base_url: str, model: str) -> anthropic.APIStatusError:
     with _anthropic(base_url) as client:
         try:
-            client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            client.messages.create(
+                model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
         except anthropic.APIStatusError as exc:
             return exc
     raise AssertionError("the request was answered 2xx")
@@ -153,7 +180,11 @@ async def test_anthropic_client_reads_the_routers_404_and_503_as_errors_of_its_a
     assert isinstance(missing, anthropic.NotFoundError)
     assert missing.body == {
         "type": "error",
-        "error": {"type": "not_found_error", "message": "model 'no-such-model' is not served by any worker", "code": "model_not_found"},
+        "error": {
+            "type": "not_found_error",
+            "message": "model 'no-such-model' is not served by any worker",
+            "code": "model_not_found",
+        },
     }
     assert unavailable.status_code == 503
     assert isinstance(unavailable.body, dict)

@@ -26,9 +26,15 @@ from tests.support.router_instance import open_router
 GUARD_S = 20
 MODEL = "fake-model"
 EMBEDDINGS = ("/v1/embeddings", {"model": MODEL, "input": ["hello there"]})
-MESSAGES = ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
+MESSAGES = (
+    "/v1/messages",
+    {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]},
+)
 MESSAGES_STREAM = ("/v1/messages", {**MESSAGES[1], "stream": True})
-RESPONSES_STREAM = ("/v1/responses", {"model": MODEL, "input": "hello", "max_output_tokens": 4, "stream": True})
+RESPONSES_STREAM = (
+    "/v1/responses",
+    {"model": MODEL, "input": "hello", "max_output_tokens": 4, "stream": True},
+)
 ALWAYS_503 = FakeWorkerSettings(fail_first=-1, fail_status=503)
 NO_PROBE = {"policy": "round_robin", "breaker_cooldown_s": 60.0, "breaker_max_cooldown_s": 60.0}
 ROUTES = {"embeddings": EMBEDDINGS, "messages": MESSAGES, "messages-stream": MESSAGES_STREAM}
@@ -62,9 +68,12 @@ def assert_whole_answer(path: str, body: dict[str, Any], response: httpx.Respons
 async def test_breaker_stops_paying_for_a_503_worker_after_three(route: str) -> None:
     path, body = ROUTES[route]
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([ALWAYS_503, FakeWorkerSettings()]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
-        ) as router:
+        async with (
+            open_fake_fleet([ALWAYS_503, FakeWorkerSettings()]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
+            ) as router,
+        ):
             bad, good = fleet
             async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
                 for _ in range(10):
@@ -85,9 +94,12 @@ async def test_breaker_stops_paying_for_a_503_worker_after_three(route: str) -> 
 async def test_without_a_breaker_the_503_worker_keeps_being_tried(route: str) -> None:
     path, body = ROUTES[route]
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([ALWAYS_503, FakeWorkerSettings()]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=0, **NO_PROBE
-        ) as router:
+        async with (
+            open_fake_fleet([ALWAYS_503, FakeWorkerSettings()]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet], breaker_failure_threshold=0, **NO_PROBE
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
                 for _ in range(10):
                     assert_whole_answer(path, body, await post(client, path, body))
@@ -99,9 +111,12 @@ async def test_a_404_for_a_route_the_worker_lacks_is_verbatim_never_retried_neve
     lacks_embeddings = FakeWorkerSettings(fail_first=-1, fail_status=404)
     path, body = EMBEDDINGS
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([lacks_embeddings, FakeWorkerSettings()]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE
-        ) as router:
+        async with (
+            open_fake_fleet([lacks_embeddings, FakeWorkerSettings()]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE
+            ) as router,
+        ):
             lacking, serving = fleet
             async with httpx.AsyncClient(base_url=lacking.url) as direct:
                 expected = await direct.post(path, json=body)
@@ -125,19 +140,34 @@ async def test_a_404_for_a_route_the_worker_lacks_is_verbatim_never_retried_neve
 
 async def test_unknown_model_is_404_and_a_downed_fleet_503_on_every_new_route() -> None:
     bodies = {
-        "/v1/embeddings": {"input": "x"}, "/v1/rerank": {"query": "q", "documents": ["a"]},
-        "/v1/score": {"query": "q", "items": ["a"], "label_token_ids": [1, 2]}, "/v1/classify": {"input": "x"},
-        "/v1/tokenize": {"prompt": "x"}, "/v1/detokenize": {"tokens": [1]}, "/tokenize": {"prompt": "x"},
-        "/detokenize": {"tokens": [1]}, "/pooling": {"input": "x"},
-        "/v1/responses": {"input": "x"}, "/v1/messages": MESSAGES[1],
+        "/v1/embeddings": {"input": "x"},
+        "/v1/rerank": {"query": "q", "documents": ["a"]},
+        "/v1/score": {"query": "q", "items": ["a"], "label_token_ids": [1, 2]},
+        "/v1/classify": {"input": "x"},
+        "/v1/tokenize": {"prompt": "x"},
+        "/v1/detokenize": {"tokens": [1]},
+        "/tokenize": {"prompt": "x"},
+        "/detokenize": {"tokens": [1]},
+        "/pooling": {"input": "x"},
+        "/v1/responses": {"input": "x"},
+        "/v1/messages": MESSAGES[1],
     }
     with trio.fail_after(GUARD_S):
         async with open_fake_fleet(1) as fleet, open_router([spec(fleet[0].url)]) as router:
             async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-                served = {path: (await post(client, path, {**body, "model": MODEL})).status_code for path, body in bodies.items()}
-                unknown = {path: await post(client, path, {**body, "model": "nope"}) for path, body in bodies.items()}
+                served = {
+                    path: (await post(client, path, {**body, "model": MODEL})).status_code
+                    for path, body in bodies.items()
+                }
+                unknown = {
+                    path: await post(client, path, {**body, "model": "nope"})
+                    for path, body in bodies.items()
+                }
                 router.fleet.workers()[0].healthy = False
-                down = {path: await post(client, path, {**body, "model": MODEL}) for path, body in bodies.items()}
+                down = {
+                    path: await post(client, path, {**body, "model": MODEL})
+                    for path, body in bodies.items()
+                }
     assert served == dict.fromkeys(bodies, 200)
     assert dispatches(fleet[0]) == len(bodies)  # the 404s and 503s reached nobody
     for path in bodies:
@@ -159,9 +189,16 @@ def _pd_spec(handle: FakeWorkerHandle) -> str:
 
 
 async def test_non_generation_routes_go_to_the_mixed_worker_and_never_to_pd_workers() -> None:
-    fleet_settings = [FakeWorkerSettings(role="prefill", bootstrap_port=9301), FakeWorkerSettings(role="decode"), FakeWorkerSettings()]
+    fleet_settings = [
+        FakeWorkerSettings(role="prefill", bootstrap_port=9301),
+        FakeWorkerSettings(role="decode"),
+        FakeWorkerSettings(),
+    ]
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(fleet_settings) as fleet, open_router([_pd_spec(w) for w in fleet]) as router:
+        async with (
+            open_fake_fleet(fleet_settings) as fleet,
+            open_router([_pd_spec(w) for w in fleet]) as router,
+        ):
             prefill, decode, mixed = fleet
             async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
                 for _ in range(4):
@@ -193,9 +230,9 @@ def sse_events(text: str) -> list[tuple[str | None, Any]]:
         name, data = None, None
         for line in block.split("\n"):
             if line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                data = orjson.loads(line[len("data: "):])
+                data = orjson.loads(line[len("data: ") :])
         events.append((name, data))
     return events
 
@@ -206,9 +243,12 @@ async def test_a_broken_stream_ends_with_the_apis_own_error_event_and_no_retry(r
     k = 4
     breaks = FakeWorkerSettings(fail_first=-1, fail_mode=FailMode.MIDSTREAM, fail_after_chunks=k)
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([breaks, FakeWorkerSettings()]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE
-        ) as router:
+        async with (
+            open_fake_fleet([breaks, FakeWorkerSettings()]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
                 response = await post(client, path, body)
             stats = breaker_of(router, fleet[0].url)
@@ -233,8 +273,12 @@ async def test_a_broken_stream_ends_with_the_apis_own_error_event_and_no_retry(r
 
 
 def _responses_stream_types(base_url: str) -> list[str]:
-    with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=10) as client:
-        stream = client.responses.create(model=MODEL, input="hello", max_output_tokens=4, stream=True)
+    with openai.OpenAI(
+        base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=10
+    ) as client:
+        stream = client.responses.create(
+            model=MODEL, input="hello", max_output_tokens=4, stream=True
+        )
         with stream:
             return [event.type for event in stream]
 
@@ -257,6 +301,8 @@ async def test_wrong_method_on_messages_is_an_anthropic_405() -> None:
     assert response.status_code == 405
     assert response.headers["allow"] == "POST"
     assert response.json()["error"] == {
-        "type": "invalid_request_error", "message": "/v1/messages accepts POST, not GET", "code": "method_not_allowed",
+        "type": "invalid_request_error",
+        "message": "/v1/messages accepts POST, not GET",
+        "code": "method_not_allowed",
     }
     assert dispatches(fleet[0]) == 0

@@ -53,16 +53,18 @@ class LiveRouter:
 
     def dispatches(self) -> int:
         return trio.from_thread.run_sync(
-            lambda: sum(handle.worker.routing.dispatches for handle in self.fleet), trio_token=self.token
+            lambda: sum(handle.worker.routing.dispatches for handle in self.fleet),
+            trio_token=self.token,
         )
 
 
 async def _serve(ready: queue.Queue[LiveRouter | BaseException]) -> None:
     workers = [FakeWorkerSettings(model=model) for model in MODELS]
     with trio.fail_after(600):  # a guard: the module's tests end long before
-        async with open_fake_fleet(workers) as fleet, open_router(
-            [handle.url for handle in fleet], max_body_bytes=MAX_BODY_BYTES
-        ) as router:
+        async with (
+            open_fake_fleet(workers) as fleet,
+            open_router([handle.url for handle in fleet], max_body_bytes=MAX_BODY_BYTES) as router,
+        ):
             stop = trio.Event()
             ready.put(LiveRouter(router.url, trio.lowlevel.current_trio_token(), fleet, stop))
             await stop.wait()
@@ -103,14 +105,19 @@ def client(live_router: LiveRouter) -> Iterator[httpx.Client]:
 
 # -- strategies ------------------------------------------------------------------------
 
-_TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=20)  # JSON cannot carry lone surrogates
+_TEXT = st.text(
+    st.characters(exclude_categories=["Cs"]), max_size=20
+)  # JSON cannot carry lone surrogates
 _HUGE = st.tuples(st.sampled_from("x\u00e9\u4e2d\U0001f600"), st.integers(10_000, 400_000)).map(
     lambda pair: pair[0] * pair[1]
 )
 _SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
-    st.floats(allow_nan=False, allow_infinity=False), _TEXT,
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    _TEXT,
+)
 _JSON = st.recursive(
     _SCALARS,
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_TEXT, inner, max_size=4)),
@@ -148,7 +155,9 @@ _WRONG_BY_PATH = {
             st.just([]),
             st.lists(_not(dict), min_size=1, max_size=3),
             st.builds(lambda role: [{"role": role, "content": "hi"}], _not(str)),
-            st.builds(lambda content: [{"role": "user", "content": content}], _not(str, list, type(None))),
+            st.builds(
+                lambda content: [{"role": "user", "content": content}], _not(str, list, type(None))
+            ),
         ),
     },
     "/v1/completions": {
@@ -161,7 +170,9 @@ _WRONG_BY_PATH = {
     },
     "/generate": {
         "text": st.one_of(_not(str, list), st.lists(_not(str), min_size=1, max_size=3)),
-        "input_ids": st.one_of(_not(list, type(None)), st.lists(_not(int, list), min_size=1, max_size=3)),
+        "input_ids": st.one_of(
+            _not(list, type(None)), st.lists(_not(int, list), min_size=1, max_size=3)
+        ),
         "sampling_params": _not(dict, type(None)),
     },
 }
@@ -179,7 +190,11 @@ def _missing_field(draw: st.DrawFn, path: str) -> bytes:
     body = dict(VALID[path])
     del body[draw(st.sampled_from(REQUIRED[path]))]
     # Unrelated extra fields, a huge one among them, change nothing about what is missing.
-    extra = draw(st.dictionaries(st.sampled_from(["user", "seed", "x" * 50]), st.one_of(_JSON, _HUGE), max_size=2))
+    extra = draw(
+        st.dictionaries(
+            st.sampled_from(["user", "seed", "x" * 50]), st.one_of(_JSON, _HUGE), max_size=2
+        )
+    )
     return orjson.dumps({**extra, **body})
 
 
@@ -193,8 +208,14 @@ def _parses_to_object(raw: bytes) -> bool:
 _INVALID_JSON = st.one_of(
     st.binary(max_size=64),
     _TEXT.map(str.encode),
-    st.sampled_from([b"", b"{", b'{"model": "model-a",}', b'{"model": NaN}', b'"\\ud800"', b"[" * 5000]),
-    st.builds(lambda body, cut: orjson.dumps(body)[: cut % len(orjson.dumps(body))], st.sampled_from(list(VALID.values())), st.integers(0, 200)),
+    st.sampled_from(
+        [b"", b"{", b'{"model": "model-a",}', b'{"model": NaN}', b'"\\ud800"', b"[" * 5000]
+    ),
+    st.builds(
+        lambda body, cut: orjson.dumps(body)[: cut % len(orjson.dumps(body))],
+        st.sampled_from(list(VALID.values())),
+        st.integers(0, 200),
+    ),
 ).filter(lambda raw: not _parses_to_object(raw))
 _NON_OBJECT = st.one_of(_SCALARS, st.lists(_JSON, max_size=4), _HUGE).map(orjson.dumps)
 
@@ -227,7 +248,11 @@ def bad_requests(draw: st.DrawFn) -> tuple[str, str, bytes]:
 # -- tests -----------------------------------------------------------------------------
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(bad=bad_requests())
 def test_bad_bodies_are_4xx_and_never_reach_a_worker(
     live_router: LiveRouter, client: httpx.Client, bad: tuple[str, str, bytes]
@@ -244,7 +269,9 @@ def test_bad_bodies_are_4xx_and_never_reach_a_worker(
     event(f"{kind}: {response.status_code}")
 
 
-def test_a_good_body_on_the_same_router_is_dispatched(live_router: LiveRouter, client: httpx.Client) -> None:
+def test_a_good_body_on_the_same_router_is_dispatched(
+    live_router: LiveRouter, client: httpx.Client
+) -> None:
     """The control: the counter the property test watches does count dispatches."""
     before = live_router.dispatches()
     for path, body in VALID.items():

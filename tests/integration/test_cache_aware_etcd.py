@@ -16,7 +16,11 @@ from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
-PROMPT = {"model": MODEL, "prompt": "a long shared prompt that one worker will hold. " * 20, "max_tokens": 1}
+PROMPT = {
+    "model": MODEL,
+    "prompt": "a long shared prompt that one worker will hold. " * 20,
+    "max_tokens": 1,
+}
 
 
 async def test_a_worker_deregistered_from_etcd_is_forgotten_by_the_tree(etcd: EtcdServer) -> None:
@@ -26,11 +30,20 @@ async def test_a_worker_deregistered_from_etcd_is_forgotten_by_the_tree(etcd: Et
                 await register(nursery, etcd.url, record_for(f"w{i}", w.url), lease_ttl_s=5)
                 for i, w in enumerate(fleet)
             ]
-            async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX, policy="cache_aware"
-            ) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_router(
+                    discovery="etcd",
+                    etcd_endpoint=etcd.url,
+                    etcd_prefix=PREFIX,
+                    policy="cache_aware",
+                ) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 await wait_until(lambda: len(router.fleet) == 2)
-                served = {(await client.post("/v1/completions", json=PROMPT)).headers["x-router-worker"] for _ in range(3)}
+                served = {
+                    (await client.post("/v1/completions", json=PROMPT)).headers["x-router-worker"]
+                    for _ in range(3)
+                }
                 (holder,) = served
                 policy = router.app.generation.policies[Role.MIXED]
                 assert isinstance(policy, CacheAware)

@@ -15,7 +15,9 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}
 
 
 async def _worker_of(client: httpx.AsyncClient, session: str) -> str:
-    response = await client.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": session})
+    response = await client.post(
+        "/v1/chat/completions", json=CHAT, headers={"x-session-id": session}
+    )
     assert response.status_code == 200
     return response.headers["x-router-worker"]
 
@@ -26,9 +28,11 @@ async def _placement(client: httpx.AsyncClient, sessions: Sequence[str]) -> dict
 
 async def test_a_session_stays_on_one_worker_for_20_requests() -> None:
     with trio.fail_after(20):
-        async with open_fake_fleet(3) as fleet, open_router(
-            [w.url for w in fleet], policy="consistent_hash"
-        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+        async with (
+            open_fake_fleet(3) as fleet,
+            open_router([w.url for w in fleet], policy="consistent_hash") as router,
+            httpx.AsyncClient(base_url=router.url) as client,
+        ):
             chosen = {await _worker_of(client, "session-42") for _ in range(20)}
             dispatches = sorted(w.worker.routing.dispatches for w in fleet)
             # Other sessions are spread, not pinned to the same worker.
@@ -41,9 +45,11 @@ async def test_a_session_stays_on_one_worker_for_20_requests() -> None:
 async def test_a_worker_leaving_moves_only_its_own_sessions() -> None:
     sessions = [f"user-{i}" for i in range(60)]
     with trio.fail_after(20):
-        async with open_fake_fleet(4) as fleet, open_router(
-            [w.url for w in fleet], policy="consistent_hash"
-        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+        async with (
+            open_fake_fleet(4) as fleet,
+            open_router([w.url for w in fleet], policy="consistent_hash") as router,
+            httpx.AsyncClient(base_url=router.url) as client,
+        ):
             before = await _placement(client, sessions)
             leaving = fleet[0].url
             gone = router.fleet.remove(leaving)
@@ -72,15 +78,23 @@ async def test_without_a_session_the_prompt_prefix_keeps_a_conversation_together
         {"role": "user", "content": "plan a trip to Lisbon"},
     ]
     with trio.fail_after(20):
-        async with open_fake_fleet(3) as fleet, open_router(
-            [w.url for w in fleet], policy="consistent_hash"
-        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+        async with (
+            open_fake_fleet(3) as fleet,
+            open_router([w.url for w in fleet], policy="consistent_hash") as router,
+            httpx.AsyncClient(base_url=router.url) as client,
+        ):
             chosen = set()
             for turn in range(6):
-                response = await client.post("/v1/chat/completions", json={**CHAT, "messages": turns})
+                response = await client.post(
+                    "/v1/chat/completions", json={**CHAT, "messages": turns}
+                )
                 assert response.status_code == 200
                 chosen.add(response.headers["x-router-worker"])
                 # A conversation grows by appending: the key (up to the first user turn) holds.
-                turns = [*turns, {"role": "assistant", "content": f"a{turn}"}, {"role": "user", "content": f"q{turn}"}]
+                turns = [
+                    *turns,
+                    {"role": "assistant", "content": f"a{turn}"},
+                    {"role": "user", "content": f"q{turn}"},
+                ]
     assert len(chosen) == 1
     assert sorted(w.worker.routing.dispatches for w in fleet) == [0, 0, 6]

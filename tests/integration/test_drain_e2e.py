@@ -38,10 +38,22 @@ async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_re
 ) -> None:
     log_path = tmp_path / "drainee.log"
     command = [
-        "fake-worker", "--port", "0", "--register", f"etcd://127.0.0.1:{etcd.client_port}",
-        "--etcd-prefix", PREFIX, "--worker-id", DRAINEE, "--tokens", str(LONG_TOKENS),
-        "--token-latency-ms", "10", "--drain-settle-s", str(SETTLE_S),
-    ]  # fmt: skip
+        "fake-worker",
+        "--port",
+        "0",
+        "--register",
+        f"etcd://127.0.0.1:{etcd.client_port}",
+        "--etcd-prefix",
+        PREFIX,
+        "--worker-id",
+        DRAINEE,
+        "--tokens",
+        str(LONG_TOKENS),
+        "--token-latency-ms",
+        "10",
+        "--drain-settle-s",
+        str(SETTLE_S),
+    ]
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     try:
         with trio.fail_after(40):
@@ -51,10 +63,14 @@ async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_re
                 open_cli(command, log_path=log_path) as drainee,
             ):
                 for i, worker in enumerate(fleet):
-                    await register(nursery, etcd.url, record_for(f"w{i}", worker.url), lease_ttl_s=30)
+                    await register(
+                        nursery, etcd.url, record_for(f"w{i}", worker.url), lease_ttl_s=30
+                    )
                 assert (await read_line(drainee.stdout)).startswith("fake-worker listening on")
                 async with (
-                    open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router,
+                    open_router(
+                        discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
+                    ) as router,
                     httpx.AsyncClient(base_url=router.url, timeout=30) as client,
                 ):
                     await wait_until(lambda: router.fleet.get(DRAINEE) is not None)
@@ -87,7 +103,13 @@ async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_re
                             response = await client.post(
                                 "/v1/chat/completions", json={**chat, "max_tokens": 8}
                             )
-                            sent.append(Sent(at, response.headers.get("x-router-worker"), response.status_code))
+                            sent.append(
+                                Sent(
+                                    at,
+                                    response.headers.get("x-router-worker"),
+                                    response.status_code,
+                                )
+                            )
                             await trio.sleep(0.04)  # pacing: the flow spans the drain
 
                     async with trio.open_nursery() as traffic:

@@ -34,7 +34,9 @@ async def test_a_prefill_without_bootstrap_port_learns_it_and_serves_pd() -> Non
                 assert worker.record.dp_size == 2  # learned with the port
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     for _ in range(4):
-                        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+                        assert (
+                            await client.post("/v1/chat/completions", json=CHAT)
+                        ).status_code == 200
                     listing = (await client.get("/v1/workers")).json()["workers"]
             assert [h["bootstrap_port"] for h in decode.worker.routing.handoffs] == [9123] * 4
             assert prefill.worker.routing.ranks == {"0": 2, "1": 2}
@@ -44,7 +46,10 @@ async def test_a_prefill_without_bootstrap_port_learns_it_and_serves_pd() -> Non
 
 
 async def test_an_explicit_dp_size_wins_over_what_the_engine_says() -> None:
-    settings = [FakeWorkerSettings(role="prefill", bootstrap_port=9124, dp_size=2), FakeWorkerSettings(role="decode")]
+    settings = [
+        FakeWorkerSettings(role="prefill", bootstrap_port=9124, dp_size=2),
+        FakeWorkerSettings(role="decode"),
+    ]
     with trio.fail_after(30):
         async with open_fake_fleet(settings) as (prefill, decode):
             specs = [f"{prefill.url},role=prefill,dp_size=1", f"{decode.url},role=decode"]
@@ -63,7 +68,9 @@ async def test_a_worker_whose_facts_cannot_be_learned_is_not_admitted_and_says_w
         async with open_fake_fleet(settings) as (wrong, decode):
             specs = [f"{wrong.url},role=prefill", f"{decode.url},role=decode"]
             async with open_router(specs) as router:
-                await wait_until(lambda: "disaggregation_mode" in router.fleet.pending[wrong.url].reason)
+                await wait_until(
+                    lambda: "disaggregation_mode" in router.fleet.pending[wrong.url].reason
+                )
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     answer = await client.post("/v1/chat/completions", json=CHAT)
                     listing = (await client.get("/v1/workers")).json()["workers"]
@@ -77,13 +84,17 @@ async def test_a_worker_whose_facts_cannot_be_learned_is_not_admitted_and_says_w
             assert wrong.worker.routing.dispatches == 0 and decode.worker.routing.dispatches == 0
 
 
-async def test_an_oversized_or_garbage_answer_costs_only_that_worker_and_is_asked_again_with_backoff() -> None:
+async def test_an_oversized_or_garbage_answer_costs_only_that_worker_and_is_asked_again_with_backoff() -> (
+    None
+):
     asked: list[float] = []
 
     async def respond(exchange: Exchange) -> None:
         asked.append(trio.current_time())
         if len(asked) == 1:
-            await exchange.respond(200, [(b"content-type", b"application/json")], b"[" * (2 * 1024 * 1024))
+            await exchange.respond(
+                200, [(b"content-type", b"application/json")], b"[" * (2 * 1024 * 1024)
+            )
         else:
             await exchange.respond(200, [(b"content-type", b"application/json")], b"not json")
 

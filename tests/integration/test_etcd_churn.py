@@ -28,8 +28,11 @@ async def test_workers_that_leave_through_etcd_leave_no_state_behind(etcd: EtcdS
             open_raw_upstream(answer_by_path) as upstream,
             open_etcd_client(etcd.url) as etcd_client,
             open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX,
-                breaker_failure_threshold=1, max_attempts=1,
+                discovery="etcd",
+                etcd_endpoint=etcd.url,
+                etcd_prefix=PREFIX,
+                breaker_failure_threshold=1,
+                max_attempts=1,
             ) as router,
             httpx.AsyncClient(base_url=router.url, timeout=30) as client,
         ):
@@ -49,7 +52,9 @@ async def test_workers_that_leave_through_etcd_leave_no_state_behind(etcd: EtcdS
             assert {worker.id for worker in router.fleet.workers()} == present
             assert len(router.app.generation.ranks) == STAYING
             stats = router.app.generation.pool.statistics()
-            assert set(stats.idle_per_worker) == {f"{upstream.url}/{worker_id}" for worker_id in present}
+            assert set(stats.idle_per_worker) == {
+                f"{upstream.url}/{worker_id}" for worker_id in present
+            }
             scrape = (await client.get("/metrics")).text
             assert worker_series(scrape, "router_worker_breaker_trips_total") == {"w37", "w39"}
             assert worker_series(scrape, "router_worker_inflight") == present

@@ -101,9 +101,10 @@ async def test_a_draining_worker_gets_no_new_work_but_stays_listed_until_it_leav
                 await register(nursery, etcd.url, record_for(f"w{i}", w.url), lease_ttl_s=30)
                 for i, w in enumerate(fleet)
             ]
-            async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-            ) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 assert sorted(await send(router, 6)) == ["w0", "w0", "w1", "w1", "w2", "w2"]
 
                 assert await workers[1].registration.announce_draining()
@@ -113,8 +114,10 @@ async def test_a_draining_worker_gets_no_new_work_but_stays_listed_until_it_leav
 
                 listing = (await client.get("/v1/workers")).json()["workers"]
                 assert {w["id"]: w["status"] for w in listing} == {
-                    "w0": "ACTIVE", "w1": "DRAINING", "w2": "ACTIVE",
-                }  # fmt: skip
+                    "w0": "ACTIVE",
+                    "w1": "DRAINING",
+                    "w2": "ACTIVE",
+                }
                 health = (await client.get("/health")).json()
                 assert (health["workers"], health["available"], health["draining"]) == (3, 2, 1)
 
@@ -219,7 +222,12 @@ async def test_compaction_past_the_watch_revision_relists_to_the_right_fleet(
                 assert metric(router, "router_discovery_up") == 1
                 before = dispatches(fleet)
                 assert sorted(await send(router, 4)) == ["w2", "w2", "w3", "w3"]
-                assert [a - b for a, b in zip(dispatches(fleet), before, strict=True)] == [0, 0, 2, 2]
+                assert [a - b for a, b in zip(dispatches(fleet), before, strict=True)] == [
+                    0,
+                    0,
+                    2,
+                    2,
+                ]
                 assert metric(router, "router_discovery_relists_total") == 1
             nursery.cancel_scope.cancel()
 
@@ -231,13 +239,16 @@ async def test_etcd_outage_keeps_the_known_fleet_and_a_worker_registered_meanwhi
         async with open_fake_fleet(4, tokens=2) as fleet, trio.open_nursery() as nursery:
             for i, w in enumerate(fleet[:3]):
                 await register(nursery, etcd.url, record_for(f"w{i}", w.url), lease_ttl_s=3)
-            async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-            ) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 stopping = trio.current_time()
                 await etcd.stop()
                 await wait_until(lambda: not router.app.discovery.up)
-                print(f"\netcd stop -> router says discovery down: {trio.current_time() - stopping:.2f} s")
+                print(
+                    f"\netcd stop -> router says discovery down: {trio.current_time() - stopping:.2f} s"
+                )
                 health = (await client.get("/health")).json()
                 assert health["discovery"]["up"] is False
                 assert "unreachable" in health["discovery"]["detail"]
@@ -248,7 +259,9 @@ async def test_etcd_outage_keeps_the_known_fleet_and_a_worker_registered_meanwhi
 
                 # w3 starts registering while etcd is down; it retries until etcd is back.
                 nursery.start_soon(
-                    partial(register, nursery, etcd.url, record_for("w3", fleet[3].url), lease_ttl_s=3)
+                    partial(
+                        register, nursery, etcd.url, record_for("w3", fleet[3].url), lease_ttl_s=3
+                    )
                 )
                 assert router.fleet.get("w3") is None
                 await etcd.start()
@@ -272,9 +285,10 @@ async def test_etcd_unreachable_at_start_serves_an_empty_fleet_until_etcd_answer
     with trio.fail_after(30):
         await etcd.stop()
         async with open_fake_fleet(1, tokens=2) as fleet, trio.open_nursery() as nursery:
-            async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-            ) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 assert len(router.fleet) == 0
                 health = (await client.get("/health")).json()
                 assert health["discovery"]["up"] is False and health["workers"] == 0

@@ -19,20 +19,39 @@ pytestmark = pytest.mark.etcd
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-async def test_an_etcd_prefill_without_bootstrap_addr_learns_it_from_the_engine(etcd: EtcdServer) -> None:
-    settings = [FakeWorkerSettings(role="prefill", bootstrap_port=9777), FakeWorkerSettings(role="decode")]
+async def test_an_etcd_prefill_without_bootstrap_addr_learns_it_from_the_engine(
+    etcd: EtcdServer,
+) -> None:
+    settings = [
+        FakeWorkerSettings(role="prefill", bootstrap_port=9777),
+        FakeWorkerSettings(role="decode"),
+    ]
     with trio.fail_after(30):
         async with open_fake_fleet(settings) as (prefill, decode), trio.open_nursery() as nursery:
             # No disagg_meta: the record leaves the bootstrap port (and DP size) to the engine.
-            await register(nursery, etcd.url, WorkerRecord("p", prefill.url, (MODEL,), Role.PREFILL), lease_ttl_s=5)
-            await register(nursery, etcd.url, WorkerRecord("d", decode.url, (MODEL,), Role.DECODE), lease_ttl_s=5)
-            async with open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router:
+            await register(
+                nursery,
+                etcd.url,
+                WorkerRecord("p", prefill.url, (MODEL,), Role.PREFILL),
+                lease_ttl_s=5,
+            )
+            await register(
+                nursery,
+                etcd.url,
+                WorkerRecord("d", decode.url, (MODEL,), Role.DECODE),
+                lease_ttl_s=5,
+            )
+            async with open_router(
+                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
+            ) as router:
                 await wait_until(lambda: router.fleet.get("p") is not None)
                 worker = router.fleet.get("p")
                 assert worker is not None and worker.record.bootstrap_addr == "127.0.0.1:9777"
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     for _ in range(3):
-                        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+                        assert (
+                            await client.post("/v1/chat/completions", json=CHAT)
+                        ).status_code == 200
             nursery.cancel_scope.cancel()
     assert [h["bootstrap_port"] for h in decode.worker.routing.handoffs] == [9777] * 3
     assert prefill.worker.routing.paths.get("/get_server_info") == 1

@@ -32,10 +32,14 @@ async def test_a_frozen_etcd_is_reported_down_within_the_silence_window_and_up_a
 ) -> None:
     with trio.fail_after(90):
         async with open_fake_fleet(1, tokens=2) as fleet, trio.open_nursery() as nursery:
-            worker = await register(nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=60)
+            worker = await register(
+                nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=60
+            )
             async with (
                 open_router(
-                    discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX,
+                    discovery="etcd",
+                    etcd_endpoint=etcd.url,
+                    etcd_prefix=PREFIX,
                     discovery_silence_s=SILENCE_S,
                 ) as router,
                 httpx.AsyncClient(base_url=router.url, timeout=10) as client,
@@ -79,7 +83,10 @@ async def test_a_quiet_fleet_stays_up_on_probes_when_etcd_sends_no_progress_noti
         async with (
             open_etcd_server(tmp_path / "etcd", progress_interval_s=600) as etcd,
             open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX, discovery_silence_s=1.0,
+                discovery="etcd",
+                etcd_endpoint=etcd.url,
+                etcd_prefix=PREFIX,
+                discovery_silence_s=1.0,
             ) as router,
         ):
             health = router.app.discovery

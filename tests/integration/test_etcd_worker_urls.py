@@ -42,11 +42,15 @@ async def test_records_with_urls_the_pool_cannot_use_are_logged_once_and_skipped
                 for key in ("tls", "unicode", "space"):
                     await writer.put(PREFIX + key, bad_record(key))  # seen by the first listing
                 await register(nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=30)
-                async with open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router:
+                async with open_router(
+                    discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
+                ) as router:
                     assert [w.id for w in router.fleet.workers()] == ["w0"]
                     for key in ("userinfo", "query"):
                         await writer.put(PREFIX + key, bad_record(key))  # seen by the watch
-                    await writer.put(PREFIX + "marker", orjson.dumps(record_for("w9", fleet[0].url).to_json()))
+                    await writer.put(
+                        PREFIX + "marker", orjson.dumps(record_for("w9", fleet[0].url).to_json())
+                    )
                     await wait_until(lambda: router.fleet.get("w9") is not None)
                     assert sorted(w.id for w in router.fleet.workers()) == ["w0", "w9"]
                     async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
@@ -56,7 +60,11 @@ async def test_records_with_urls_the_pool_cannot_use_are_logged_once_and_skipped
             nursery.cancel_scope.cancel()
     skipped = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     for key, (url, why) in BAD_URLS.items():
-        about_key = [message for message in skipped if message.startswith(f"skipping the malformed worker record at {PREFIX}{key}:")]
+        about_key = [
+            message
+            for message in skipped
+            if message.startswith(f"skipping the malformed worker record at {PREFIX}{key}:")
+        ]
         assert len(about_key) == 1, skipped
         assert why in about_key[0] and repr(url) in about_key[0]
     assert fleet[0].worker.routing.dispatches == 4

@@ -73,7 +73,10 @@ async def scrape(client: httpx.AsyncClient, name: str) -> dict[tuple[tuple[str, 
 
 
 async def retries(client: httpx.AsyncClient) -> dict[str, float]:
-    return {dict(labels)["reason"]: value for labels, value in (await scrape(client, "router_retries_total")).items()}
+    return {
+        dict(labels)["reason"]: value
+        for labels, value in (await scrape(client, "router_retries_total")).items()
+    }
 
 
 @dataclass
@@ -135,7 +138,9 @@ async def send_ten(router: RunningRouter, broken: Broken) -> list[str | None]:
 
 
 @asynccontextmanager
-async def broken_and_healthy(broken: Broken, **overrides: Any) -> AsyncIterator[tuple[RunningRouter, str, FakeWorkerHandle | None, FakeWorkerHandle]]:
+async def broken_and_healthy(
+    broken: Broken, **overrides: Any
+) -> AsyncIterator[tuple[RunningRouter, str, FakeWorkerHandle | None, FakeWorkerHandle]]:
     """A router over [broken, healthy] (in that round-robin order)."""
     port = free_port()  # refused: nothing listens there
     fakes = [HEALTHY] if broken.settings is None else [broken.settings, HEALTHY]
@@ -143,7 +148,9 @@ async def broken_and_healthy(broken: Broken, **overrides: Any) -> AsyncIterator[
         bad_url = f"http://127.0.0.1:{port}" if broken.settings is None else fleet[0].url
         bad_handle = None if broken.settings is None else fleet[0]
         good = fleet[-1]
-        async with open_router([spec(bad_url), spec(good.url)], **{**NO_PROBE, **overrides}) as router:
+        async with open_router(
+            [spec(bad_url), spec(good.url)], **{**NO_PROBE, **overrides}
+        ) as router:
             yield router, bad_url, bad_handle, good
 
 
@@ -162,7 +169,12 @@ async def bad_worker_cost(router: RunningRouter, bad: FakeWorkerHandle | None) -
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
 async def test_breaker_stops_paying_for_a_broken_worker_after_three(broken: Broken) -> None:
     with trio.fail_after(GUARD_S):
-        async with broken_and_healthy(broken, breaker_failure_threshold=3) as (router, bad_url, bad, good):
+        async with broken_and_healthy(broken, breaker_failure_threshold=3) as (
+            router,
+            bad_url,
+            bad,
+            good,
+        ):
             answered_by = await send_ten(router, broken)
             cost = await bad_worker_cost(router, bad)
             assert answered_by == [good.url] * 10
@@ -179,7 +191,12 @@ async def test_breaker_stops_paying_for_a_broken_worker_after_three(broken: Brok
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.name for b in BROKEN])
 async def test_without_a_breaker_the_broken_worker_keeps_being_tried(broken: Broken) -> None:
     with trio.fail_after(GUARD_S):
-        async with broken_and_healthy(broken, breaker_failure_threshold=0) as (router, bad_url, bad, good):
+        async with broken_and_healthy(broken, breaker_failure_threshold=0) as (
+            router,
+            bad_url,
+            bad,
+            good,
+        ):
             answered_by = await send_ten(router, broken)
             cost = await bad_worker_cost(router, bad)
             worker = router.fleet.get(bad_url)
@@ -193,11 +210,21 @@ async def test_without_a_breaker_the_broken_worker_keeps_being_tried(broken: Bro
 
 async def test_400_is_returned_verbatim_after_one_attempt_and_never_trips() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(2) as fleet, open_router(
-            [spec(w.url) for w in fleet], policy="consistent_hash", breaker_failure_threshold=3, breaker_cooldown_s=60.0,
-        ) as router:
+        async with (
+            open_fake_fleet(2) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                policy="consistent_hash",
+                breaker_failure_threshold=3,
+                breaker_cooldown_s=60.0,
+            ) as router,
+        ):
             session = b"conversation-1"
-            target_id = ConsistentHash().pick(PolicyKey(MODEL, Role.MIXED, session), router.fleet.workers()).id
+            target_id = (
+                ConsistentHash()
+                .pick(PolicyKey(MODEL, Role.MIXED, session), router.fleet.workers())
+                .id
+            )
             bad, other = (fleet[0], fleet[1]) if fleet[0].url == target_id else (fleet[1], fleet[0])
             bad.worker.behaviour.update({"fail_first": -1, "fail_status": 400})
             async with httpx.AsyncClient(base_url=bad.url) as direct:
@@ -206,7 +233,9 @@ async def test_400_is_returned_verbatim_after_one_attempt_and_never_trips() -> N
             async with httpx.AsyncClient(base_url=router.url) as client:
                 for _ in range(20):
                     response = await client.post(
-                        "/v1/chat/completions", json=CHAT, headers={"x-session-id": session.decode()}
+                        "/v1/chat/completions",
+                        json=CHAT,
+                        headers={"x-session-id": session.decode()},
                     )
                     assert response.status_code == 400
                     assert response.content == expected.content
@@ -223,9 +252,14 @@ async def test_400_is_returned_verbatim_after_one_attempt_and_never_trips() -> N
 async def test_429_fails_over_without_a_fault_and_passes_retry_after_through_at_the_end() -> None:
     busy = FakeWorkerSettings(fail_first=-1, fail_status=429)
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([busy, HEALTHY]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE,
-        ) as router:
+        async with (
+            open_fake_fleet([busy, HEALTHY]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                breaker_failure_threshold=1,
+                **NO_PROBE,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 for _ in range(4):
                     response = await client.post("/v1/chat/completions", json=CHAT)
@@ -257,9 +291,14 @@ async def test_a_stream_broken_after_k_events_ends_with_an_error_event_and_no_re
     k = 3
     breaks = FakeWorkerSettings(fail_first=-1, fail_mode=FailMode.MIDSTREAM, fail_after_chunks=k)
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([breaks, HEALTHY]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE,
-        ) as router:
+        async with (
+            open_fake_fleet([breaks, HEALTHY]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                breaker_failure_threshold=1,
+                **NO_PROBE,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 result = await post_stream(client, STREAM_CHAT)
                 retried = await retries(client)
@@ -281,9 +320,15 @@ async def test_a_stream_broken_after_k_events_ends_with_an_error_event_and_no_re
 async def test_a_stream_that_stalls_mid_way_ends_with_an_idle_timeout_error_event() -> None:
     stalls = FakeWorkerSettings(tokens=4, token_latency_ms=10_000)
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([stalls, HEALTHY]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, stream_idle_timeout_s=0.3, **NO_PROBE,
-        ) as router:
+        async with (
+            open_fake_fleet([stalls, HEALTHY]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                breaker_failure_threshold=1,
+                stream_idle_timeout_s=0.3,
+                **NO_PROBE,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 started = trio.current_time()
                 result = await post_stream(client, STREAM_CHAT)
@@ -308,9 +353,15 @@ async def test_a_stream_that_stalls_mid_way_ends_with_an_idle_timeout_error_even
 async def test_first_byte_timeout_fails_over_and_counts_as_a_fault() -> None:
     hangs = FakeWorkerSettings(fail_first=-1, fail_mode=FailMode.HANG)
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([hangs, HEALTHY]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=3, first_byte_timeout_s=0.3, **NO_PROBE,
-        ) as router:
+        async with (
+            open_fake_fleet([hangs, HEALTHY]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                breaker_failure_threshold=3,
+                first_byte_timeout_s=0.3,
+                **NO_PROBE,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 started = trio.current_time()
                 response = await client.post("/v1/chat/completions", json=CHAT)
@@ -325,13 +376,19 @@ async def test_first_byte_timeout_fails_over_and_counts_as_a_fault() -> None:
     assert (stats.state, stats.consecutive_faults) == (BreakerState.CLOSED, 1)
 
 
-async def test_connect_timeout_gives_up_on_a_silent_port_long_before_the_first_byte_deadline() -> None:
+async def test_connect_timeout_gives_up_on_a_silent_port_long_before_the_first_byte_deadline() -> (
+    None
+):
     with trio.fail_after(GUARD_S):
         async with unanswered_port() as port, open_fake_fleet([HEALTHY]) as fleet:
             silent = f"http://127.0.0.1:{port}"
             async with open_router(
-                [spec(silent), spec(fleet[0].url)], breaker_failure_threshold=3,
-                connect_timeout_s=0.3, first_byte_timeout_s=30.0, health_timeout_s=0.1, **NO_PROBE,
+                [spec(silent), spec(fleet[0].url)],
+                breaker_failure_threshold=3,
+                connect_timeout_s=0.3,
+                first_byte_timeout_s=30.0,
+                health_timeout_s=0.1,
+                **NO_PROBE,
             ) as router:
                 async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
                     started = trio.current_time()
@@ -354,9 +411,14 @@ async def test_when_attempts_run_out_the_client_gets_the_last_workers_answer(
 ) -> None:
     statuses = [500, 502, 503]
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(
-            [FakeWorkerSettings(fail_first=-1, fail_status=s) for s in statuses]
-        ) as fleet, open_router([spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE) as router:
+        async with (
+            open_fake_fleet(
+                [FakeWorkerSettings(fail_first=-1, fail_status=s) for s in statuses]
+            ) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
+            ) as router,
+        ):
             direct: dict[str, httpx.Response] = {}
             for handle in fleet:
                 async with httpx.AsyncClient(base_url=handle.url) as worker_client:
@@ -382,9 +444,12 @@ async def test_when_attempts_run_out_the_client_gets_the_last_workers_answer(
 
 async def test_three_always_503_workers_pass_the_last_answer_and_retry_after_through() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([ALWAYS_503] * 3) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
-        ) as router:
+        async with (
+            open_fake_fleet([ALWAYS_503] * 3) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=fleet[0].url) as worker_client:
                 expected = await worker_client.post("/v1/chat/completions", json=CHAT)
             fleet[0].worker.routing.reset()
@@ -400,7 +465,9 @@ async def test_three_always_503_workers_pass_the_last_answer_and_retry_after_thr
 async def test_when_no_worker_answers_the_client_gets_502_worker_unreachable() -> None:
     with trio.fail_after(GUARD_S):
         urls = [f"http://127.0.0.1:{port}" for port in free_ports(3)]
-        async with open_router([spec(url) for url in urls], breaker_failure_threshold=3, **NO_PROBE) as router:
+        async with open_router(
+            [spec(url) for url in urls], breaker_failure_threshold=3, **NO_PROBE
+        ) as router:
             async with httpx.AsyncClient(base_url=router.url) as client:
                 response = await client.post("/v1/chat/completions", json=CHAT)
                 retried = await retries(client)
@@ -416,9 +483,14 @@ async def test_when_no_worker_answers_the_client_gets_502_worker_unreachable() -
 
 async def test_all_open_dispatches_anyway_by_default() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([ALWAYS_503, ALWAYS_503]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE,
-        ) as router:
+        async with (
+            open_fake_fleet([ALWAYS_503, ALWAYS_503]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                breaker_failure_threshold=1,
+                **NO_PROBE,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 first = await client.post("/v1/chat/completions", json=CHAT)
                 assert [breaker_of(router, w.url).state for w in fleet] == [BreakerState.OPEN] * 2
@@ -441,10 +513,17 @@ async def test_all_open_dispatches_anyway_by_default() -> None:
 
 async def test_all_open_reject_answers_503_with_retry_after_until_the_earliest_probe() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([ALWAYS_503, ALWAYS_503]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, breaker_all_open="reject",
-            policy="round_robin", breaker_cooldown_s=5.0, breaker_max_cooldown_s=60.0,
-        ) as router:
+        async with (
+            open_fake_fleet([ALWAYS_503, ALWAYS_503]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                breaker_failure_threshold=1,
+                breaker_all_open="reject",
+                policy="round_robin",
+                breaker_cooldown_s=5.0,
+                breaker_max_cooldown_s=60.0,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 first = await client.post("/v1/chat/completions", json=CHAT)
                 earliest = min(breaker_of(router, w.url).next_probe_at or math.inf for w in fleet)
@@ -469,10 +548,16 @@ async def test_after_the_cooldown_the_recovered_worker_is_probed_and_closes(
 ) -> None:
     caplog.set_level(logging.INFO, logger="router")
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([ALWAYS_503, HEALTHY]) as fleet, open_router(
-            [spec(w.url) for w in fleet], policy="round_robin", breaker_failure_threshold=1,
-            breaker_cooldown_s=0.5, breaker_max_cooldown_s=1.0,
-        ) as router:
+        async with (
+            open_fake_fleet([ALWAYS_503, HEALTHY]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                policy="round_robin",
+                breaker_failure_threshold=1,
+                breaker_cooldown_s=0.5,
+                breaker_max_cooldown_s=1.0,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 tripped = await client.post("/v1/chat/completions", json=CHAT)
                 stats = breaker_of(router, fleet[0].url)
@@ -487,14 +572,24 @@ async def test_after_the_cooldown_the_recovered_worker_is_probed_and_closes(
                     response = await client.post("/v1/chat/completions", json=CHAT)
                     assert response.status_code == 200
                     answered_by.append(response.headers["x-router-worker"])
-                    request_ids[response.headers["x-router-worker"]] = response.headers["x-request-id"]
+                    request_ids[response.headers["x-router-worker"]] = response.headers[
+                        "x-request-id"
+                    ]
             after = breaker_of(router, fleet[0].url)
     assert tripped.status_code == 200
     assert fleet[0].url in answered_by
     assert dispatches(fleet[0]) == answered_by.count(fleet[0].url)
-    assert (after.state, after.consecutive_faults, after.cooldown_s) == (BreakerState.CLOSED, 0, 0.5)
+    assert (after.state, after.consecutive_faults, after.cooldown_s) == (
+        BreakerState.CLOSED,
+        0,
+        0.5,
+    )
     # One line per trip, per probe and per recovery; trip and probe name their request.
-    lines = [r.getMessage() for r in caplog.records if fleet[0].url in r.getMessage() and r.levelno >= logging.INFO]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if fleet[0].url in r.getMessage() and r.levelno >= logging.INFO
+    ]
     assert [line for line in lines if "breaker" in line or "probing" in line] == [
         f"breaker of {fleet[0].url} opened (was closed) [request {tripped.headers['x-request-id']}]",
         f"probing {fleet[0].url}: its breaker cooldown is over [request {request_ids[fleet[0].url]}]",
@@ -507,9 +602,14 @@ async def test_after_the_cooldown_the_recovered_worker_is_probed_and_closes(
 
 async def test_workers_listing_and_metrics_show_the_breaker() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([ALWAYS_503, HEALTHY]) as fleet, open_router(
-            [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE,
-        ) as router:
+        async with (
+            open_fake_fleet([ALWAYS_503, HEALTHY]) as fleet,
+            open_router(
+                [spec(w.url) for w in fleet],
+                breaker_failure_threshold=1,
+                **NO_PROBE,
+            ) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
                 listing = (await client.get("/v1/workers")).json()["workers"]
@@ -519,10 +619,19 @@ async def test_workers_listing_and_metrics_show_the_breaker() -> None:
     by_url = {entry["url"]: entry["breaker"] for entry in listing}
     bad, good = by_url[fleet[0].url], by_url[fleet[1].url]
     assert {k: bad[k] for k in ("state", "consecutive_faults", "cooldown_s", "trips")} == {
-        "state": "open", "consecutive_faults": 1, "cooldown_s": 60.0, "trips": 1,
+        "state": "open",
+        "consecutive_faults": 1,
+        "cooldown_s": 60.0,
+        "trips": 1,
     }
     assert 55 < bad["next_probe_in_s"] <= 60
-    assert good == {"state": "closed", "consecutive_faults": 0, "cooldown_s": 60.0, "next_probe_in_s": None, "trips": 0}
+    assert good == {
+        "state": "closed",
+        "consecutive_faults": 0,
+        "cooldown_s": 60.0,
+        "next_probe_in_s": None,
+        "trips": 0,
+    }
     assert states == {(("worker", fleet[0].url),): 1.0, (("worker", fleet[1].url),): 0.0}
     assert trips == {(("worker", fleet[0].url),): 1.0}
     assert retried == {"status_503": 1}

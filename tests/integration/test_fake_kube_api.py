@@ -24,7 +24,9 @@ def core_api(api: FakeKubeApi, token: str | None = None) -> kubernetes.client.Co
     return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
 
 
-def watch_events(core: kubernetes.client.CoreV1Api, count: int, **kwargs: Any) -> list[tuple[str, Any]]:
+def watch_events(
+    core: kubernetes.client.CoreV1Api, count: int, **kwargs: Any
+) -> list[tuple[str, Any]]:
     """The first `count` events of a watch through the client's own `Watch` helper."""
     seen: list[tuple[str, Any]] = []
     watcher = kubernetes.watch.Watch()
@@ -61,7 +63,10 @@ async def test_the_official_client_lists_and_watches_every_event_kind() -> None:
             nursery.start_soon(changes)
             events = await trio.to_thread.run_sync(
                 lambda: watch_events(
-                    core, 5, label_selector="app=engine", resource_version=version,
+                    core,
+                    5,
+                    label_selector="app=engine",
+                    resource_version=version,
                     allow_watch_bookmarks=True,
                 )
             )
@@ -69,14 +74,21 @@ async def test_the_official_client_lists_and_watches_every_event_kind() -> None:
             # A bookmark comes after the changes already made when it was asked for.
             assert sorted(kinds) == ["ADDED", "BOOKMARK", "DELETED", "MODIFIED", "MODIFIED"]
             changes_seen = [(kind, obj) for kind, obj in events if kind != "BOOKMARK"]
-            assert [kind for kind, _ in changes_seen] == ["ADDED", "MODIFIED", "MODIFIED", "DELETED"]
+            assert [kind for kind, _ in changes_seen] == [
+                "ADDED",
+                "MODIFIED",
+                "MODIFIED",
+                "DELETED",
+            ]
             added = changes_seen[0][1]
             assert isinstance(added, kubernetes.client.V1Pod) and added.metadata.name == "w-1"
             terminating = changes_seen[2][1]
             assert terminating.metadata.deletion_timestamp is not None
             assert terminating.status.phase == "Running"  # a terminating Pod is still Running
             versions = [
-                int(obj["metadata"]["resourceVersion"]) if kind == "BOOKMARK" else int(obj.metadata.resource_version)
+                int(obj["metadata"]["resourceVersion"])
+                if kind == "BOOKMARK"
+                else int(obj.metadata.resource_version)
                 for kind, obj in events
             ]
             assert versions == sorted(versions) and int(version) < versions[0]
@@ -97,7 +109,12 @@ async def test_a_compacted_version_is_a_410_the_official_client_reports() -> Non
                 watcher = kubernetes.watch.Watch()
                 try:
                     # timeout_seconds turns off the helper's one silent retry after a 410.
-                    for _ in watcher.stream(core.list_namespaced_pod, "default", resource_version="101", timeout_seconds=5):
+                    for _ in watcher.stream(
+                        core.list_namespaced_pod,
+                        "default",
+                        resource_version="101",
+                        timeout_seconds=5,
+                    ):
                         pass
                 except kubernetes.client.exceptions.ApiException as exc:
                     return exc

@@ -30,10 +30,15 @@ BODIES = {
 
 async def test_fail_first_applies_to_every_route_and_counts_each_as_a_dispatch() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet([FakeWorkerSettings(fail_first=len(BODIES), fail_status=503)]) as fleet:
+        async with open_fake_fleet(
+            [FakeWorkerSettings(fail_first=len(BODIES), fail_status=503)]
+        ) as fleet:
             async with httpx.AsyncClient(base_url=fleet[0].url) as client:
                 failed = {path: await client.post(path, json=body) for path, body in BODIES.items()}
-                served = {path: (await client.post(path, json=body)).status_code for path, body in BODIES.items()}
+                served = {
+                    path: (await client.post(path, json=body)).status_code
+                    for path, body in BODIES.items()
+                }
             routing = fleet[0].worker.routing
     assert {path: r.status_code for path, r in failed.items()} == dict.fromkeys(BODIES, 503)
     assert all(r.headers["retry-after"] == "1" for r in failed.values())
@@ -65,11 +70,16 @@ async def test_bad_input_is_a_400_in_the_routes_own_shape() -> None:
     with trio.fail_after(GUARD_S):
         async with open_fake_fleet(1) as fleet:
             async with httpx.AsyncClient(base_url=fleet[0].url) as client:
-                messages = await client.post("/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
+                messages = await client.post(
+                    "/v1/messages", json={"messages": [{"role": "user", "content": "x"}]}
+                )
                 embeddings = await client.post("/v1/embeddings", json={"input": 5})
                 not_json = await client.post("/v1/rerank", content=b"{")
     assert messages.status_code == embeddings.status_code == not_json.status_code == 400
-    assert messages.json()["type"] == "error" and messages.json()["error"]["type"] == "invalid_request_error"
+    assert (
+        messages.json()["type"] == "error"
+        and messages.json()["error"]["type"] == "invalid_request_error"
+    )
     assert "max_tokens" in messages.json()["error"]["message"]
     assert embeddings.json()["error"]["type"] == "invalid_request_error"
     assert not_json.json()["error"]["message"] == "the request body must be a JSON object"
@@ -79,10 +89,16 @@ async def test_vllm_formats_for_rerank_score_and_detokenize() -> None:
     with trio.fail_after(GUARD_S):
         async with open_fake_fleet([FakeWorkerSettings(engine="vllm")]) as fleet:
             async with httpx.AsyncClient(base_url=fleet[0].url) as client:
-                rerank = (await client.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]})).json()
-                score = (await client.post("/v1/score", json={"text_1": "q", "text_2": ["a", "b"]})).json()
+                rerank = (
+                    await client.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]})
+                ).json()
+                score = (
+                    await client.post("/v1/score", json={"text_1": "q", "text_2": ["a", "b"]})
+                ).json()
                 text = (await client.post("/detokenize", json={"tokens": [4, 2]})).json()
-    assert [set(item) for item in rerank["results"]] == [{"index", "document", "relevance_score"}] * 2
+    assert [set(item) for item in rerank["results"]] == [
+        {"index", "document", "relevance_score"}
+    ] * 2
     assert [item["object"] for item in score["data"]] == ["score", "score"]
     assert text == {"prompt": "tok4 tok2 "}
 

@@ -22,6 +22,8 @@ from tests.support.waiting import wait_until
 
 WORKERS = 1000
 STAYING = 5
+
+
 def put(key: str, value: dict[str, object], revision: int) -> WatchEvent:
     return WatchEvent("PUT", key, orjson.dumps(value), revision)
 
@@ -35,7 +37,12 @@ async def test_state_and_series_are_held_only_for_workers_present() -> None:
         ):
             mirror = FleetMirror(router.fleet, router.metrics)
             records = {
-                f"/w/{i}": {"id": f"w{i}", "url": f"{upstream.url}/w{i}", "model": "m", "dp_size": 2}
+                f"/w/{i}": {
+                    "id": f"w{i}",
+                    "url": f"{upstream.url}/w{i}",
+                    "model": "m",
+                    "dp_size": 2,
+                }
                 for i in range(WORKERS)
             }
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -52,7 +59,8 @@ async def test_state_and_series_are_held_only_for_workers_present() -> None:
             # The rest leave by a relist that keeps only the last STAYING.
             present = list(records.items())[-STAYING:]
             mirror.relist(
-                [KeyValue(key, orjson.dumps(value), revision, 0) for key, value in present], revision
+                [KeyValue(key, orjson.dumps(value), revision, 0) for key, value in present],
+                revision,
             )
             present_ids = {str(value["id"]) for _, value in present}
             present_urls = {str(value["url"]) for _, value in present}
@@ -70,10 +78,16 @@ async def test_state_and_series_are_held_only_for_workers_present() -> None:
             await upstream.wait_ended(upstream.accepted - STAYING)
 
             scrape = (await client.get("/metrics")).text
-            for metric in ("router_worker_breaker_trips_total", "router_worker_inflight", "router_worker_healthy",
-                           "router_worker_breaker_state"):
+            for metric in (
+                "router_worker_breaker_trips_total",
+                "router_worker_inflight",
+                "router_worker_healthy",
+                "router_worker_breaker_state",
+            ):
                 assert worker_series(scrape, metric) <= present_ids, metric
-            assert worker_series(scrape, "router_worker_breaker_trips_total")  # the odd ones still present
+            assert worker_series(
+                scrape, "router_worker_breaker_trips_total"
+            )  # the odd ones still present
             workers = (await client.get("/v1/workers")).json()["workers"]
             assert sorted(entry["id"] for entry in workers) == sorted(present_ids)
             assert all(entry["inflight"] == 0 for entry in workers)

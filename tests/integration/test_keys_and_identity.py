@@ -47,12 +47,24 @@ def seen_headers(handle: FakeWorkerHandle) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize(
     "authorization",
-    [None, "Bearer wrong-key", "Basic Y2xpZW50LXNlY3JldC0wMTIz", CLIENT_KEY, "Bearer", f"Bearer {CLIENT_KEY}x"],
+    [
+        None,
+        "Bearer wrong-key",
+        "Basic Y2xpZW50LXNlY3JldC0wMTIz",
+        CLIENT_KEY,
+        "Bearer",
+        f"Bearer {CLIENT_KEY}x",
+    ],
 )
-async def test_a_request_without_the_right_key_is_401_and_reaches_no_worker(authorization: str | None) -> None:
+async def test_a_request_without_the_right_key_is_401_and_reaches_no_worker(
+    authorization: str | None,
+) -> None:
     headers = {} if authorization is None else {"authorization": authorization}
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(1) as fleet, open_router([spec(fleet[0])], api_key=CLIENT_KEY) as router:
+        async with (
+            open_fake_fleet(1) as fleet,
+            open_router([spec(fleet[0])], api_key=CLIENT_KEY) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
                     response = await client.post(path, json=CHAT, headers=headers)
@@ -77,14 +89,18 @@ async def test_the_right_key_passes_and_the_worker_gets_the_worker_key_not_the_c
     with trio.fail_after(GUARD_S):
         async with (
             open_fake_fleet(2) as fleet,
-            open_router([spec(fleet[0]), spec(fleet[1])], api_key=CLIENT_KEY, worker_api_key=WORKER_KEY) as router,
+            open_router(
+                [spec(fleet[0]), spec(fleet[1])], api_key=CLIENT_KEY, worker_api_key=WORKER_KEY
+            ) as router,
         ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 auth = {"authorization": f"Bearer {CLIENT_KEY}"}
                 for _ in range(4):
                     response = await client.post("/v1/chat/completions", json=CHAT, headers=auth)
                     assert response.status_code == 200
-                stream = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth)
+                stream = await client.post(
+                    "/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth
+                )
                 assert stream.status_code == 200
                 assert (await client.get("/v1/models", headers=auth)).status_code == 200
     received = seen_headers(fleet[0]) + seen_headers(fleet[1])
@@ -97,17 +113,24 @@ async def test_without_client_keys_the_clients_header_passes_through() -> None:
     with trio.fail_after(GUARD_S):
         async with open_fake_fleet(1) as fleet, open_router([spec(fleet[0])]) as router:
             async with httpx.AsyncClient(base_url=router.url) as client:
-                response = await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer theirs"})
+                response = await client.post(
+                    "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer theirs"}
+                )
                 assert response.status_code == 200
     assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == ["Bearer theirs"]
 
 
 async def test_with_client_keys_and_no_worker_key_the_worker_gets_no_authorization() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(1) as fleet, open_router([spec(fleet[0])], api_key=CLIENT_KEY) as router:
+        async with (
+            open_fake_fleet(1) as fleet,
+            open_router([spec(fleet[0])], api_key=CLIENT_KEY) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 response = await client.post(
-                    "/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {CLIENT_KEY}"}
+                    "/v1/chat/completions",
+                    json=CHAT,
+                    headers={"authorization": f"Bearer {CLIENT_KEY}"},
                 )
                 assert response.status_code == 200
     assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == [None]
@@ -120,13 +143,19 @@ async def test_a_worker_records_own_key_wins_over_the_global_worker_key() -> Non
             open_router([], api_key=CLIENT_KEY, worker_api_key=WORKER_KEY) as router,
         ):
             router.fleet.upsert(
-                WorkerRecord.from_json({"url": fleet[0].url, "model": MODEL, "api_key": "only-for-this-one"})
+                WorkerRecord.from_json(
+                    {"url": fleet[0].url, "model": MODEL, "api_key": "only-for-this-one"}
+                )
             )
             async with httpx.AsyncClient(base_url=router.url) as client:
                 auth = {"authorization": f"Bearer {CLIENT_KEY}"}
-                assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth)).status_code == 200
+                assert (
+                    await client.post("/v1/chat/completions", json=CHAT, headers=auth)
+                ).status_code == 200
                 listing = (await client.get("/v1/workers", headers=auth)).text
-    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == ["Bearer only-for-this-one"]
+    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == [
+        "Bearer only-for-this-one"
+    ]
     assert "only-for-this-one" not in listing
 
 
@@ -154,7 +183,11 @@ async def test_named_keys_label_requests_and_sighup_reloads_them(tmp_path: Path)
         ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 for key in ("key-of-alice", "key-of-bob", "key-of-bob", "invented"):
-                    await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {key}"})
+                    await client.post(
+                        "/v1/chat/completions",
+                        json=CHAT,
+                        headers={"authorization": f"Bearer {key}"},
+                    )
                 counts = await scrape(client, "router_requests_total")
                 assert counts == {
                     (("key", "alice"), ("model", MODEL), ("route", "chat"), ("status", "200")): 1,
@@ -164,8 +197,16 @@ async def test_named_keys_label_requests_and_sighup_reloads_them(tmp_path: Path)
                 keys_file.write_text("carol: key-of-carol\n")
                 os.kill(os.getpid(), signal.SIGHUP)
                 await wait_until(lambda: router.app.keys.names() == ["carol"])
-                carol = await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer key-of-carol"})
-                alice = await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer key-of-alice"})
+                carol = await client.post(
+                    "/v1/chat/completions",
+                    json=CHAT,
+                    headers={"authorization": "Bearer key-of-carol"},
+                )
+                alice = await client.post(
+                    "/v1/chat/completions",
+                    json=CHAT,
+                    headers={"authorization": "Bearer key-of-alice"},
+                )
                 assert (carol.status_code, alice.status_code) == (200, 401)
     assert fleet[0].worker.routing.dispatches == 4
 
@@ -185,7 +226,9 @@ async def test_a_client_request_id_reaches_every_leg_the_answer_and_the_trip_log
             ]
             async with open_router(specs, breaker_failure_threshold=1) as router:
                 async with httpx.AsyncClient(base_url=router.url) as client:
-                    response = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "req-abc-1"})
+                    response = await client.post(
+                        "/v1/chat/completions", json=CHAT, headers={"x-request-id": "req-abc-1"}
+                    )
                     assert response.status_code == 200
                     assert response.headers.get_list("x-request-id") == ["req-abc-1"]
                     # No id given: one is made and sent to both legs.
@@ -193,34 +236,55 @@ async def test_a_client_request_id_reaches_every_leg_the_answer_and_the_trip_log
                     made_id = made.headers["x-request-id"]
                     assert len(made_id) == 32
                     # The decode now fails: its breaker trips on the request that broke it.
-                    await client.post(f"{fleet[1].url}/debug/behaviour", json={"fail_first": 1, "fail_status": 500})
+                    await client.post(
+                        f"{fleet[1].url}/debug/behaviour",
+                        json={"fail_first": 1, "fail_status": 500},
+                    )
                     failed = await client.post(
-                        "/v1/chat/completions", json=CHAT, headers={"x-correlation-id": "corr-trip-7"}
+                        "/v1/chat/completions",
+                        json=CHAT,
+                        headers={"x-correlation-id": "corr-trip-7"},
                     )
                     assert failed.headers["x-request-id"] == "corr-trip-7"
     for handle in fleet:
         ids = [headers.get("x-request-id") for headers in seen_headers(handle)]
         assert ids == ["req-abc-1", made_id, "corr-trip-7"], handle.settings.role
     messages = [record.getMessage() for record in caplog.records]
-    assert any("breaker of" in m and "opened" in m and "[request corr-trip-7]" in m for m in messages), messages
+    assert any(
+        "breaker of" in m and "opened" in m and "[request corr-trip-7]" in m for m in messages
+    ), messages
     assert any("attempt on" in m and "[request corr-trip-7]" in m for m in messages), messages
 
 
-async def test_an_etcd_record_carries_its_workers_key_and_the_listing_hides_it(etcd: EtcdServer) -> None:
+async def test_an_etcd_record_carries_its_workers_key_and_the_listing_hides_it(
+    etcd: EtcdServer,
+) -> None:
     with trio.fail_after(GUARD_S):
         async with open_fake_fleet(1) as fleet, open_etcd_client(etcd.url) as etcd_client:
-            record = {"id": "keyed", "url": fleet[0].url, "model": MODEL, "api_key": "from-the-record"}
+            record = {
+                "id": "keyed",
+                "url": fleet[0].url,
+                "model": MODEL,
+                "api_key": "from-the-record",
+            }
             await etcd_client.put("/keys-test/keyed", orjson.dumps(record))
             async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix="/keys-test/",
-                api_key=CLIENT_KEY, worker_api_key=WORKER_KEY,
+                discovery="etcd",
+                etcd_endpoint=etcd.url,
+                etcd_prefix="/keys-test/",
+                api_key=CLIENT_KEY,
+                worker_api_key=WORKER_KEY,
             ) as router:
                 await wait_until(lambda: router.fleet.get("keyed") is not None)
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     auth = {"authorization": f"Bearer {CLIENT_KEY}"}
-                    assert (await client.post("/v1/chat/completions", json=CHAT, headers=auth)).status_code == 200
+                    assert (
+                        await client.post("/v1/chat/completions", json=CHAT, headers=auth)
+                    ).status_code == 200
                     listing = (await client.get("/v1/workers", headers=auth)).text
-    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == ["Bearer from-the-record"]
+    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == [
+        "Bearer from-the-record"
+    ]
     assert "from-the-record" not in listing and "keyed" in listing
 
 
@@ -234,21 +298,28 @@ async def test_a_worker_that_guards_its_models_list_is_asked_with_the_worker_key
             return
         asked_with.append(authorization)
         if authorization != f"Bearer {WORKER_KEY}".encode():
-            await writer.respond(401, [(b"content-type", b"application/json")], b'{"error": "no key"}')
+            await writer.respond(
+                401, [(b"content-type", b"application/json")], b'{"error": "no key"}'
+            )
             return
         if request.path == "/v1/models":
-            await writer.respond(200, [(b"content-type", b"application/json")], b'{"data": [{"id": "guarded"}]}')
+            await writer.respond(
+                200, [(b"content-type", b"application/json")], b'{"data": [{"id": "guarded"}]}'
+            )
             return
         await writer.respond(200, [(b"content-type", b"application/json")], b'{"choices": []}')
 
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(partial(serve_http, keyed_worker))
-            async with open_router([f"http://127.0.0.1:{port}"], api_key=CLIENT_KEY, worker_api_key=WORKER_KEY) as router:
+            async with open_router(
+                [f"http://127.0.0.1:{port}"], api_key=CLIENT_KEY, worker_api_key=WORKER_KEY
+            ) as router:
                 assert router.fleet.models() == ["guarded"]
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     response = await client.post(
-                        "/v1/chat/completions", json={**CHAT, "model": "guarded"},
+                        "/v1/chat/completions",
+                        json={**CHAT, "model": "guarded"},
                         headers={"authorization": f"Bearer {CLIENT_KEY}"},
                     )
                     assert response.status_code == 200

@@ -25,8 +25,15 @@ async def watch_all(respond: Callable[[Exchange], Awaitable[None]]) -> list[dict
     """Every event one watch yields against a server answering with `respond`."""
     events = []
     error: Exception | None = None
-    async with open_raw_upstream(respond) as upstream, httpx.AsyncClient(base_url=upstream.url) as http:
-        api = PodsApi(http, "default", KubeTiming(request_timeout_s=5, watch_timeout_s=5, watch_read_margin_s=1))
+    async with (
+        open_raw_upstream(respond) as upstream,
+        httpx.AsyncClient(base_url=upstream.url) as http,
+    ):
+        api = PodsApi(
+            http,
+            "default",
+            KubeTiming(request_timeout_s=5, watch_timeout_s=5, watch_read_margin_s=1),
+        )
         try:
             async with api.watch(SOURCE, "100") as stream:
                 async for event in stream:
@@ -42,7 +49,9 @@ def line(kind: str, obj: dict[str, object]) -> bytes:
     return orjson.dumps({"type": kind, "object": obj}) + b"\n"
 
 
-async def test_an_endless_line_is_refused_at_the_bound_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_endless_line_is_refused_at_the_bound_not_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(kubernetes, "MAX_EVENT_BYTES", 64 * 1024)
     sent = []
 
@@ -52,7 +61,10 @@ async def test_an_endless_line_is_refused_at_the_bound_not_held(monkeypatch: pyt
             await exchange.send(b"x" * 65536)
             sent.append(1)
 
-    with trio.fail_after(30), pytest.raises(KubeUnavailable, match="an event larger than 65536 bytes"):
+    with (
+        trio.fail_after(30),
+        pytest.raises(KubeUnavailable, match="an event larger than 65536 bytes"),
+    ):
         await watch_all(respond)
     assert len(sent) < 100  # the client stopped reading long before the end
 
@@ -63,14 +75,31 @@ async def test_an_endless_line_is_refused_at_the_bound_not_held(monkeypatch: pyt
         (b"not json\n", KubeUnavailable, "not JSON"),
         (b"[1, 2]\n", KubeUnavailable, "not a watch event"),
         (b'{"type": "ADDED", "object": "pod"}\n', KubeUnavailable, "not a watch event"),
-        (line("ERROR", {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}), KubeGone, "too old"),
-        (line("ERROR", {"kind": "Status", "code": 500, "reason": "InternalError", "message": "boom"}), KubeUnavailable, "ERROR event 500"),
+        (
+            line(
+                "ERROR", {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+            ),
+            KubeGone,
+            "too old",
+        ),
+        (
+            line(
+                "ERROR",
+                {"kind": "Status", "code": 500, "reason": "InternalError", "message": "boom"},
+            ),
+            KubeUnavailable,
+            "ERROR event 500",
+        ),
     ],
 )
-async def test_a_bad_or_error_line_is_one_clear_exception(payload: bytes, error: type[Exception], message: str) -> None:
+async def test_a_bad_or_error_line_is_one_clear_exception(
+    payload: bytes, error: type[Exception], message: str
+) -> None:
     async def respond(exchange: Exchange) -> None:
         await exchange.start(200, JSON)
-        await exchange.send(line("ADDED", {"metadata": {"name": "w-0", "resourceVersion": "101"}}) + payload)
+        await exchange.send(
+            line("ADDED", {"metadata": {"name": "w-0", "resourceVersion": "101"}}) + payload
+        )
         await exchange.end()
 
     with trio.fail_after(30), pytest.raises(error, match=message):
@@ -78,7 +107,10 @@ async def test_a_bad_or_error_line_is_one_clear_exception(payload: bytes, error:
 
 
 async def test_events_split_across_chunks_arrive_whole() -> None:
-    first, second = line("ADDED", {"metadata": {"name": "a"}}), line("BOOKMARK", {"metadata": {"resourceVersion": "7"}})
+    first, second = (
+        line("ADDED", {"metadata": {"name": "a"}}),
+        line("BOOKMARK", {"metadata": {"resourceVersion": "7"}}),
+    )
     data = first + second
 
     async def respond(exchange: Exchange) -> None:
@@ -92,7 +124,9 @@ async def test_events_split_across_chunks_arrive_whole() -> None:
     assert [event["type"] for event in events] == ["ADDED", "BOOKMARK"]
 
 
-@pytest.mark.parametrize(("status", "error"), [(410, KubeGone), (403, KubeUnavailable), (500, KubeUnavailable)])
+@pytest.mark.parametrize(
+    ("status", "error"), [(410, KubeGone), (403, KubeUnavailable), (500, KubeUnavailable)]
+)
 async def test_a_watch_refused_by_status_says_why(status: int, error: type[Exception]) -> None:
     body = orjson.dumps({"kind": "Status", "code": status, "reason": "Why", "message": "because"})
 
@@ -113,7 +147,10 @@ async def test_an_oversize_listing_is_refused_at_the_bound(monkeypatch: pytest.M
         await exchange.end()
 
     with trio.fail_after(30):
-        async with open_raw_upstream(respond) as upstream, httpx.AsyncClient(base_url=upstream.url) as http:
+        async with (
+            open_raw_upstream(respond) as upstream,
+            httpx.AsyncClient(base_url=upstream.url) as http,
+        ):
             api = PodsApi(http, "default", KubeTiming())
             with pytest.raises(KubeUnavailable, match="larger than 65536 bytes"):
                 await api.list(SOURCE)

@@ -43,7 +43,9 @@ EVENT_BOUND_S = 2.0  # functional bound under load; the measured figures are ~10
 
 
 @asynccontextmanager
-async def open_kube(tmp_path: Path, api: FakeKubeApi, **overrides: Any) -> AsyncIterator[RunningRouter]:
+async def open_kube(
+    tmp_path: Path, api: FakeKubeApi, **overrides: Any
+) -> AsyncIterator[RunningRouter]:
     """The fake API server, and a router discovering Pods from it through a kubeconfig."""
     async with trio.open_nursery() as nursery:
         await nursery.start(api.serve)
@@ -75,8 +77,13 @@ async def test_a_pod_that_becomes_ready_is_routed_to_at_once(tmp_path: Path) -> 
         async with open_fake_fleet(2) as (w0, w1):
             api.add_pod(worker_pod(w0, "w-0", APP))
             api.add_pod(worker_pod(w1, "w-1", APP, ready=False))
-            async with open_kube(tmp_path, api) as router, httpx.AsyncClient(base_url=router.url) as client:
-                assert [w.id for w in router.fleet.workers()] == [pod_id("w-0")]  # not Ready: no candidate
+            async with (
+                open_kube(tmp_path, api) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
+                assert [w.id for w in router.fleet.workers()] == [
+                    pod_id("w-0")
+                ]  # not Ready: no candidate
                 assert router.app.discovery.up and router.app.discovery.source == "kubernetes"
                 assert [await chat(client) for _ in range(3)] == [pod_id("w-0")] * 3
 
@@ -88,8 +95,13 @@ async def test_a_pod_that_becomes_ready_is_routed_to_at_once(tmp_path: Path) -> 
                 routed_after = trio.current_time() - ready_at
                 print(f"\nReady -> first request routed to it: {routed_after * 1000:.1f} ms")
                 assert routed_after < EVENT_BOUND_S
-                assert w1.worker.routing.paths.get("/get_server_info") is None  # annotated: nothing to ask
-                assert (metric(router, "router_discovery_up"), metric(router, "router_discovery_relists_total")) == (1.0, 1.0)
+                assert (
+                    w1.worker.routing.paths.get("/get_server_info") is None
+                )  # annotated: nothing to ask
+                assert (
+                    metric(router, "router_discovery_up"),
+                    metric(router, "router_discovery_relists_total"),
+                ) == (1.0, 1.0)
 
 
 async def test_a_deleted_pod_drains_its_stream_and_takes_no_new_request(tmp_path: Path) -> None:
@@ -99,9 +111,14 @@ async def test_a_deleted_pod_drains_its_stream_and_takes_no_new_request(tmp_path
         async with open_fake_fleet([slow, slow]) as (w0, w1):
             api.add_pod(worker_pod(w0, "w-0", APP))
             api.add_pod(worker_pod(w1, "w-1", APP))
-            async with open_kube(tmp_path, api) as router, httpx.AsyncClient(base_url=router.url, timeout=30) as client:
+            async with (
+                open_kube(tmp_path, api) as router,
+                httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+            ):
                 stream_body = {**CHAT, "stream": True, "max_tokens": 40}
-                async with client.stream("POST", "/v1/chat/completions", json=stream_body) as stream:
+                async with client.stream(
+                    "POST", "/v1/chat/completions", json=stream_body
+                ) as stream:
                     assert stream.status_code == 200
                     victim = stream.headers["x-router-worker"]
                     handle = w0 if victim == pod_id("w-0") else w1
@@ -115,8 +132,16 @@ async def test_a_deleted_pod_drains_its_stream_and_takes_no_new_request(tmp_path
                             # Whether the router had seen the drain when this request was
                             # sent: one sent before may still be answered by the victim.
                             sent_after_drain = draining()
-                            response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
-                            answers.append((response.status_code, response.headers.get("x-router-worker"), sent_after_drain))
+                            response = await client.post(
+                                "/v1/chat/completions", json={**CHAT, "max_tokens": 1}
+                            )
+                            answers.append(
+                                (
+                                    response.status_code,
+                                    response.headers.get("x-router-worker"),
+                                    sent_after_drain,
+                                )
+                            )
 
                         for _ in range(6):
                             async with trio.open_nursery() as batch:
@@ -143,15 +168,21 @@ async def test_a_deleted_pod_drains_its_stream_and_takes_no_new_request(tmp_path
                 assert done and "event: error" not in b"".join(received).decode()
                 assert text == expected_text(40)  # every token, none cut off
                 worker = router.fleet.get(victim)
-                assert worker is not None and worker.record.status is Status.DRAINING  # until DELETED
+                assert (
+                    worker is not None and worker.record.status is Status.DRAINING
+                )  # until DELETED
                 assert router.fleet.pending == {}
                 api.finish_deletion(victim.split("/")[1])
                 await wait_until(lambda: router.fleet.get(victim) is None)
             assert [status for status, _, _ in answers] == [200] * 30
             # Not one request sent after the drain was seen reached the victim.
-            assert all(served != victim for _, served, sent_after_drain in answers if sent_after_drain)
+            assert all(
+                served != victim for _, served, sent_after_drain in answers if sent_after_drain
+            )
             assert handle.worker.routing.dispatches == dispatches_at_drain
-            assert dispatches_at_drain - dispatches_before <= 5  # at most the batch already in flight
+            assert (
+                dispatches_at_drain - dispatches_before <= 5
+            )  # at most the batch already in flight
 
 
 @pytest.mark.parametrize("gone_as_http", [False, True], ids=["error-event", "http-410"])
@@ -161,12 +192,17 @@ async def test_a_410_relists_and_no_request_fails(tmp_path: Path, gone_as_http: 
         async with open_fake_fleet(3) as (w0, w1, w2):
             api.add_pod(worker_pod(w0, "w-0", APP))
             api.add_pod(worker_pod(w1, "w-1", APP))
-            async with open_kube(tmp_path, api) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_kube(tmp_path, api) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 statuses: list[int] = []
 
                 async def traffic(stop: trio.Event) -> None:
                     while not stop.is_set():
-                        statuses.append((await client.post("/v1/chat/completions", json=CHAT)).status_code)
+                        statuses.append(
+                            (await client.post("/v1/chat/completions", json=CHAT)).status_code
+                        )
 
                 stop = trio.Event()
                 async with trio.open_nursery() as spare, trio.open_nursery() as nursery:
@@ -184,20 +220,28 @@ async def test_a_410_relists_and_no_request_fails(tmp_path: Path, gone_as_http: 
                     count = len(statuses)
                     await wait_until(lambda: len(statuses) >= count + 5)
                     stop.set()
-                    assert sorted(w.id for w in router.fleet.workers()) == [pod_id("w-0"), pod_id("w-2")]
+                    assert sorted(w.id for w in router.fleet.workers()) == [
+                        pod_id("w-0"),
+                        pod_id("w-2"),
+                    ]
                     assert metric(router, "router_discovery_relists_total") == 2.0
                     assert router.app.discovery.up
                     spare.cancel_scope.cancel()
                 assert statuses == [200] * len(statuses)
 
 
-async def test_the_api_server_going_away_keeps_the_fleet_and_loses_no_request(tmp_path: Path) -> None:
+async def test_the_api_server_going_away_keeps_the_fleet_and_loses_no_request(
+    tmp_path: Path,
+) -> None:
     api = FakeKubeApi()
     with trio.fail_after(60):
         async with open_fake_fleet(3) as (w0, w1, w2), trio.open_nursery() as spare:
             api.add_pod(worker_pod(w0, "w-0", APP))
             api.add_pod(worker_pod(w1, "w-1", APP))
-            async with open_kube(tmp_path, api) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_kube(tmp_path, api) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 await wait_until(lambda: api.watches_open == 1)
                 api.go_away()
                 await wait_until(lambda: not router.app.discovery.up)
@@ -212,23 +256,41 @@ async def test_the_api_server_going_away_keeps_the_fleet_and_loses_no_request(tm
                 await spare.start(api.serve)  # back on the same port
                 await wait_until(lambda: router.fleet.get(pod_id("w-2")) is not None)
                 assert router.app.discovery.up and metric(router, "router_discovery_up") == 1.0
-                assert sorted(set([await chat(client) for _ in range(6)])) == [pod_id(f"w-{i}") for i in range(3)]
+                assert sorted(set([await chat(client) for _ in range(6)])) == [
+                    pod_id(f"w-{i}") for i in range(3)
+                ]
                 # it resumed from its version: no relist was needed
                 assert metric(router, "router_discovery_relists_total") == 1.0
             spare.cancel_scope.cancel()
 
 
-async def test_pd_pools_from_two_selectors_with_the_bootstrap_port_from_the_annotation(tmp_path: Path) -> None:
+async def test_pd_pools_from_two_selectors_with_the_bootstrap_port_from_the_annotation(
+    tmp_path: Path,
+) -> None:
     api = FakeKubeApi()
-    settings = [FakeWorkerSettings(role="prefill", bootstrap_port=9300), FakeWorkerSettings(role="decode")]
+    settings = [
+        FakeWorkerSettings(role="prefill", bootstrap_port=9300),
+        FakeWorkerSettings(role="decode"),
+    ]
     with trio.fail_after(30):
         async with open_fake_fleet(settings) as (prefill, decode):
             # The annotation says 9400: an explicit value wins over what the engine states.
-            api.add_pod(worker_pod(prefill, "p-0", {"pool": "prefill"}, **{"sglang.ai/bootstrap-port": "9400"}))
+            api.add_pod(
+                worker_pod(
+                    prefill, "p-0", {"pool": "prefill"}, **{"sglang.ai/bootstrap-port": "9400"}
+                )
+            )
             api.add_pod(worker_pod(decode, "d-0", {"pool": "decode"}))
-            async with open_kube(
-                tmp_path, api, k8s_selector="", k8s_prefill_selector="pool=prefill", k8s_decode_selector="pool=decode"
-            ) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_kube(
+                    tmp_path,
+                    api,
+                    k8s_selector="",
+                    k8s_prefill_selector="pool=prefill",
+                    k8s_decode_selector="pool=decode",
+                ) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 roles = {w.id: w.role.value for w in router.fleet.workers()}
                 assert roles == {pod_id("p-0"): "prefill", pod_id("d-0"): "decode"}
                 assert [await chat(client) for _ in range(3)] == [pod_id("d-0")] * 3
@@ -239,17 +301,31 @@ async def test_pd_pools_from_two_selectors_with_the_bootstrap_port_from_the_anno
 
 async def test_pd_pools_learn_the_bootstrap_port_and_facts_from_the_engine(tmp_path: Path) -> None:
     api = FakeKubeApi()
-    settings = [FakeWorkerSettings(role="prefill", bootstrap_port=9301, dp_size=2), FakeWorkerSettings(role="decode")]
+    settings = [
+        FakeWorkerSettings(role="prefill", bootstrap_port=9301, dp_size=2),
+        FakeWorkerSettings(role="decode"),
+    ]
     with trio.fail_after(30):
         async with open_fake_fleet(settings) as (prefill, decode):
             api.add_pod(worker_pod(prefill, "p-0", {"pool": "prefill"}, facts_in_annotations=False))
             api.add_pod(worker_pod(decode, "d-0", {"pool": "decode"}, facts_in_annotations=False))
-            async with open_kube(
-                tmp_path, api, k8s_selector="", k8s_prefill_selector="pool=prefill", k8s_decode_selector="pool=decode"
-            ) as router, httpx.AsyncClient(base_url=router.url) as client:
+            async with (
+                open_kube(
+                    tmp_path,
+                    api,
+                    k8s_selector="",
+                    k8s_prefill_selector="pool=prefill",
+                    k8s_decode_selector="pool=decode",
+                ) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
                 await wait_until(lambda: len(router.fleet) == 2)
                 worker = router.fleet.get(pod_id("p-0"))
-                assert worker is not None and worker.record.dp_size == 2 and worker.record.models == ("fake-model",)
+                assert (
+                    worker is not None
+                    and worker.record.dp_size == 2
+                    and worker.record.models == ("fake-model",)
+                )
                 for _ in range(4):
                     await chat(client)
             assert [h["bootstrap_port"] for h in decode.worker.routing.handoffs] == [9301] * 4
@@ -266,7 +342,9 @@ async def test_a_rotated_token_file_is_read_again(tmp_path: Path) -> None:
             api.add_pod(worker_pod(w0, "w-0", APP))
             await nursery.start(api.serve)
             kubeconfig = write_kubeconfig(tmp_path, api, token_file=token_file)
-            async with open_router(discovery="kubernetes", k8s_kubeconfig=str(kubeconfig), k8s_selector="app=engine") as router:
+            async with open_router(
+                discovery="kubernetes", k8s_kubeconfig=str(kubeconfig), k8s_selector="app=engine"
+            ) as router:
                 await wait_until(lambda: api.watches_open == 1)
                 token_file.write_text("second-and-longer\n")
                 api.token = "second-and-longer"
@@ -275,5 +353,7 @@ async def test_a_rotated_token_file_is_read_again(tmp_path: Path) -> None:
                 await wait_until(lambda: router.fleet.get(pod_id("w-1")) is not None)
                 assert router.app.discovery.up
             assert api.unauthorized == 0
-            assert sum(1 for method, _ in api.requests if method == "GET") >= 3  # list, watch, watch
+            assert (
+                sum(1 for method, _ in api.requests if method == "GET") >= 3
+            )  # list, watch, watch
             nursery.cancel_scope.cancel()

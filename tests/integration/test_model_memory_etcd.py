@@ -24,11 +24,16 @@ async def test_a_briefly_empty_fleet_is_503_then_404_after_the_memory(etcd: Etcd
             open_fake_fleet(1, tokens=2) as fleet,
             trio.open_nursery() as nursery,
             open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX, model_memory_s=MEMORY_S,
+                discovery="etcd",
+                etcd_endpoint=etcd.url,
+                etcd_prefix=PREFIX,
+                model_memory_s=MEMORY_S,
             ) as router,
             httpx.AsyncClient(base_url=router.url, timeout=10) as client,
         ):
-            worker = await register(nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=2)
+            worker = await register(
+                nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=2
+            )
             await wait_until(lambda: len(router.fleet) == 1)
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
             worker.crash()  # no revoke: the key goes when its lease expires

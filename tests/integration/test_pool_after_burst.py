@@ -21,7 +21,9 @@ from tests.support.router_instance import open_router
 BURST = 256
 IDLE_BOUND = 128
 C1_REQUESTS = 50
-BODY = orjson.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+BODY = orjson.dumps(
+    {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+)
 HEADERS = [("content-type", "application/json")]
 
 
@@ -52,19 +54,24 @@ async def _settled(pool: UpstreamPool) -> PoolStatistics:
 async def _one_of_the_burst(port: int, statuses: list[int]) -> None:
     client = await RawClient.connect(port)
     try:
-        statuses.append((await client.request("POST", "/v1/chat/completions", HEADERS, BODY)).status)
+        statuses.append(
+            (await client.request("POST", "/v1/chat/completions", HEADERS, BODY)).status
+        )
     finally:
         await client.aclose()
 
 
 async def test_after_a_burst_the_pool_keeps_its_bound_and_c1_latency_holds() -> None:
     with trio.fail_after(30):
-        async with open_fake_fleet([FakeWorkerSettings()]) as fleet, open_router(
-            [fleet[0].url],
-            pool_max_idle_per_worker=IDLE_BOUND,
-            # No expiry during the test: the pool's size after the burst is the point.
-            pool_idle_expiry_s=600,
-        ) as router:
+        async with (
+            open_fake_fleet([FakeWorkerSettings()]) as fleet,
+            open_router(
+                [fleet[0].url],
+                pool_max_idle_per_worker=IDLE_BOUND,
+                # No expiry during the test: the pool's size after the burst is the point.
+                pool_idle_expiry_s=600,
+            ) as router,
+        ):
             pool = router.app.generation.pool
             c1 = await RawClient.connect(router.port)
             before = await _c1_latencies(c1)

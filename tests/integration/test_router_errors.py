@@ -35,14 +35,17 @@ def _chat(model: str) -> dict[str, object]:
 
 
 @asynccontextmanager
-async def _two_model_fleet(**router_settings: object) -> AsyncIterator[tuple[list[FakeWorkerHandle], str]]:
+async def _two_model_fleet(
+    **router_settings: object,
+) -> AsyncIterator[tuple[list[FakeWorkerHandle], str]]:
     """Two workers of model-a that are still loading (their /health answers 503) and one
     healthy worker of model-b; the router asks each worker for its model."""
     loading = FakeWorkerSettings(model="model-a", startup_delay_s=600)
     ready = FakeWorkerSettings(model="model-b")
-    async with open_fake_fleet([loading, loading, ready]) as fleet, open_router(
-        [handle.url for handle in fleet], **router_settings
-    ) as router:
+    async with (
+        open_fake_fleet([loading, loading, ready]) as fleet,
+        open_router([handle.url for handle in fleet], **router_settings) as router,
+    ):
         yield fleet, router.url
 
 
@@ -83,9 +86,13 @@ async def test_every_worker_of_a_model_unhealthy_is_503_naming_unhealthy() -> No
 
 async def test_health_checks_take_a_worker_out_and_bring_it_back() -> None:
     with trio.fail_after(20):
-        async with open_fake_fleet(1) as fleet, open_router(
-            [fleet[0].url], health_interval_s=0.05, health_failure_threshold=2
-        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+        async with (
+            open_fake_fleet(1) as fleet,
+            open_router(
+                [fleet[0].url], health_interval_s=0.05, health_failure_threshold=2
+            ) as router,
+            httpx.AsyncClient(base_url=router.url) as client,
+        ):
             worker = router.fleet.workers()[0]
             fleet[0].worker.behaviour.healthy = False
             await wait_until(lambda: not worker.healthy)
@@ -116,8 +123,14 @@ async def test_readiness_health_and_models_with_an_unhealthy_model() -> None:
     assert readiness.status_code == 200
     assert health.status_code == 200
     summary = health.json()
-    assert {key: summary[key] for key in ("status", "workers", "available", "unhealthy", "draining")} == {
-        "status": "ok", "workers": 3, "available": 1, "unhealthy": 2, "draining": 0,
+    assert {
+        key: summary[key] for key in ("status", "workers", "available", "unhealthy", "draining")
+    } == {
+        "status": "ok",
+        "workers": 3,
+        "available": 1,
+        "unhealthy": 2,
+        "draining": 0,
     }
     assert summary["models"] == ["model-a", "model-b"]
     assert summary["discovery"]["source"] == "static"
@@ -130,9 +143,11 @@ async def test_readiness_health_and_models_with_an_unhealthy_model() -> None:
 async def test_readiness_is_503_while_no_worker_can_take_work() -> None:
     with trio.fail_after(20):
         loading = FakeWorkerSettings(startup_delay_s=600)
-        async with open_fake_fleet([loading]) as fleet, open_router(
-            [fleet[0].url], health_failure_threshold=1
-        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+        async with (
+            open_fake_fleet([loading]) as fleet,
+            open_router([fleet[0].url], health_failure_threshold=1) as router,
+            httpx.AsyncClient(base_url=router.url) as client,
+        ):
             readiness = await client.get("/readiness")
             health = await client.get("/health")
     assert (readiness.status_code, readiness.json()) == (503, {"ready": False})
@@ -188,7 +203,10 @@ async def test_head_of_a_get_route_has_no_body() -> None:
 async def test_body_over_max_body_bytes_is_413_and_never_dispatched() -> None:
     padding = "x" * 2048
     with trio.fail_after(20):
-        async with open_fake_fleet(1) as fleet, open_router([fleet[0].url], max_body_bytes=1024) as router:
+        async with (
+            open_fake_fleet(1) as fleet,
+            open_router([fleet[0].url], max_body_bytes=1024) as router,
+        ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 declared = await client.post("/v1/chat/completions", json={**CHAT, "user": padding})
 
@@ -209,10 +227,14 @@ async def test_body_over_max_body_bytes_is_413_and_never_dispatched() -> None:
 async def test_v1_workers_lists_every_field_an_operator_needs() -> None:
     slow = FakeWorkerSettings(tokens=100, token_latency_ms=20)
     with trio.fail_after(20):
-        async with open_fake_fleet([slow, slow]) as fleet, open_router(
-            [f"{fleet[0].url},model=fake-model", fleet[1].url]
-        ) as router, httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-            async with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 100}) as stream:
+        async with (
+            open_fake_fleet([slow, slow]) as fleet,
+            open_router([f"{fleet[0].url},model=fake-model", fleet[1].url]) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=10) as client,
+        ):
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 100}
+            ) as stream:
                 assert stream.status_code == 200
                 busy = stream.headers["x-router-worker"]
                 listing = (await client.get("/v1/workers")).json()["workers"]
@@ -242,9 +264,16 @@ async def test_metrics_count_requests_by_model_route_status() -> None:
             async with httpx.AsyncClient(base_url=router.url) as client:
                 for _ in range(3):
                     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-                completion = {"model": "fake-model", "prompt": "hi", "max_tokens": 2, "stream": True}
+                completion = {
+                    "model": "fake-model",
+                    "prompt": "hi",
+                    "max_tokens": 2,
+                    "stream": True,
+                }
                 assert (await client.post("/v1/completions", json=completion)).status_code == 200
-                assert (await client.post("/v1/chat/completions", json=_chat("nope"))).status_code == 404
+                assert (
+                    await client.post("/v1/chat/completions", json=_chat("nope"))
+                ).status_code == 404
                 assert (await client.post("/generate", content=b"{")).status_code == 400
                 scrape = await client.get("/metrics")
     assert scrape.status_code == 200
@@ -255,7 +284,9 @@ async def test_metrics_count_requests_by_model_route_status() -> None:
         return samples[(name, tuple(sorted(labels.items())))]
 
     assert value("router_requests_total", model="fake-model", route="chat", status="200") == 3
-    assert value("router_requests_total", model="fake-model", route="completions", status="200") == 1
+    assert (
+        value("router_requests_total", model="fake-model", route="completions", status="200") == 1
+    )
     # A model nobody serves is not a label value: clients could grow the series without bound.
     assert value("router_requests_total", model="-", route="chat", status="404") == 1
     assert value("router_requests_total", model="-", route="generate", status="400") == 1
@@ -293,9 +324,11 @@ async def test_forwarded_headers_and_body_bytes_reach_the_worker() -> None:
     # Unusual spacing and key order: the worker must get these exact bytes, not a re-encoding.
     body = b'{ "messages" : [{"role":"user","content":"hi"}],   "model":"m" }'
     with trio.fail_after(20):
-        async with open_raw_upstream(_recording_upstream(seen)) as upstream, open_router(
-            [f"{upstream.url},model=m"]
-        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+        async with (
+            open_raw_upstream(_recording_upstream(seen)) as upstream,
+            open_router([f"{upstream.url},model=m"]) as router,
+            httpx.AsyncClient(base_url=router.url) as client,
+        ):
             response = await client.post(
                 "/v1/chat/completions",
                 content=body,
@@ -317,7 +350,10 @@ async def test_forwarded_headers_and_body_bytes_reach_the_worker() -> None:
     assert forwarded.body == body
     assert forwarded.header(b"authorization") == b"Bearer sk-test"
     assert forwarded.header(b"x-request-id") == b"req-7"
-    assert forwarded.header(b"traceparent") == b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert (
+        forwarded.header(b"traceparent")
+        == b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    )
     assert forwarded.header(b"content-type") == b"application/json"
     assert forwarded.header(b"host") == upstream.url.removeprefix("http://").encode()
     assert forwarded.header(b"cookie") is None
@@ -369,9 +405,12 @@ async def test_a_worker_with_a_malformed_model_list_costs_only_itself() -> None:
         await exchange.respond(200, [(b"content-type", b"application/json")], b'["fake-model"]')
 
     with trio.fail_after(20):
-        async with open_fake_fleet(1) as fleet, open_raw_upstream(not_a_model_list) as odd, open_router(
-            [fleet[0].url, odd.url]
-        ) as router, httpx.AsyncClient(base_url=router.url) as client:
+        async with (
+            open_fake_fleet(1) as fleet,
+            open_raw_upstream(not_a_model_list) as odd,
+            open_router([fleet[0].url, odd.url]) as router,
+            httpx.AsyncClient(base_url=router.url) as client,
+        ):
             response = await client.post("/v1/chat/completions", json=CHAT)
             health = (await client.get("/health")).json()
     # The odd worker stays out of the fleet until it names its model; the router serves on.

@@ -56,17 +56,23 @@ async def test_openai_client_through_router_gets_the_workers_text() -> None:
 async def test_least_load_sends_to_the_idle_worker() -> None:
     slow = FakeWorkerSettings(tokens=50, token_latency_ms=20)
     with trio.fail_after(30):
-        async with open_fake_fleet([slow, slow, slow]) as fleet, open_router(
-            [w.url for w in fleet], policy="least_load"
-        ) as router:
-            async with httpx.AsyncClient(base_url=router.url, timeout=20) as client, trio.open_nursery() as nursery:
+        async with (
+            open_fake_fleet([slow, slow, slow]) as fleet,
+            open_router([w.url for w in fleet], policy="least_load") as router,
+        ):
+            async with (
+                httpx.AsyncClient(base_url=router.url, timeout=20) as client,
+                trio.open_nursery() as nursery,
+            ):
                 slow_request = functools.partial(
                     client.post, "/v1/chat/completions", json={**CHAT, "max_tokens": 50}
                 )
                 for sent in (1, 2):
                     nursery.start_soon(slow_request)
                     # the next request is sent only once the router counts this one in flight
-                    await wait_until(lambda n=sent: sum(w.inflight for w in router.fleet.workers()) >= n)
+                    await wait_until(
+                        lambda n=sent: sum(w.inflight for w in router.fleet.workers()) >= n
+                    )
                 busy = {w.id for w in router.fleet.workers() if w.inflight}
                 response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
                 assert response.status_code == 200
@@ -80,7 +86,9 @@ async def test_client_disconnect_mid_stream_reaches_the_worker_and_frees_infligh
         async with open_fake_fleet([slow]) as fleet, open_router([fleet[0].url]) as router:
             client = await RawClient.connect(router.port)
             body = orjson.dumps({**CHAT, "stream": True, "max_tokens": 200})
-            await client.send_request("POST", "/v1/chat/completions", [("content-type", "application/json")], body)
+            await client.send_request(
+                "POST", "/v1/chat/completions", [("content-type", "application/json")], body
+            )
             assert (await client.read_head("POST")).status == 200
             assert (await client.read_chunk() or b"").startswith(b"data: ")
             await client.aclose()

@@ -54,23 +54,51 @@ async def open_pod_workers() -> AsyncIterator[tuple[int, list[FakeWorker]]]:
 
 def pods(api: FakeKubeApi) -> None:
     for index, host in enumerate(HOSTS):
-        api.add_pod(make_pod(f"w-{index}", ip=host, labels={"app": "engine"}, annotations={"trio-router/model": "fake-model"}))
+        api.add_pod(
+            make_pod(
+                f"w-{index}",
+                ip=host,
+                labels={"app": "engine"},
+                annotations={"trio-router/model": "fake-model"},
+            )
+        )
 
 
 @asynccontextmanager
 async def open_smg_on_kubernetes(kubeconfig: Path, port: int, log_path: Path) -> AsyncIterator[str]:
     listen, metrics_port = free_port(), free_port()
     command = [
-        sys.executable, "-m", "smg", "launch",
-        "--service-discovery", "--selector", "app=engine",
-        "--service-discovery-port", str(port), "--service-discovery-namespace", "default",
-        "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(listen),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--shutdown-grace-period-secs", "1", "--log-level", "warn",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "smg",
+        "launch",
+        "--service-discovery",
+        "--selector",
+        "app=engine",
+        "--service-discovery-port",
+        str(port),
+        "--service-discovery-namespace",
+        "default",
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(listen),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--shutdown-grace-period-secs",
+        "1",
+        "--log-level",
+        "warn",
+    ]
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     with log_path.open("wb") as log:
-        process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = await trio.lowlevel.open_process(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
     try:
         yield f"http://127.0.0.1:{listen}"
     finally:
@@ -82,10 +110,14 @@ async def _healthy_workers(client: httpx.AsyncClient) -> int:
         response = await client.get("/readiness")
     except httpx.TransportError:
         return -1
-    return int(response.json().get("healthy_workers", 0)) if response.status_code in (200, 503) else -1
+    return (
+        int(response.json().get("healthy_workers", 0)) if response.status_code in (200, 503) else -1
+    )
 
 
-async def stop_routing_after_deletion(client: httpx.AsyncClient, api: FakeKubeApi, victim: FakeWorker) -> float:
+async def stop_routing_after_deletion(
+    client: httpx.AsyncClient, api: FakeKubeApi, victim: FakeWorker
+) -> float:
     """Start deleting Pod w-0 (victim) and send requests until 20 in a row miss it; the
     time from the event to the last request that reached it (0 when none did)."""
     api.begin_deletion("w-0", grace_s=15)
@@ -116,27 +148,50 @@ async def test_smg_and_the_router_discover_the_same_pods_from_the_fake_api(tmp_p
                         await trio.sleep(0.1)
                     for worker in workers:
                         worker.routing.reset()
-                    assert [(await client.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(4)] == [200] * 4
+                    assert [
+                        (await client.post("/v1/chat/completions", json=CHAT)).status_code
+                        for _ in range(4)
+                    ] == [200] * 4
                     smg_spread = [w.routing.dispatches for w in workers]
                     smg_last_hit = await stop_routing_after_deletion(client, api, workers[0])
             smg_requests = list(api.requests)
 
             # The same Pods, fresh, for our router.
             api.finish_deletion("w-0")
-            api.add_pod(make_pod("w-0", ip=HOSTS[0], labels={"app": "engine"}, annotations={"trio-router/model": "fake-model"}))
+            api.add_pod(
+                make_pod(
+                    "w-0",
+                    ip=HOSTS[0],
+                    labels={"app": "engine"},
+                    annotations={"trio-router/model": "fake-model"},
+                )
+            )
             for worker in workers:
                 worker.routing.reset()
-            async with open_router(
-                discovery="kubernetes", k8s_kubeconfig=str(kubeconfig), k8s_selector="app=engine", k8s_port=port
-            ) as router, httpx.AsyncClient(base_url=router.url, timeout=10) as client:
+            async with (
+                open_router(
+                    discovery="kubernetes",
+                    k8s_kubeconfig=str(kubeconfig),
+                    k8s_selector="app=engine",
+                    k8s_port=port,
+                ) as router,
+                httpx.AsyncClient(base_url=router.url, timeout=10) as client,
+            ):
                 await wait_until(lambda: len(router.fleet) == 2)
-                assert [(await client.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(4)] == [200] * 4
+                assert [
+                    (await client.post("/v1/chat/completions", json=CHAT)).status_code
+                    for _ in range(4)
+                ] == [200] * 4
                 router_spread = [w.routing.dispatches for w in workers]
                 router_last_hit = await stop_routing_after_deletion(client, api, workers[0])
             nursery.cancel_scope.cancel()
-    print(f"\nlast request to a terminating Pod after its deletionTimestamp: smg {smg_last_hit * 1000:.0f} ms, router {router_last_hit * 1000:.0f} ms")
+    print(
+        f"\nlast request to a terminating Pod after its deletionTimestamp: smg {smg_last_hit * 1000:.0f} ms, router {router_last_hit * 1000:.0f} ms"
+    )
     # smg found the Pods through the API server alone: it listed and watched them.
-    assert any("watch=" in target and "allowWatchBookmarks=true" in target for _, target in smg_requests)
+    assert any(
+        "watch=" in target and "allowWatchBookmarks=true" in target for _, target in smg_requests
+    )
     assert smg_spread == [2, 2] and router_spread == [2, 2]
     # Both stop sending new requests to a terminating Pod; ours at the event itself.
     assert router_last_hit < 1.0

@@ -24,8 +24,6 @@ pytestmark = pytest.mark.smg
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-
-
 async def _stop(process: trio.Process) -> None:
     """SIGTERM, then a kill if it is still there after 10 s. Shielded: runs on the way out."""
     with trio.CancelScope(shield=True):
@@ -43,16 +41,27 @@ async def open_smg(worker_urls: list[str], log_path: Path) -> AsyncIterator[str]
     """Launch smg in front of `worker_urls`; yield its URL once it has admitted all of them."""
     port, metrics_port = free_port(), free_port()
     command = [
-        sys.executable, "-m", "smg", "launch",
-        "--worker-urls", *worker_urls,
-        "--policy", "round_robin",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(metrics_port),
-        "--shutdown-grace-period-secs", "1",
-        "--log-level", "warn",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "smg",
+        "launch",
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--shutdown-grace-period-secs",
+        "1",
+        "--log-level",
+        "warn",
+    ]
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)

@@ -38,25 +38,47 @@ async def _spans(router_tracing: object, receiver: OtlpReceiver, count: int) -> 
 async def test_a_failed_over_request_is_one_span_with_a_child_per_attempt() -> None:
     flaky = FakeWorkerSettings(fail_first=1, fail_status=503)
     with trio.fail_after(GUARD_S):
-        async with open_otlp_receiver() as receiver, open_fake_fleet([flaky, FakeWorkerSettings()]) as fleet:
+        async with (
+            open_otlp_receiver() as receiver,
+            open_fake_fleet([flaky, FakeWorkerSettings()]) as fleet,
+        ):
             specs = [f"{handle.url},model={MODEL}" for handle in fleet]
             async with open_router(specs, otlp_traces_endpoint=receiver.url) as router:
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     response = await client.post(
-                        "/v1/chat/completions", json=CHAT,
-                        headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "x-request-id": "traced-1"},
+                        "/v1/chat/completions",
+                        json=CHAT,
+                        headers={
+                            "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01",
+                            "x-request-id": "traced-1",
+                        },
                     )
                     assert response.status_code == 200
                 spans = await _spans(router.app.tracing, receiver, 3)
     [root] = receiver.named("POST /v1/chat/completions")
-    assert (root.trace_id, root.parent_span_id, root.kind) == (CLIENT_TRACE, CLIENT_SPAN, SPAN_KIND_SERVER)
+    assert (root.trace_id, root.parent_span_id, root.kind) == (
+        CLIENT_TRACE,
+        CLIENT_SPAN,
+        SPAN_KIND_SERVER,
+    )
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["router.request_id"] == "traced-1"
     assert root.service == "trio-router"
-    attempts = sorted(receiver.children_of(root), key=lambda span: span.attributes["router.worker"] != fleet[0].url)
+    attempts = sorted(
+        receiver.children_of(root),
+        key=lambda span: span.attributes["router.worker"] != fleet[0].url,
+    )
     assert len(spans) == 3 and len(attempts) == 2
-    assert [(a.attributes["router.worker"], a.attributes["router.attempt"], a.attributes["router.verdict"],
-             a.attributes["http.response.status_code"], a.kind) for a in attempts] == [
+    assert [
+        (
+            a.attributes["router.worker"],
+            a.attributes["router.attempt"],
+            a.attributes["router.verdict"],
+            a.attributes["http.response.status_code"],
+            a.kind,
+        )
+        for a in attempts
+    ] == [
         (fleet[0].url, 1, "fault", 503, SPAN_KIND_CLIENT),
         (fleet[1].url, 2, "success", 200, SPAN_KIND_CLIENT),
     ]
@@ -68,22 +90,42 @@ async def test_a_failed_over_request_is_one_span_with_a_child_per_attempt() -> N
 
 async def test_pd_legs_are_sibling_spans_and_a_503_marks_the_request_span_an_error() -> None:
     bootstrap = free_port()
-    fleet_settings = [FakeWorkerSettings(role="prefill", bootstrap_port=bootstrap), FakeWorkerSettings(role="decode")]
+    fleet_settings = [
+        FakeWorkerSettings(role="prefill", bootstrap_port=bootstrap),
+        FakeWorkerSettings(role="decode"),
+    ]
     with trio.fail_after(GUARD_S):
         async with open_otlp_receiver() as receiver, open_fake_fleet(fleet_settings) as fleet:
-            specs = [f"{fleet[0].url},role=prefill,bootstrap_port={bootstrap}", f"{fleet[1].url},role=decode"]
-            async with open_router(specs, otlp_traces_endpoint=receiver.url, max_attempts=1) as router:
+            specs = [
+                f"{fleet[0].url},role=prefill,bootstrap_port={bootstrap}",
+                f"{fleet[1].url},role=decode",
+            ]
+            async with open_router(
+                specs, otlp_traces_endpoint=receiver.url, max_attempts=1
+            ) as router:
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-                    await client.post(f"{fleet[1].url}/debug/behaviour", json={"fail_first": 1, "fail_status": 503})
+                    await client.post(
+                        f"{fleet[1].url}/debug/behaviour",
+                        json={"fail_first": 1, "fail_status": 503},
+                    )
                     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 503
                 await _spans(router.app.tracing, receiver, 6)
-    served, failed = sorted(receiver.named("POST /v1/chat/completions"), key=lambda s: s.attributes["http.response.status_code"])
-    legs = sorted((span.attributes["router.role"], span.attributes["router.verdict"]) for span in receiver.children_of(served))
+    served, failed = sorted(
+        receiver.named("POST /v1/chat/completions"),
+        key=lambda s: s.attributes["http.response.status_code"],
+    )
+    legs = sorted(
+        (span.attributes["router.role"], span.attributes["router.verdict"])
+        for span in receiver.children_of(served)
+    )
     assert legs == [("decode", "success"), ("prefill", "success")]
     assert {span.trace_id for span in receiver.children_of(served)} == {served.trace_id}
     assert failed.status_code == STATUS_ERROR and served.status_code != STATUS_ERROR
-    failed_legs = {span.attributes["router.role"]: span.attributes.get("router.verdict") for span in receiver.children_of(failed)}
+    failed_legs = {
+        span.attributes["router.role"]: span.attributes.get("router.verdict")
+        for span in receiver.children_of(failed)
+    }
     assert failed_legs["decode"] == "fault"
 
 
@@ -94,7 +136,9 @@ async def test_without_an_endpoint_nothing_is_exported_and_the_clients_tracepare
             async with open_router([f"{fleet[0].url},model={MODEL}"]) as router:
                 assert not router.app.tracing.enabled
                 async with httpx.AsyncClient(base_url=router.url) as client:
-                    response = await client.post("/v1/chat/completions", json=CHAT, headers={"traceparent": traceparent})
+                    response = await client.post(
+                        "/v1/chat/completions", json=CHAT, headers={"traceparent": traceparent}
+                    )
                     assert response.status_code == 200
     assert receiver.posts == 0
     assert [headers["traceparent"] for headers in fleet[0].worker.routing.headers] == [traceparent]

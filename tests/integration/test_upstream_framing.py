@@ -195,17 +195,29 @@ def test_end_before_any_response_byte_is_not_started() -> None:
 @pytest.mark.parametrize(
     ("response", "body", "reusable"),
     [
-        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", b"ok", True),
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+            b"ok",
+            True,
+        ),
         (b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n", b"", True),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\nok", b"ok", True),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", b"", True),
-        (b"HTTP/1.1 200 OK\r\nconnection: keep-alive, close\r\ncontent-length: 2\r\n\r\nok", b"ok", False),
+        (
+            b"HTTP/1.1 200 OK\r\nconnection: keep-alive, close\r\ncontent-length: 2\r\n\r\nok",
+            b"ok",
+            False,
+        ),
         (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok", b"ok", False),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1", b"ok", False),
         # Repeated, one value: taken (llhttp alone would refuse it).
         (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nContent-Length: 2\r\n\r\nok", b"ok", True),
         # No body whatever the head says (llhttp alone would refuse the pair).
-        (b"HTTP/1.1 204 No Content\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n", b"", True),
+        (
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
+            b"",
+            True,
+        ),
         (b"HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\n\r\n", b"", True),
         (CHUNKED, CHUNKED_BODY, True),
         # Bytes after the last chunk, in the same read: the body is whole, the connection spent.
@@ -222,7 +234,9 @@ def test_framing_and_reuse(response: bytes, body: bytes, reusable: bool) -> None
 
 
 @pytest.mark.parametrize("extra", [b"\r\n", b"\n\n", b"HTTP/1.1 204 No Content\r\n\r\n"])
-def test_bytes_after_the_last_chunk_spend_the_connection_however_the_reads_fall(extra: bytes) -> None:
+def test_bytes_after_the_last_chunk_spend_the_connection_however_the_reads_fall(
+    extra: bytes,
+) -> None:
     """The last chunk's end and the bytes past it split anywhere across reads that all
     arrive before the end is seen."""
     response = CHUNKED + extra

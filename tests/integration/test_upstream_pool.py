@@ -308,15 +308,17 @@ async def test_refused_connection_raises_connect_error() -> None:
         assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
 
 
-
-
 async def test_connect_timeout_bounds_a_hanging_connect() -> None:
     with trio.fail_after(GUARD_S):
         async with unanswered_port() as port:
             pool = UpstreamPool()
             started = trio.current_time()
-            with pytest.raises(UpstreamConnectTimeout, match=r"no connection within 0\.3s") as caught:
-                async with pool.request(f"http://127.0.0.1:{port}", "GET", "/", [], b"", connect_timeout_s=0.3):
+            with pytest.raises(
+                UpstreamConnectTimeout, match=r"no connection within 0\.3s"
+            ) as caught:
+                async with pool.request(
+                    f"http://127.0.0.1:{port}", "GET", "/", [], b"", connect_timeout_s=0.3
+                ):
                     pytest.fail("no response expected")
             waited = trio.current_time() - started
             assert isinstance(caught.value, UpstreamConnectError)
@@ -334,7 +336,9 @@ async def test_connect_timeout_leaves_a_slow_answer_alone() -> None:
     with trio.fail_after(GUARD_S):
         async with pool_and_upstream(slow) as (pool, upstream):
             for _ in range(2):
-                async with pool.request(upstream.url, "GET", "/", [], b"", connect_timeout_s=0.05) as response:
+                async with pool.request(
+                    upstream.url, "GET", "/", [], b"", connect_timeout_s=0.05
+                ) as response:
                     assert response.status == 200
                     assert await response.read() == b"ok"
             stats = pool.statistics()
@@ -535,7 +539,10 @@ async def test_a_wait_at_the_cap_ends_with_a_local_shortage_after_the_connect_ti
 
     with trio.fail_after(GUARD_S):
         settings = PoolSettings(max_connections_per_worker=1)
-        async with pool_and_upstream(never_answers, settings) as (pool, upstream), trio.open_nursery() as nursery:
+        async with (
+            pool_and_upstream(never_answers, settings) as (pool, upstream),
+            trio.open_nursery() as nursery,
+        ):
             nursery.start_soon(get, pool, upstream)
             await wait_until(lambda: upstream.requests == 1)
             with pytest.raises(LocalShortage) as caught:
@@ -543,7 +550,11 @@ async def test_a_wait_at_the_cap_ends_with_a_local_shortage_after_the_connect_ti
                     pytest.fail("no response expected")
             assert caught.value.kind == "pool_wait_timeout"
             stats = pool.statistics()
-            assert (stats.opened, stats.waiting, stats.local_errors) == (1, 0, {"pool_wait_timeout": 1})
+            assert (stats.opened, stats.waiting, stats.local_errors) == (
+                1,
+                0,
+                {"pool_wait_timeout": 1},
+            )
             assert upstream.accepted == 1
             nursery.cancel_scope.cancel()
         assert pool.statistics().in_use == 0

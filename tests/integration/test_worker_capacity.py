@@ -29,12 +29,16 @@ async def test_no_worker_ever_holds_more_than_its_cap_and_the_faster_serves_more
             specs = [f"{handle.url},model={MODEL}" for handle in fleet]
             async with (
                 open_router(specs, worker_max_inflight=2) as router,
-                httpx.AsyncClient(base_url=router.url, timeout=GUARD_S, limits=httpx.Limits(max_connections=16)) as client,
+                httpx.AsyncClient(
+                    base_url=router.url, timeout=GUARD_S, limits=httpx.Limits(max_connections=16)
+                ) as client,
             ):
 
                 async def send(count: int) -> None:
                     for _ in range(count):
-                        statuses.append((await client.post("/v1/chat/completions", json=CHAT)).status_code)
+                        statuses.append(
+                            (await client.post("/v1/chat/completions", json=CHAT)).status_code
+                        )
 
                 async with trio.open_nursery() as nursery:
                     for _ in range(10):
@@ -61,7 +65,10 @@ async def test_the_only_worker_replaced_while_requests_flow_loses_nothing(etcd: 
             old = await register(nursery, etcd.url, record_for("old", fleet[0].url), lease_ttl_s=30)
             async with (
                 open_router(
-                    discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX, wait_for_workers_s=10.0,
+                    discovery="etcd",
+                    etcd_endpoint=etcd.url,
+                    etcd_prefix=PREFIX,
+                    wait_for_workers_s=10.0,
                 ) as router,
                 httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
             ):
@@ -70,7 +77,9 @@ async def test_the_only_worker_replaced_while_requests_flow_loses_nothing(etcd: 
                 async def flow(stop: trio.Event) -> None:
                     while not stop.is_set():
                         response = await client.post("/v1/chat/completions", json=CHAT)
-                        statuses.append((response.status_code, response.headers.get("x-router-worker")))
+                        statuses.append(
+                            (response.status_code, response.headers.get("x-router-worker"))
+                        )
                         await trio.sleep(0.05)  # pacing: a steady flow across the replacement
 
                 stop = trio.Event()
@@ -85,8 +94,12 @@ async def test_the_only_worker_replaced_while_requests_flow_loses_nothing(etcd: 
                     await wait_until(lambda: router.fleet.get("old") is None)
                     gone_at = len(statuses)
                     await trio.sleep(3.0)  # the replacement's start-up time, as the scenario says
-                    await register(nursery, etcd.url, record_for("new", fleet[1].url), lease_ttl_s=30)
-                    await wait_until(lambda: sum(1 for _, worker in statuses if worker == "new") >= 6)
+                    await register(
+                        nursery, etcd.url, record_for("new", fleet[1].url), lease_ttl_s=30
+                    )
+                    await wait_until(
+                        lambda: sum(1 for _, worker in statuses if worker == "new") >= 6
+                    )
                     stop.set()
             nursery.cancel_scope.cancel()
     assert all(status == 200 for status, _ in statuses), [s for s in statuses if s[0] != 200]
@@ -94,4 +107,3 @@ async def test_the_only_worker_replaced_while_requests_flow_loses_nothing(etcd: 
     # Every request sent in the gap waited and was served by the replacement.
     assert all(worker == "new" for _, worker in statuses[gone_at + 3 :])
     assert fleet[1].worker.routing.dispatches == sum(1 for _, worker in statuses if worker == "new")
-

@@ -47,8 +47,6 @@ def etcd_available() -> bool:
     return shutil.which(ETCD_BINARY) is not None
 
 
-
-
 def _open_log(path: Path) -> IO[bytes]:
     return path.open("ab")
 
@@ -79,15 +77,23 @@ class EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             ETCD_BINARY,
-            "--name", self.name,
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.url,
-            "--advertise-client-urls", self.url,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}",
-            "--experimental-watch-progress-notify-interval", f"{self.progress_interval_s}s",
-        ]  # fmt: skip
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"{self.name}={peer}",
+            "--experimental-watch-progress-notify-interval",
+            f"{self.progress_interval_s}s",
+        ]
 
     def _env(self) -> dict[str, str]:
         # Inherited ETCD_* variables would silently override the flags above.

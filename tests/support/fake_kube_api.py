@@ -114,7 +114,9 @@ class FakeKubeApi:
     def set_ready(self, name: str, ready: bool, namespace: str = "default") -> dict[str, Any]:
         return self.update_pod(namespace, name, ready=ready)
 
-    def begin_deletion(self, name: str, grace_s: int = 30, namespace: str = "default") -> dict[str, Any]:
+    def begin_deletion(
+        self, name: str, grace_s: int = 30, namespace: str = "default"
+    ) -> dict[str, Any]:
         """Graceful deletion's first step: `deletionTimestamp` is set (MODIFIED)."""
         before = self.pods[(namespace, name)]
         after = copy.deepcopy(before)
@@ -134,7 +136,9 @@ class FakeKubeApi:
         self._history.clear()
         self._oldest = self.version
 
-    def _record(self, kind: str, before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
+    def _record(
+        self, kind: str, before: dict[str, Any] | None, after: dict[str, Any]
+    ) -> dict[str, Any]:
         self.version += 1
         after["metadata"]["resourceVersion"] = str(self.version)
         key = (after["metadata"]["namespace"], after["metadata"]["name"])
@@ -187,7 +191,9 @@ class FakeKubeApi:
                 except h11.LocalProtocolError:
                     return
 
-    async def _read_request(self, stream: trio.SocketStream, conn: h11.Connection) -> tuple[h11.Request | None, bytes]:
+    async def _read_request(
+        self, stream: trio.SocketStream, conn: h11.Connection
+    ) -> tuple[h11.Request | None, bytes]:
         request: h11.Request | None = None
         body = b""
         while True:
@@ -211,7 +217,9 @@ class FakeKubeApi:
     async def _send(self, stream: trio.SocketStream, conn: h11.Connection, event: Any) -> None:
         await stream.send_all(conn.send(event) or b"")
 
-    async def _respond(self, stream: trio.SocketStream, conn: h11.Connection, status: int, data: Any) -> None:
+    async def _respond(
+        self, stream: trio.SocketStream, conn: h11.Connection, status: int, data: Any
+    ) -> None:
         body = orjson.dumps(data)
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await self._send(stream, conn, h11.Response(status_code=status, headers=headers))
@@ -219,7 +227,11 @@ class FakeKubeApi:
         await self._send(stream, conn, h11.EndOfMessage())
 
     async def _answer(
-        self, stream: trio.SocketStream, conn: h11.Connection, request: h11.Request, body: bytes,
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        request: h11.Request,
+        body: bytes,
         nursery: trio.Nursery,
     ) -> bool:
         target = request.target.decode()
@@ -228,13 +240,20 @@ class FakeKubeApi:
         headers = {name.lower(): value for name, value in request.headers}
         if headers.get(b"authorization") != f"Bearer {self.token}".encode():
             self.unauthorized += 1
-            await self._respond(stream, conn, 401, status_object(401, "Unauthorized", "Unauthorized"))
+            await self._respond(
+                stream, conn, 401, status_object(401, "Unauthorized", "Unauthorized")
+            )
             return True
         split = urlsplit(target)
         query = {key: values[-1] for key, values in parse_qs(split.query).items()}
         parts = split.path.strip("/").split("/")
         if len(parts) < 5 or parts[:3] != ["api", "v1", "namespaces"] or parts[4] != "pods":
-            await self._respond(stream, conn, 404, status_object(404, "NotFound", f"the server could not find {split.path}"))
+            await self._respond(
+                stream,
+                conn,
+                404,
+                status_object(404, "NotFound", f"the server could not find {split.path}"),
+            )
             return True
         namespace = parts[3]
         name = parts[5] if len(parts) > 5 else None
@@ -254,7 +273,9 @@ class FakeKubeApi:
             return True
         pod = self.pods.get((namespace, name or ""))
         if pod is None:
-            await self._respond(stream, conn, 404, status_object(404, "NotFound", f'pods "{name}" not found'))
+            await self._respond(
+                stream, conn, 404, status_object(404, "NotFound", f'pods "{name}" not found')
+            )
             return True
         if method == "PATCH" and parts[6:] == ["status"]:
             await self._patch_status(stream, conn, namespace, name or "", body)
@@ -273,7 +294,9 @@ class FakeKubeApi:
             await self._respond(stream, conn, 405, status_object(405, "MethodNotAllowed", method))
         return True
 
-    async def _create(self, stream: trio.SocketStream, conn: h11.Connection, namespace: str, body: bytes) -> None:
+    async def _create(
+        self, stream: trio.SocketStream, conn: h11.Connection, namespace: str, body: bytes
+    ) -> None:
         try:
             pod = orjson.loads(body)
             pod["metadata"]["namespace"] = namespace
@@ -285,13 +308,20 @@ class FakeKubeApi:
         await self._respond(stream, conn, *answer)
 
     async def _patch_status(
-        self, stream: trio.SocketStream, conn: h11.Connection, namespace: str, name: str, body: bytes
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        namespace: str,
+        name: str,
+        body: bytes,
     ) -> None:
         before = self.pods[(namespace, name)]
         try:
             after = merge_status_patch(before, orjson.loads(body))
         except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
-            await self._respond(stream, conn, 400, status_object(400, "BadRequest", f"not a status patch: {exc}"))
+            await self._respond(
+                stream, conn, 400, status_object(400, "BadRequest", f"not a status patch: {exc}")
+            )
             return
         await self._respond(stream, conn, 200, self._record("MODIFIED", before, after))
 
@@ -301,13 +331,16 @@ class FakeKubeApi:
 
     def _list(self, namespace: str, selector: dict[str, str]) -> dict[str, Any]:
         items = [
-            pod for (ns, _), pod in sorted(self.pods.items()) if ns == namespace and matches_selector(pod, selector)
+            pod
+            for (ns, _), pod in sorted(self.pods.items())
+            if ns == namespace and matches_selector(pod, selector)
         ]
         return {
-            "kind": "PodList", "apiVersion": "v1",
+            "kind": "PodList",
+            "apiVersion": "v1",
             "metadata": {"resourceVersion": str(self.version)},
             "items": items,
-        }  # fmt: skip
+        }
 
     def _events_after(
         self, version: int, namespace: str, selector: dict[str, str]
@@ -317,7 +350,10 @@ class FakeKubeApi:
         for change in self._history:
             if change.version <= version or change.after["metadata"]["namespace"] != namespace:
                 continue
-            was, now = matches_selector(change.before, selector), matches_selector(change.after, selector)
+            was, now = (
+                matches_selector(change.before, selector),
+                matches_selector(change.after, selector),
+            )
             if change.kind == "DELETED":
                 if was:
                     yield "DELETED", change.after
@@ -329,15 +365,21 @@ class FakeKubeApi:
                 yield "DELETED", change.after
 
     async def _watch(
-        self, stream: trio.SocketStream, conn: h11.Connection, namespace: str,
-        selector: dict[str, str], query: dict[str, str],
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        namespace: str,
+        selector: dict[str, str],
+        query: dict[str, str],
     ) -> None:
         raw_version = query.get("resourceVersion", "")
         bookmarks = query.get("allowWatchBookmarks") in ("true", "1")
         timeout_s = float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else None
         start = int(raw_version) if raw_version not in ("", "0") else None
         if start is not None and start < self._oldest:
-            gone = status_object(410, "Expired", f"too old resource version: {start} ({self._oldest})")
+            gone = status_object(
+                410, "Expired", f"too old resource version: {start} ({self._oldest})"
+            )
             if self.gone_as_http:
                 await self._respond(stream, conn, 410, gone)
                 return
@@ -347,7 +389,9 @@ class FakeKubeApi:
         await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
 
         async def line(kind: str, obj: dict[str, Any]) -> None:
-            await self._send(stream, conn, h11.Data(data=orjson.dumps({"type": kind, "object": obj}) + b"\n"))
+            await self._send(
+                stream, conn, h11.Data(data=orjson.dumps({"type": kind, "object": obj}) + b"\n")
+            )
 
         self.watches_open += 1
         try:
@@ -374,10 +418,14 @@ class FakeKubeApi:
                         await line(kind, obj)
                     if bookmarks and bookmarks_sent < self._bookmarks:
                         bookmarks_sent = self._bookmarks
-                        await line("BOOKMARK", {
-                            "kind": "Pod", "apiVersion": "v1",
-                            "metadata": {"resourceVersion": str(seen)},
-                        })  # fmt: skip
+                        await line(
+                            "BOOKMARK",
+                            {
+                                "kind": "Pod",
+                                "apiVersion": "v1",
+                                "metadata": {"resourceVersion": str(seen)},
+                            },
+                        )
                     await changed.wait()
             await self._send(stream, conn, h11.EndOfMessage())
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -396,4 +444,3 @@ class FakeKubeApi:
         self._bookmarks += 1
         self._changed.set()
         self._changed = trio.Event()
-

@@ -25,7 +25,12 @@ def write_kubeconfig(directory: Path, api: FakeKubeApi, *, token_file: Path | No
         "kind": "Config",
         "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
         "users": [{"name": "router", "user": user}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "router", "namespace": "default"}}],
+        "contexts": [
+            {
+                "name": "fake",
+                "context": {"cluster": "fake", "user": "router", "namespace": "default"},
+            }
+        ],
         "current-context": "fake",
     }
     path = directory / "kubeconfig"
@@ -34,8 +39,13 @@ def write_kubeconfig(directory: Path, api: FakeKubeApi, *, token_file: Path | No
 
 
 def worker_pod(
-    handle: FakeWorkerHandle, name: str, labels: dict[str, str], *, ready: bool = True,
-    facts_in_annotations: bool = True, **annotations: str,
+    handle: FakeWorkerHandle,
+    name: str,
+    labels: dict[str, str],
+    *,
+    ready: bool = True,
+    facts_in_annotations: bool = True,
+    **annotations: str,
 ) -> dict[str, Any]:
     """A Pod for `handle`; with `facts_in_annotations` its model and DP size are annotated
     (so the router needs no question to the engine), else left to the engine."""

@@ -64,9 +64,14 @@ def parse_selector(raw: str) -> dict[str, str]:
 
 def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
     return {
-        "kind": "Status", "apiVersion": "v1", "metadata": {},
-        "status": "Failure", "message": message, "reason": reason, "code": code,
-    }  # fmt: skip
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 def merge_status_patch(pod: dict[str, Any], patch: Any) -> dict[str, Any]:
