@@ -11,10 +11,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from router.cache_aware import CacheAware, CacheAwareSettings
-from router.selection import PolicyKey, RoundRobin
-from router.worker_record import Role, WorkerRecord
-from router.workers import Worker
+from router.fleet.records import Role, WorkerRecord
+from router.fleet.registry import Worker
+from router.policies.cache_aware import CacheAware, CacheAwareSettings
+from router.policies.policy import PolicyKey
+from router.policies.simple import RoundRobin
 
 PROMPT_CHARS = 4096
 TREE_CHARS = 1_000_000

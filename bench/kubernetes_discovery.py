@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import trio
 
-from router.config import Settings
-from router.serve import RunningRouter, run_router
+from router.cli.config import Settings
+from router.cli.serve import RunningRouter, run_router
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.fake_kube_api import FakeKubeApi
 from tests.support.kube_fleet import worker_pod, write_kubeconfig

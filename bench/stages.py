@@ -22,18 +22,19 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from bench.upstream_before import HandWrittenChunked, parse_head_by_hand
-from router.breaker import BreakerSettings, CircuitBreaker, Outcome
-from router.generation import parse_generation_request
-from router.http.messages import Request
-from router.http.request_encoding import encode_request
-from router.http.request_parser import RequestParser
-from router.http.response_framing import encode_head, request_keeps_alive
-from router.http.upstream_parser import UpstreamParser
-from router.metrics import RouterMetrics
-from router.request_id import forget, identify
-from router.selection import PolicyKey, RoundRobin
-from router.worker_record import Role, WorkerRecord
-from router.workers import Fleet, Worker
+from router.fleet.breaker import BreakerSettings, CircuitBreaker, Outcome
+from router.fleet.records import Role, WorkerRecord
+from router.fleet.registry import Fleet, Worker
+from router.http.server.messages import Request
+from router.http.server.request_parser import RequestParser
+from router.http.server.response_framing import encode_head, request_keeps_alive
+from router.http.upstream.parser import UpstreamParser
+from router.http.upstream.request_encoding import encode_request
+from router.observability.metrics import RouterMetrics
+from router.observability.request_id import forget, identify
+from router.pipeline.resolve import parse_generation_request
+from router.policies.policy import PolicyKey
+from router.policies.simple import RoundRobin
 
 BODY = orjson.dumps(
     {

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from router.http.messages import Request
-from router.tracing import OtlpTracing, Tracing, current_trace, otel_installed
-from router.worker_record import WorkerRecord
-from router.workers import Worker
+from router.fleet.records import WorkerRecord
+from router.fleet.registry import Worker
+from router.http.server.messages import Request
+from router.observability.tracing import OtlpTracing, Tracing, current_trace, otel_installed
 
 ROUTER_US_PER_REQUEST = 250.0
 HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"bench-1")]

@@ -7,7 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from router.admission import AdmissionGate, AdmissionSettings, QueueFull, QueueTimeout
+from router.api.errors import QueueFull, QueueTimeout
+from router.edge.admission import AdmissionGate, AdmissionSettings
 
 
 def _gate(limit: int = 2, queue_size: int = 2, timeout_s: float = 10.0) -> AdmissionGate:

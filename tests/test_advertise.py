@@ -12,7 +12,7 @@ from router.agent.advertise import (
     worker_record,
 )
 from router.agent.registration import registration_key
-from router.worker_record import InvalidWorkerRecord, Role, Status
+from router.fleet.records import InvalidWorkerRecord, Role, Status
 
 
 def test_registration_key_treats_the_prefix_as_a_folder() -> None:

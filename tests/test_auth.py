@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from router.auth import ClientKeys, InvalidApiKey, KeysFileError, read_keys_file
+from router.api.errors import InvalidApiKey
+from router.edge.auth import ClientKeys, KeysFileError, read_keys_file
 
 
 def test_no_keys_means_no_check() -> None:

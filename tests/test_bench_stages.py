@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from bench import stages
 from bench.upstream_before import HandWrittenChunked, parse_head_by_hand
-from router.http.upstream_parser import UpstreamParser
+from router.http.upstream.parser import UpstreamParser
 
 
 def test_every_stage_runs() -> None:

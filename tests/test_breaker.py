@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from router.breaker import (
+from router.fleet.breaker import (
     BreakerSettings,
     BreakerState,
     BreakerStatistics,

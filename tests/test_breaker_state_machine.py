@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from router.breaker import (
+from router.fleet.breaker import (
     BreakerSettings,
     BreakerState,
     BreakerStatistics,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from router.cache_aware import MATCH_BLOCK_CHARS, CacheAware, CacheAwareSettings
-from router.selection import PolicyKey, make_policy
-from router.worker_record import Role, WorkerRecord
-from router.workers import Fleet, Worker
+from router.fleet.records import Role, WorkerRecord
+from router.fleet.registry import Fleet, Worker
+from router.policies.by_name import make_policy
+from router.policies.cache_aware import MATCH_BLOCK_CHARS, CacheAware, CacheAwareSettings
+from router.policies.policy import PolicyKey
 
 LONG = "system: you are a helpful assistant who answers in full sentences.\n" * 8
 

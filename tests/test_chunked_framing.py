@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.errors import PayloadTooLarge
-from router.http.chunked_framing import ChunkedFraming
-from router.http.request_framing import FramingError
+from router.http.server.chunked_framing import ChunkedFraming
+from router.http.server.exceptions import BodyTooLarge
+from router.http.server.request_framing import FramingError
 
 LIMIT = 1000
 
@@ -58,7 +58,7 @@ def test_bad_framing_is_refused(data: bytes) -> None:
 
 
 def test_a_chunk_over_the_body_limit_is_413_at_its_size_line() -> None:
-    with pytest.raises(PayloadTooLarge):
+    with pytest.raises(BodyTooLarge):
         _feed(b"%x\r\n" % (LIMIT + 1))
 
 
@@ -78,7 +78,7 @@ def test_the_verdict_does_not_depend_on_how_the_bytes_are_split(
     def verdict(cuts: list[int]) -> str:
         try:
             return "done" if _feed(data, cuts).done else "open"
-        except (FramingError, PayloadTooLarge) as exc:
+        except (FramingError, BodyTooLarge) as exc:
             return type(exc).__name__
 
     assert verdict([min(cut, len(data)) for cut in pieces]) == verdict([])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.breaker import BreakerSettings, CircuitBreaker, Outcome
-from router.classify import Mode, Plan, plan_request
-from router.errors import ModelNotFound, NoAvailableWorkers
-from router.selection import AllOpenMode
-from router.worker_record import Role, Status, WorkerRecord
-from router.workers import Fleet, Worker
+from router.api.errors import ModelNotFound, NoAvailableWorkers
+from router.fleet.breaker import BreakerSettings, CircuitBreaker, Outcome
+from router.fleet.candidates import AllOpenMode
+from router.fleet.records import Mode, Role, Status, WorkerRecord
+from router.fleet.registry import Fleet, Worker
+from router.pipeline.plan import Plan, plan_request
 
 NOW = 100.0
 DISPATCH = AllOpenMode.DISPATCH

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from router.config import (
+from router.cli.config import (
     ConfigError,
     Settings,
     add_arguments,
     describe_options,
     load_settings,
-    parse_worker_spec,
-    read_workers_file,
 )
-from router.options import OPTIONS
-from router.workers import Role, Status
+from router.cli.options import OPTIONS
+from router.discovery.static import parse_worker_spec, read_workers_file
+from router.fleet.records import InvalidWorkerRecord
+from router.fleet.registry import Role, Status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -192,7 +192,7 @@ def test_spec_options() -> None:
     ],
 )
 def test_bad_specs_name_the_spec_and_the_problem(spec: str, message: str) -> None:
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(InvalidWorkerRecord) as caught:
         parse_worker_spec(spec)
     assert message in str(caught.value)
     assert repr(spec) in str(caught.value)
@@ -342,7 +342,7 @@ def test_a_fleet_file_record_may_carry_its_workers_key_which_is_never_listed(
 def test_a_bad_worker_key_is_refused_without_repeating_it(tmp_path: Path) -> None:
     path = tmp_path / "fleet.yaml"
     path.write_text("- {url: 'http://10.0.0.5:30000', model: m, api_key: 'two words'}\n")
-    with pytest.raises(ConfigError, match="api_key") as caught:
+    with pytest.raises(InvalidWorkerRecord, match="api_key") as caught:
         read_workers_file(path)
     assert "two words" not in str(caught.value)
 

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from router.http.connection_slots import ConnectionSlots, SlotWaitTimeout
+from router.http.upstream.connection_slots import ConnectionSlots, SlotWaitTimeout
 
 
 def never(item: str) -> None:

@@ -14,9 +14,9 @@ from urllib.parse import parse_qs, urlsplit
 import trio
 import yaml
 
-from router.config import load_settings
+from router.cli.config import load_settings
+from router.cli.serve import build_parser
 from router.discovery.kube_pods import Selector, pod_sources
-from router.serve import build_parser
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.fake_kube_api import FakeKubeApi
 from tests.support.kube_fleet import worker_pod, write_kubeconfig
@@ -205,9 +205,9 @@ def test_the_wheel_the_dockerfile_installs_has_the_router_entrypoint(tmp_path: P
         )
     assert "router = router.cli:main" in entry_points
     for module in (
-        "router/cli.py",
-        "router/serve.py",
+        "router/cli/main.py",
+        "router/cli/serve.py",
         "router/discovery/kubernetes.py",
-        "router/engine_facts.py",
+        "router/discovery/engine_facts.py",
     ):
         assert module in names

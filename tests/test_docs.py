@@ -10,8 +10,8 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import describe_options
-from router.serve import build_parser
+from router.cli.config import describe_options
+from router.cli.serve import build_parser
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.router_instance import open_router
 

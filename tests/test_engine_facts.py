@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from router.config import parse_worker_spec
-from router.engine_facts import FactsUnavailable, complete_record
-from router.worker_record import Status, WorkerRecord
-from router.workers import Fleet
+from router.discovery.engine_facts import FactsUnavailable, complete_record
+from router.discovery.static import parse_worker_spec
+from router.fleet.records import Status, WorkerRecord
+from router.fleet.registry import Fleet
 
 PREFILL_INFO: dict[str, Any] = {
     "disaggregation_mode": "prefill",

@@ -5,8 +5,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from router.error_shapes import STREAM_ERROR_EVENTS, anthropic_type, error_body, stream_error_event
-from router.errors import (
+from router.api.error_shapes import (
+    STREAM_ERROR_EVENTS,
+    anthropic_type,
+    error_body,
+    stream_error_event,
+)
+from router.api.errors import (
     BadRequest,
     MethodNotAllowed,
     ModelNotFound,
@@ -14,7 +19,7 @@ from router.errors import (
     PayloadTooLarge,
     WorkerUnreachable,
 )
-from router.routes import Dialect
+from router.api.routes import Dialect
 
 
 def test_openai_and_responses_routes_keep_the_openai_body() -> None:

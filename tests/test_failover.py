@@ -19,16 +19,16 @@ import pytest
 import trio
 import trio.testing
 
-from router.breaker import BreakerSettings, BreakerState, make_breaker
-from router.config import Settings
-from router.failover import GenerationService
-from router.http.messages import Headers, Request
-from router.http.pool import UpstreamConnectError, UpstreamPool
-from router.metrics import RouterMetrics
-from router.selection import PolicyKey
-from router.serve import failover_settings
-from router.worker_record import Role, WorkerRecord
-from router.workers import Fleet, Worker
+from router.cli.config import Settings
+from router.cli.serve import failover_settings
+from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
+from router.fleet.records import Role, WorkerRecord
+from router.fleet.registry import Fleet, Worker
+from router.http.server.messages import Headers, Request
+from router.http.upstream.pool import UpstreamConnectError, UpstreamPool
+from router.observability.metrics import RouterMetrics
+from router.pipeline.service import GenerationService
+from router.policies.policy import PolicyKey
 
 MODEL = "m"
 CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})

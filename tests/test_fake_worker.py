@@ -14,7 +14,7 @@ from router.fake_worker.behaviour import Behaviour, FailMode, InvalidBehaviour
 from router.fake_worker.engine import FakeWorker
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
-from router.http.messages import ClientDisconnected, Headers, Request
+from router.http.server.messages import ClientDisconnected, Headers, Request
 
 
 class RecordingWriter:

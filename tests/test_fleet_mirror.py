@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry
 
 from router.discovery.etcd import FleetMirror
 from router.discovery.etcd_client import KeyValue, WatchEvent
-from router.metrics import RouterMetrics
-from router.worker_record import Status
-from router.workers import Fleet
+from router.fleet.records import Status
+from router.fleet.registry import Fleet
+from router.observability.metrics import RouterMetrics
 
 P = "/router/workers/"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.worker_record import WorkerRecord
-from router.workers import Fleet, Worker
+from router.fleet.records import WorkerRecord
+from router.fleet.registry import Fleet, Worker
 
 
 class Recorder:

@@ -10,7 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.handoff_body import HANDOFF_KEYS, UnspliceableBody, splice_handoff, top_level_members
+from router.pipeline.handoff_body import (
+    HANDOFF_KEYS,
+    UnspliceableBody,
+    splice_handoff,
+    top_level_members,
+)
 
 FIELDS = {"bootstrap_host": "10.0.0.5", "bootstrap_port": 8998, "bootstrap_room": 2**63 - 1}
 

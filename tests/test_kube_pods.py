@@ -15,8 +15,8 @@ from router.discovery.kube_pods import (
     pod_record,
     pod_sources,
 )
-from router.worker_record import InvalidWorkerRecord, Role
-from router.workers import Fleet
+from router.fleet.records import InvalidWorkerRecord, Role
+from router.fleet.registry import Fleet
 from tests.support.fake_kube_api import make_pod
 
 APP = {"app": "engine"}

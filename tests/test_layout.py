@@ -1,12 +1,17 @@
-"""The layout the architecture promises: no import circle in `router/`, a `conformance/`
-that never imports `router`."""
+"""The layout the architecture promises: the packages of `router/` import each other only
+in the order `router.LAYERS` states, with no circle between packages or between modules; the
+two halves of `router/http/` never import each other; `conformance/` never imports
+`router`."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import router
+
 REPO = Path(__file__).resolve().parents[1]
+HTTP_HALVES = ("router.http.server", "router.http.upstream")
 
 
 def _module_name(path: Path) -> str:
@@ -54,6 +59,71 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)) is not None:
             return found
     return None
+
+
+def _layer(module: str) -> str | None:
+    """The package of `router.LAYERS` a module belongs to; None for `router` itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in router.LAYERS) else None
+
+
+def _package_graph(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The module graph folded to packages `depth` names deep (2: router.fleet)."""
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:depth])
+
+    folded: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        folded.setdefault(package(module), set()).update(
+            package(dep) for dep in deps if package(dep) != package(module)
+        )
+    return folded
+
+
+def _against_the_order(graph: dict[str, set[str]]) -> list[str]:
+    order = {name: index for index, name in enumerate(router.LAYERS)}
+    found = []
+    for module, deps in sorted(graph.items()):
+        mine = _layer(module)
+        for dep in sorted(deps):
+            theirs = _layer(dep)
+            if mine and theirs and order[theirs] > order[mine]:
+                found.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    return found
+
+
+def test_every_package_of_router_has_a_layer() -> None:
+    packages = {path.parent.name for path in (REPO / "router").glob("*/__init__.py")}
+    assert packages == set(router.LAYERS)
+
+
+def test_imports_follow_the_layer_order() -> None:
+    assert _against_the_order(_graph("router")) == []
+
+
+def test_the_order_check_finds_an_import_upwards() -> None:
+    graph = {"router.fleet.breaker": {"router.pipeline.plan"}, "router.pipeline.plan": set()}
+    assert _against_the_order(graph) == [
+        "router.fleet.breaker (fleet) imports router.pipeline.plan (pipeline)"
+    ]
+
+
+def test_no_circle_between_packages() -> None:
+    graph = _graph("router")
+    assert _cycle(_package_graph(graph, 2)) is None
+    assert _cycle(_package_graph(graph, 3)) is None
+
+
+def test_the_halves_of_http_never_import_each_other() -> None:
+    crossing = [
+        f"{module} imports {dep}"
+        for module, deps in _graph("router").items()
+        for dep in deps
+        for mine, other in (HTTP_HALVES, HTTP_HALVES[::-1])
+        if module.startswith(mine) and dep.startswith(other)
+    ]
+    assert crossing == []
 
 
 def test_router_has_no_import_circle() -> None:

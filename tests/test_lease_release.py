@@ -20,8 +20,9 @@ import pytest
 import trio
 import trio.testing
 
-from router.attempt import Lease
-from router.breaker import (
+from router.cli.config import Settings
+from router.cli.serve import failover_settings
+from router.fleet.breaker import (
     BreakerSettings,
     BreakerState,
     CircuitBreaker,
@@ -29,14 +30,13 @@ from router.breaker import (
     Permit,
     make_breaker,
 )
-from router.config import Settings
-from router.failover import GenerationService
-from router.http.messages import ClientDisconnected, Headers, Request
-from router.http.pool import UpstreamConnectError, UpstreamPool
-from router.metrics import RouterMetrics
-from router.serve import failover_settings
-from router.worker_record import Role, WorkerRecord
-from router.workers import Fleet
+from router.fleet.records import Role, WorkerRecord
+from router.fleet.registry import Fleet
+from router.http.server.messages import ClientDisconnected, Headers, Request
+from router.http.upstream.pool import UpstreamConnectError, UpstreamPool
+from router.observability.metrics import RouterMetrics
+from router.pipeline.attempt import Lease
+from router.pipeline.service import GenerationService
 
 MODEL = "m"
 OK_BODY = orjson.dumps({"choices": [{"message": {"content": "hello"}}]})

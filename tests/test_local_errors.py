@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from router.http.local_errors import local_errno_kind
+from router.http.upstream.exceptions import local_errno_kind
 
 
 @pytest.mark.parametrize(

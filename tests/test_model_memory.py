@@ -13,17 +13,17 @@ import pytest
 import trio
 import trio.testing
 
-from router.classify import plan_request
-from router.config import Settings
-from router.errors import ModelNotFound, NoAvailableWorkers
-from router.failover import GenerationService
-from router.http.messages import Headers, Request
-from router.http.pool import UpstreamPool
-from router.metrics import RouterMetrics
-from router.selection import AllOpenMode
-from router.serve import failover_settings
-from router.worker_record import WorkerRecord
-from router.workers import Fleet
+from router.api.errors import ModelNotFound, NoAvailableWorkers
+from router.cli.config import Settings
+from router.cli.serve import failover_settings
+from router.fleet.candidates import AllOpenMode
+from router.fleet.records import WorkerRecord
+from router.fleet.registry import Fleet
+from router.http.server.messages import Headers, Request
+from router.http.upstream.pool import UpstreamPool
+from router.observability.metrics import RouterMetrics
+from router.pipeline.plan import plan_request
+from router.pipeline.service import GenerationService
 
 MEMORY_S = 300.0
 DISPATCH = AllOpenMode.DISPATCH

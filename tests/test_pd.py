@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.generation import GenerationRequest, parse_generation_request
-from router.pd import (
+from router.fleet.ranks import RankChooser
+from router.fleet.records import Role, WorkerRecord
+from router.fleet.registry import Worker
+from router.pipeline.pd import (
     DEFAULT_BOOTSTRAP_PORT,
     ROOM_LIMIT,
     batch_size,
@@ -19,9 +21,7 @@ from router.pd import (
     handoff_fields,
     make_room,
 )
-from router.ranks import RankChooser
-from router.worker_record import Role, WorkerRecord
-from router.workers import Worker
+from router.pipeline.resolve import GenerationRequest, parse_generation_request
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 

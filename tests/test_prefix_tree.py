@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.prefix_tree import LOW_WATER, PrefixTree
+from router.policies.prefix_tree import LOW_WATER, PrefixTree
 
 TENANTS = ("w1", "w2", "w3")
 # A small alphabet makes shared prefixes, splits and partial edges common.

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import trio
 
-from router.config import Settings
-from router.processes import child_command, run_processes
+from router.cli.config import Settings
+from router.cli.processes import child_command, run_processes
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.ports import free_port
 from tests.support.waiting import wait_until

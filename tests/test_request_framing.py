@@ -6,7 +6,7 @@ from __future__ import annotations
 import h11
 import pytest
 
-from router.http.request_framing import FramingError, check_framing
+from router.http.server.request_framing import FramingError, check_framing
 
 
 def _check(raw: bytes) -> tuple[int, bool]:

@@ -7,8 +7,14 @@ import re
 
 import pytest
 
-from router.http.messages import Request
-from router.request_id import MAX_ID_BYTES, choose_request_id, current_request_id, forget, identify
+from router.http.server.messages import Request
+from router.observability.request_id import (
+    MAX_ID_BYTES,
+    choose_request_id,
+    current_request_id,
+    forget,
+    identify,
+)
 
 TRACE = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

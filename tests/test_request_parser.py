@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import PayloadTooLarge
-from router.http.request_framing import FramingError
-from router.http.request_parser import (
+from router.http.server.exceptions import BodyTooLarge
+from router.http.server.request_framing import FramingError
+from router.http.server.request_parser import (
     CLOSED,
     END,
     NEED_DATA,
@@ -138,7 +138,7 @@ def test_a_chunk_past_the_body_limit_is_413_at_its_size_line() -> None:
     parser = RequestParser(65536, 10)
     parser.receive_data(b"POST / HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\nff\r\n")
     assert isinstance(parser.next_event(), RequestHead)
-    with pytest.raises(PayloadTooLarge):
+    with pytest.raises(BodyTooLarge):
         parser.next_event()
 
 

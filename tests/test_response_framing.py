@@ -8,8 +8,8 @@ import itertools
 import h11
 import pytest
 
-from router.http.messages import Headers
-from router.http.response_framing import (
+from router.http.server.messages import Headers
+from router.http.server.response_framing import (
     CHUNKED,
     LENGTH,
     UNTIL_CLOSE,

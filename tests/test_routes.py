@@ -9,14 +9,14 @@ from pathlib import Path
 import orjson
 import pytest
 
-from router.classify import Mode, plan_request
-from router.errors import BadRequest, ModelNotFound, NoAvailableWorkers
+from router.api.errors import BadRequest, ModelNotFound, NoAvailableWorkers
+from router.api.routes import ROUTES, Dialect, Kind
 from router.fake_worker.apis import GENERATION_PATHS
 from router.fake_worker.pooling import POOLING_ROUTES
-from router.generation import parse_generation_request
-from router.routes import ROUTES, Dialect, Kind
-from router.selection import AllOpenMode
-from router.worker_record import Role
+from router.fleet.candidates import AllOpenMode
+from router.fleet.records import Mode, Role
+from router.pipeline.plan import plan_request
+from router.pipeline.resolve import parse_generation_request
 from tests.test_classify import NOW, fleet_of, record, trip
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.routing_text import routing_text
+from router.policies.routing_keys import routing_text
 
 
 def test_chat_renders_every_message_with_its_role() -> None:

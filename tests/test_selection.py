@@ -7,18 +7,13 @@ from collections import Counter
 
 import pytest
 
-from router.breaker import BreakerSettings, CircuitBreaker, Outcome
-from router.selection import (
-    POLICY_NAMES,
-    AllOpenMode,
-    PolicyKey,
-    filter_leg,
-    make_policy,
-    pick_excluding,
-    routing_key,
-)
-from router.worker_record import Role, Status, WorkerRecord
-from router.workers import Worker
+from router.fleet.breaker import BreakerSettings, CircuitBreaker, Outcome
+from router.fleet.candidates import AllOpenMode, filter_leg
+from router.fleet.records import Role, Status, WorkerRecord
+from router.fleet.registry import Worker
+from router.policies.by_name import POLICY_NAMES, make_policy
+from router.policies.policy import PolicyKey, pick_excluding
+from router.policies.routing_keys import routing_key
 
 NOW = 100.0
 

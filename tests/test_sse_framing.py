@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.sse_framing import EventCutter
+from router.pipeline.relay import EventCutter
 
 LINE_ENDS = [b"\n", b"\r\n", b"\r"]
 

@@ -8,7 +8,7 @@ import math
 import trio
 import trio.testing
 
-from router.stall_watch import StallWatch
+from router.pipeline.stall_watch import StallWatch
 
 IDLE_S = 10.0
 

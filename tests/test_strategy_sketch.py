@@ -1,7 +1,7 @@
 """A third leg, sketched: encode before prefill and decode (an E/P/D split), as a strategy
 that lives in this test module only.
 
-What it shows: a new way of using workers is a new `Strategy` built on `router.attempt`'s
+What it shows: a new way of using workers is a new `Strategy` built on `router.pipeline.attempt`'s
 runner (take, exchange or consume, release) and installed in the loop's table; nothing
 else in `router/` changes for it. The encoder's lease, verdict and tried set follow the
 same rules as any leg's: released on every path, one verdict, a failure that names its
@@ -18,17 +18,17 @@ import orjson
 import trio
 import trio.testing
 
-from router.attempt import AttemptRunner, Lease, RequestContext, Strategy
-from router.breaker import BreakerSettings, BreakerState, make_breaker
-from router.classify import Mode, Plan
-from router.config import Settings
-from router.failover import GenerationService
-from router.http.messages import Request
-from router.http.pool import UpstreamPool
-from router.metrics import RouterMetrics
-from router.serve import failover_settings
-from router.worker_record import Role, WorkerRecord
-from router.workers import Fleet, Worker
+from router.cli.config import Settings
+from router.cli.serve import failover_settings
+from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
+from router.fleet.records import Mode, Role, WorkerRecord
+from router.fleet.registry import Fleet, Worker
+from router.http.server.messages import Request
+from router.http.upstream.pool import UpstreamPool
+from router.observability.metrics import RouterMetrics
+from router.pipeline.attempt import AttemptRunner, Lease, RequestContext, Strategy
+from router.pipeline.plan import Plan
+from router.pipeline.service import GenerationService
 from tests.test_failover import CHAT, MODEL, Answer, Script, ScriptedPool
 
 ENCODE_A, ENCODE_B = "http://encode-a", "http://encode-b"
@@ -171,8 +171,8 @@ def test_the_sketch_reaches_router_only_through_the_strategy_interface() -> None
         for alias in node.names
     }
     assert {router_names[name] for name in used if name in router_names} <= {
-        "router.attempt",
-        "router.classify",
-        "router.worker_record",
-        "router.workers",
+        "router.pipeline.attempt",
+        "router.pipeline.plan",
+        "router.fleet.records",
+        "router.fleet.registry",
     }

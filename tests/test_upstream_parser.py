@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http.upstream_errors import UpstreamProtocolError
-from router.http.upstream_parser import UpstreamParser
+from router.http.upstream.exceptions import UpstreamProtocolError
+from router.http.upstream.parser import UpstreamParser
 
 CHUNKED_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.http.worker_url import InvalidWorkerUrl, WorkerAddress, parse_worker_url
-from router.worker_record import InvalidWorkerRecord, WorkerRecord
+from router.fleet.records import InvalidWorkerRecord, WorkerRecord
+from router.http.upstream.worker_url import InvalidWorkerUrl, WorkerAddress, parse_worker_url
 
 
 @pytest.mark.parametrize(

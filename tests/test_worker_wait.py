@@ -9,13 +9,12 @@ import pytest
 import trio
 import trio.testing
 
-from router.admission import QueueTimeout
-from router.classify import Plan, plan_request
-from router.errors import ModelNotFound, NoAvailableWorkers
-from router.selection import AllOpenMode, filter_leg
-from router.worker_record import Role, Status, WorkerRecord
-from router.worker_wait import WorkerWait, WorkerWaitSettings
-from router.workers import Fleet
+from router.api.errors import ModelNotFound, NoAvailableWorkers, QueueTimeout
+from router.fleet.candidates import AllOpenMode, filter_leg
+from router.fleet.records import Role, Status, WorkerRecord
+from router.fleet.registry import Fleet
+from router.pipeline.plan import Plan, plan_request
+from router.pipeline.wait import WorkerWait, WorkerWaitSettings
 
 MODEL = "m"
 

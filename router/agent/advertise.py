@@ -11,7 +11,7 @@ import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.worker_record import WorkerRecord
+from router.fleet.records import WorkerRecord
 
 
 def etcd_endpoint_url(endpoint: str) -> str:

@@ -30,7 +30,7 @@ from router.agent.advertise import (
 from router.agent.drain import DrainSettings, read_engine_load
 from router.agent.engine_metrics import ENGINES
 from router.agent.registration import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, run_registered
-from router.worker_record import Role, WorkerRecord
+from router.fleet.records import Role, WorkerRecord
 
 log = logging.getLogger("router.agent")
 ENGINE_TIMEOUT_S = 5.0

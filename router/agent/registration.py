@@ -22,7 +22,7 @@ from router.agent.drain import DrainReport, DrainSettings, wait_engine_idle
 from router.agent.engine_metrics import EngineLoad
 from router.discovery.backoff import Backoff
 from router.discovery.etcd_client import EtcdClient, EtcdError, EtcdUnavailable, open_etcd_client
-from router.worker_record import Status, WorkerRecord
+from router.fleet.records import Status, WorkerRecord
 
 log = logging.getLogger("router.agent.registration")
 

@@ -32,9 +32,9 @@ from router.discovery.etcd_client import (
     open_etcd_client,
 )
 from router.discovery.liveness import SilenceWatch
-from router.metrics import RouterMetrics
-from router.worker_record import InvalidWorkerRecord, WorkerRecord
-from router.workers import Fleet
+from router.fleet.records import InvalidWorkerRecord, WorkerRecord
+from router.fleet.registry import Fleet
+from router.observability.metrics import RouterMetrics
 
 log = logging.getLogger("router.discovery.etcd")
 

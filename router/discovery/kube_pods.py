@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.worker_record import InvalidWorkerRecord, Role, Status, WorkerRecord
-from router.workers import Fleet
+from router.fleet.records import InvalidWorkerRecord, Role, Status, WorkerRecord
+from router.fleet.registry import Fleet
 
 log = logging.getLogger("router.discovery.kubernetes")
 

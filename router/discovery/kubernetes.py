@@ -27,8 +27,8 @@ from router.discovery.backoff import Backoff
 from router.discovery.kube_config import KubeConfigError, KubeConnection, load_kube_connection
 from router.discovery.kube_pods import PodMirror, PodSource
 from router.discovery.streams import StreamTooLarge, close_stream, read_capped
-from router.metrics import RouterMetrics
-from router.workers import Fleet
+from router.fleet.registry import Fleet
+from router.observability.metrics import RouterMetrics
 
 log = logging.getLogger("router.discovery.kubernetes")
 

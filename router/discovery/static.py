@@ -1,4 +1,4 @@
-"""Static discovery: the workers named by flags or a fleet file.
+"""Static discovery: the workers named by flags (`--worker URL,role=...`) or a fleet file.
 
 A record that names no model is asked for it (`GET /v1/models`); a worker that cannot
 answer yet joins the fleet as soon as it can.
@@ -9,14 +9,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import trio
+import yaml
 
 from router.discovery import DiscoveryHealth
 from router.discovery.backoff import Backoff
-from router.worker_record import WorkerRecord
-from router.workers import Fleet
+from router.fleet.records import InvalidWorkerRecord, WorkerRecord
+from router.fleet.registry import Fleet
 
 log = logging.getLogger("router.discovery.static")
 
@@ -103,3 +107,82 @@ async def serve_static_discovery(
             await trio.sleep(backoff.failure())
     if first:
         task_status.started(health)
+
+
+def parse_worker_spec(spec: str) -> WorkerRecord:
+    """`URL[,role=R,model=M,bootstrap_port=P,dp_size=N,dp_rank=K,engine=E]` -> WorkerRecord."""
+    url, *pairs = [part.strip() for part in spec.split(",")]
+    data: dict[str, Any] = {"url": url, "id": url.rstrip("/")}
+    bootstrap_port: str | None = None
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not value:
+            raise InvalidWorkerRecord(f"--worker {spec!r}: expected key=value, got {pair!r}")
+        if key in ("role", "engine", "id"):
+            data[key] = value
+        elif key == "model":
+            data["model"] = value.split("+")
+        elif key in ("dp_size", "dp_rank"):
+            data[key] = _spec_int(spec, key, value)
+        elif key == "bootstrap_port":
+            bootstrap_port = str(_spec_int(spec, key, value))
+        else:
+            raise InvalidWorkerRecord(
+                f"--worker {spec!r}: unknown option {key!r} "
+                "(role, model, bootstrap_port, dp_size, dp_rank, engine, id)"
+            )
+    if bootstrap_port is not None:
+        host = urlsplit(url).hostname or "127.0.0.1"
+        data["disagg_meta"] = {
+            "protocol": "mooncake",
+            "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"},
+        }
+    return _record(data, f"--worker {spec!r}")
+
+
+def _spec_int(spec: str, key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidWorkerRecord(
+            f"--worker {spec!r}: {key} must be an integer, got {value!r}"
+        ) from None
+
+
+def read_workers_file(path: Path) -> list[WorkerRecord]:
+    """A YAML list of worker records (the JSON shape of DESIGN.md "Workers")."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidWorkerRecord(f"workers file {path}: {exc}") from None
+    if isinstance(data, dict) and "workers" in data:
+        data = data["workers"]
+    return records_from_list(data, str(path))
+
+
+def records_from_list(data: Any, source: str) -> list[WorkerRecord]:
+    if not isinstance(data, list):
+        raise InvalidWorkerRecord(f"{source}: workers must be a list of records")
+    records = []
+    for index, entry in enumerate(data):
+        if isinstance(entry, str):
+            records.append(parse_worker_spec(entry))
+            continue
+        if isinstance(entry, dict) and "bootstrap_port" in entry and "disagg_meta" not in entry:
+            host = urlsplit(str(entry.get("url", ""))).hostname or "127.0.0.1"
+            entry = {
+                **entry,
+                "disagg_meta": {
+                    "protocol": "mooncake",
+                    "params": {"bootstrap_addr": f"{host}:{entry['bootstrap_port']}"},
+                },
+            }
+        records.append(_record(entry, f"{source}: worker #{index + 1}"))
+    return records
+
+
+def _record(data: Any, source: str) -> WorkerRecord:
+    try:
+        return WorkerRecord.from_json(data)
+    except InvalidWorkerRecord as exc:
+        raise InvalidWorkerRecord(f"{source}: {exc}") from None

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 import trio
 
+from router.api.errors import answer_refusal
 from router.fake_worker import info
 from router.fake_worker.apis import (
     GENERATION_PATHS,
@@ -42,8 +43,9 @@ from router.fake_worker.pooling_server import PoolingService
 from router.fake_worker.prefix_cache import PrefixCache, tokenize
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RankLoad, RoutingStats
-from router.http.messages import ClientDisconnected, Headers, Request, ResponseWriter
-from router.http.server import ServerSettings, serve_http
+from router.http.server.loop import serve_http
+from router.http.server.messages import ClientDisconnected, Headers, Request, ResponseWriter
+from router.http.server.settings import ServerSettings
 
 TEXT_HEADERS: Headers = ((b"content-type", b"text/plain; charset=utf-8"),)
 METRICS_HEADERS: Headers = ((b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),)
@@ -408,5 +410,6 @@ async def serve_fake_worker(
         worker.handler,
         server_settings,
         shutdown=shutdown,
+        answer_refusal=answer_refusal,
         task_status=_ReportUrl(worker, task_status),
     )

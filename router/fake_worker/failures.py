@@ -11,7 +11,7 @@ import trio
 from router.fake_worker.anthropic_api import anthropic_error_body
 from router.fake_worker.behaviour import Behaviour, FailMode
 from router.fake_worker.formats import DONE
-from router.http.messages import Headers, Request, ResponseWriter
+from router.http.server.messages import Headers, Request, ResponseWriter
 
 JSON_HEADERS: Headers = ((b"content-type", b"application/json"),)
 SSE_HEADERS: Headers = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))

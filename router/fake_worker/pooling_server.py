@@ -18,7 +18,7 @@ from router.fake_worker.formats import BadGenerationRequest
 from router.fake_worker.pooling import POOLING_ROUTES, PoolingContext
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RoutingStats
-from router.http.messages import ClientDisconnected, Request, ResponseWriter
+from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
 
 RANK_HEADER = b"x-data-parallel-rank"
 # What a `midstream` failure sends half of when the request itself cannot be answered.

@@ -18,8 +18,8 @@ import orjson
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.cli.serve import RunningRouter
 from router.fake_worker.settings import FakeWorkerSettings
-from router.serve import RunningRouter
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
 

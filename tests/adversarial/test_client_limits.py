@@ -11,8 +11,8 @@ import orjson
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.http.messages import Request, ResponseWriter
-from router.http.server import ServerLoad, serve_http
+from router.http.server.loop import ServerLoad, serve_http
+from router.http.server.messages import Request, ResponseWriter
 from tests.adversarial.support import (
     CHAT,
     FOLLOW_UP,

@@ -18,7 +18,7 @@ import orjson
 import pytest
 import trio
 
-from router.serve import RunningRouter
+from router.cli.serve import RunningRouter
 from tests.support.raw_upstream import Exchange, RawUpstream, open_raw_upstream
 from tests.support.router_instance import open_router
 

@@ -19,8 +19,8 @@ import orjson
 import pytest
 import trio
 
-from router.breaker import BreakerState
-from router.serve import RunningRouter
+from router.cli.serve import RunningRouter
+from router.fleet.breaker import BreakerState
 from tests.support.http_client import RawClient
 from tests.support.raw_upstream import Exchange, open_raw_upstream
 from tests.support.router_instance import open_router

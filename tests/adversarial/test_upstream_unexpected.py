@@ -8,7 +8,7 @@ import logging
 import pytest
 import trio
 
-from router.worker_record import Role, WorkerRecord
+from router.fleet.records import Role, WorkerRecord
 from tests.adversarial.upstream_stubs import chat, open_edge
 from tests.support.raw_upstream import Exchange
 
@@ -29,7 +29,7 @@ async def test_an_unexpected_exception_answers_502_naming_the_worker(
     with trio.fail_after(GUARD_S):
         async with open_edge(never_called, max_attempts=2) as edge:
             edge.router.fleet.upsert(WorkerRecord(id="hand-made", url=bad_url, models=("n",)))
-            with caplog.at_level(logging.ERROR, logger="router.dispatch"):
+            with caplog.at_level(logging.ERROR, logger="router.pipeline.dispatch"):
                 response = await edge.client.post(
                     "/v1/chat/completions", json=chat(stream=stream, model="n")
                 )

@@ -18,7 +18,7 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.serve import RunningRouter
+from router.cli.serve import RunningRouter
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
 from tests.support.router_instance import open_router
 

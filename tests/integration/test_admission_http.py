@@ -14,9 +14,9 @@ import httpx
 import orjson
 import trio
 
-from router.http.messages import Request, ResponseWriter
-from router.http.server import serve_http
-from router.serve import RunningRouter
+from router.cli.serve import RunningRouter
+from router.http.server.loop import serve_http
+from router.http.server.messages import Request, ResponseWriter
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until

@@ -15,10 +15,10 @@ import orjson
 import pytest
 import trio
 
-from router.breaker import BreakerState
 from router.fake_worker.behaviour import FailMode
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
+from router.fleet.breaker import BreakerState
 from tests.integration.test_failover_breaker import breaker_of, retries, scrape
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router

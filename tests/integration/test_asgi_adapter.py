@@ -10,10 +10,10 @@ import pytest
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.http.asgi import serve_asgi
-from router.http.messages import Request, ResponseWriter
-from router.http.server import serve_http
-from router.http.server_settings import ServerSettings
+from router.http.server.asgi import serve_asgi
+from router.http.server.loop import serve_http
+from router.http.server.messages import Request, ResponseWriter
+from router.http.server.settings import ServerSettings
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router

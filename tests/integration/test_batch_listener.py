@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from router.http.batch_listener import _BATCH, BatchListener
-from router.http.listen import open_tcp_sockets
+from router.http.server.batch_listener import _BATCH, BatchListener
+from router.http.server.listen import open_tcp_sockets
 
 GUARD_S = 10.0
 

@@ -7,8 +7,8 @@ import httpx
 import pytest
 import trio
 
-from router.cache_aware import CacheAware
-from router.worker_record import Role
+from router.fleet.records import Role
+from router.policies.cache_aware import CacheAware
 from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
 from tests.support.fake_fleet import open_fake_fleet

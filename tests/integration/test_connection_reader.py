@@ -9,10 +9,10 @@ import socket
 import trio
 import trio.testing
 
-from router.http.messages import Request, ResponseWriter
-from router.http.server import _Connection, _Server
-from router.http.server_load import ServerLoad
-from router.http.server_settings import ServerSettings
+from router.http.server.load import ServerLoad
+from router.http.server.loop import _Connection, _Server
+from router.http.server.messages import Request, ResponseWriter
+from router.http.server.settings import ServerSettings
 
 GUARD_S = 5.0
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import trio
 
+from router.cli.serve import RunningRouter
 from router.discovery.etcd_client import open_etcd_client
-from router.serve import RunningRouter
 from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import (
     MODEL,

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.worker_record import Role, WorkerRecord
+from router.fleet.records import Role, WorkerRecord
 from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import MODEL, PREFIX, register
 from tests.support.fake_fleet import open_fake_fleet

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from router.serve import RunningRouter
+from router.cli.serve import RunningRouter
 from tests.support.etcd_server import EtcdServer, open_etcd_server
 from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
 from tests.support.fake_fleet import open_fake_fleet

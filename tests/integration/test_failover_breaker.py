@@ -20,12 +20,13 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.breaker import BreakerState, BreakerStatistics
+from router.cli.serve import RunningRouter
 from router.fake_worker.behaviour import FailMode
 from router.fake_worker.settings import FakeWorkerSettings
-from router.selection import ConsistentHash, PolicyKey
-from router.serve import RunningRouter
-from router.worker_record import Role
+from router.fleet.breaker import BreakerState, BreakerStatistics
+from router.fleet.records import Role
+from router.policies.consistent_hash import ConsistentHash
+from router.policies.policy import PolicyKey
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.ports import free_port, free_ports, unanswered_port
 from tests.support.router_instance import open_router
@@ -429,7 +430,9 @@ async def test_when_attempts_run_out_the_client_gets_the_last_workers_answer(
                 response = await client.post("/v1/chat/completions", json=CHAT)
                 retried = await retries(client)
     # The order the workers were tried in, from the router's one line per failed attempt.
-    tried = [r.getMessage().split()[2] for r in caplog.records if r.name == "router.failover"]
+    tried = [
+        r.getMessage().split()[2] for r in caplog.records if r.name == "router.pipeline.service"
+    ]
     assert sorted(tried) == sorted(w.url for w in fleet)
     last = tried[-1]
     expected = direct[last]

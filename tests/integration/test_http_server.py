@@ -13,13 +13,17 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from router.http.messages import ClientDisconnected, Handler, Request, ResponseWriter
-from router.http.server import ServerSettings, serve_http
+from router.api.errors import answer_refusal
+from router.http.server.loop import serve_http
+from router.http.server.messages import ClientDisconnected, Handler, Request, ResponseWriter
+from router.http.server.settings import ServerSettings
 from tests.support.http_client import RawClient
 
 GUARD_S = 5.0
 
 Connect = Callable[[int], Awaitable[RawClient]]
+Serve = Callable[..., Awaitable[int]]
+DEFAULT_SETTINGS = ServerSettings()
 
 
 @pytest.fixture
@@ -35,6 +39,20 @@ async def connect() -> AsyncIterator[Connect]:
     yield open_client
     for client in opened:
         await client.aclose()
+
+
+@pytest.fixture
+def serve(nursery: trio.Nursery) -> Serve:
+    """Starts `serve_http` in the test's nursery (answering refusals as the router does) and
+    returns its port; the server stops with the test."""
+
+    async def start(handler: Handler, settings: ServerSettings = DEFAULT_SETTINGS) -> int:
+        port: int = await nursery.start(
+            partial(serve_http, handler, settings, answer_refusal=answer_refusal)
+        )
+        return port
+
+    return start
 
 
 class Recorder:
@@ -61,21 +79,25 @@ class ServerRun:
         settings: ServerSettings,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        await serve_http(handler, settings, shutdown=self.shutdown, task_status=task_status)
+        await serve_http(
+            handler,
+            settings,
+            shutdown=self.shutdown,
+            answer_refusal=answer_refusal,
+            task_status=task_status,
+        )
         self.returned.set()
 
 
-async def test_keep_alive_serves_two_requests_on_one_socket(connect: Connect) -> None:
+async def test_keep_alive_serves_two_requests_on_one_socket(connect: Connect, serve: Serve) -> None:
     handler = Recorder()
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            first = await client.request("POST", "/a", body=b"one")
-            second = await client.request("GET", "/b?x=1")
-            gone = [r.client_gone for r in handler.requests]
-            await client.aclose()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        first = await client.request("POST", "/a", body=b"one")
+        second = await client.request("GET", "/b?x=1")
+        gone = [r.client_gone for r in handler.requests]
+        await client.aclose()
     assert (first.status, first.body) == (200, b"echo:one")
     assert (second.status, second.body) == (200, b"echo:")
     assert first.header(b"connection") is None
@@ -91,67 +113,63 @@ async def test_keep_alive_serves_two_requests_on_one_socket(connect: Connect) ->
 
 
 async def test_head_request_gets_length_but_no_body_and_keeps_the_connection(
-    connect: Connect,
+    connect: Connect, serve: Serve
 ) -> None:
     handler = Recorder()
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            head = await client.request("HEAD", "/", body=b"")
-            after = await client.request("POST", "/", body=b"x")
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        head = await client.request("HEAD", "/", body=b"")
+        after = await client.request("POST", "/", body=b"x")
     assert (head.status, head.header(b"content-length"), head.body) == (200, b"5", b"")
     assert after.body == b"echo:x"
     assert len(handler.requests) == 2
 
 
-async def test_chunked_request_body_is_joined_and_connection_reused(connect: Connect) -> None:
+async def test_chunked_request_body_is_joined_and_connection_reused(
+    connect: Connect, serve: Serve
+) -> None:
     handler = Recorder()
     head = b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_raw(head + b"5\r\nhello\r\n")
-            await trio.testing.wait_all_tasks_blocked()
-            await client.send_raw(b"6\r\n world\r\n0\r\n\r\n")
-            chunked = await client.read_response("POST")
-            again = await client.request("GET", "/again")
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_raw(head + b"5\r\nhello\r\n")
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send_raw(b"6\r\n world\r\n0\r\n\r\n")
+        chunked = await client.read_response("POST")
+        again = await client.request("GET", "/again")
     assert (chunked.status, chunked.body) == (200, b"echo:hello world")
     assert again.status == 200
     assert [r.body for r in handler.requests] == [b"hello world", b""]
 
 
-async def test_expect_100_continue_gets_an_interim_answer(connect: Connect) -> None:
+async def test_expect_100_continue_gets_an_interim_answer(connect: Connect, serve: Serve) -> None:
     handler = Recorder()
     head = b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_raw(head)
-            interim = await client.stream.receive_some(1024)
-            await client.send_raw(b"body")
-            response = await client.read_response("POST")
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_raw(head)
+        interim = await client.stream.receive_some(1024)
+        await client.send_raw(b"body")
+        response = await client.read_response("POST")
     assert interim.startswith(b"HTTP/1.1 100 ")
     assert response.body == b"echo:body"
 
 
 @pytest.mark.parametrize("end", [b"\r\n\r\n", b"\r\n"], ids=["whole-head", "unfinished-head"])
-async def test_oversize_headers_answered_431_and_closed(connect: Connect, end: bytes) -> None:
+async def test_oversize_headers_answered_431_and_closed(
+    connect: Connect, end: bytes, serve: Serve
+) -> None:
     handler = Recorder()
     settings = ServerSettings(max_header_bytes=1024)
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler, settings)
-            client = await connect(port)
-            await client.send_raw(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 4096 + end)
-            response = await client.read_response()
-            rest = await client.read_until_eof()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler, settings)
+        client = await connect(port)
+        await client.send_raw(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 4096 + end)
+        response = await client.read_response()
+        rest = await client.read_until_eof()
     assert response.status == 431
     assert response.json()["error"]["code"] == "request_headers_too_large"
     assert response.header(b"connection") == b"close"
@@ -160,19 +178,17 @@ async def test_oversize_headers_answered_431_and_closed(connect: Connect, end: b
 
 
 async def test_content_length_over_limit_answered_413_before_the_body_is_sent(
-    connect: Connect,
+    connect: Connect, serve: Serve
 ) -> None:
     handler = Recorder()
     settings = ServerSettings(max_body_bytes=1024)
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler, settings)
-            client = await connect(port)
-            # Only the head goes out: the answer must not wait for the million bytes.
-            await client.send_raw(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n\r\n")
-            response = await client.read_response("POST")
-            rest = await client.read_until_eof()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler, settings)
+        client = await connect(port)
+        # Only the head goes out: the answer must not wait for the million bytes.
+        await client.send_raw(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n\r\n")
+        response = await client.read_response("POST")
+        rest = await client.read_until_eof()
     assert response.status == 413
     error = response.json()["error"]
     assert (error["code"], error["type"]) == ("payload_too_large", "invalid_request_error")
@@ -182,38 +198,34 @@ async def test_content_length_over_limit_answered_413_before_the_body_is_sent(
     assert handler.requests == []
 
 
-async def test_chunked_body_over_limit_answered_413(connect: Connect) -> None:
+async def test_chunked_body_over_limit_answered_413(connect: Connect, serve: Serve) -> None:
     handler = Recorder()
     settings = ServerSettings(max_body_bytes=1024)
     chunk = b"258\r\n" + b"z" * 600 + b"\r\n"
     head = b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler, settings)
-            client = await connect(port)
-            await client.send_raw(head + chunk + chunk + b"0\r\n\r\n")
-            response = await client.read_response("POST")
-            rest = await client.read_until_eof()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler, settings)
+        client = await connect(port)
+        await client.send_raw(head + chunk + chunk + b"0\r\n\r\n")
+        response = await client.read_response("POST")
+        rest = await client.read_until_eof()
     assert response.status == 413
     assert response.json()["error"]["code"] == "payload_too_large"
     assert rest == b""
     assert handler.requests == []
 
 
-async def test_slow_request_head_cut_off_with_408(connect: Connect) -> None:
+async def test_slow_request_head_cut_off_with_408(connect: Connect, serve: Serve) -> None:
     handler = Recorder()
     settings = ServerSettings(header_timeout_s=0.2)
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler, settings)
-            client = await connect(port)
-            start = trio.current_time()
-            await client.send_raw(b"GET / HTTP/1.1\r\nHost: t\r\n")
-            response = await client.read_response()
-            elapsed = trio.current_time() - start
-            rest = await client.read_until_eof()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler, settings)
+        client = await connect(port)
+        start = trio.current_time()
+        await client.send_raw(b"GET / HTTP/1.1\r\nHost: t\r\n")
+        response = await client.read_response()
+        elapsed = trio.current_time() - start
+        rest = await client.read_until_eof()
     assert response.status == 408
     assert response.json()["error"]["code"] == "request_timeout"
     assert elapsed >= 0.2
@@ -221,51 +233,49 @@ async def test_slow_request_head_cut_off_with_408(connect: Connect) -> None:
     assert handler.requests == []
 
 
-async def test_slow_second_head_uses_header_timeout_not_idle_timeout(connect: Connect) -> None:
+async def test_slow_second_head_uses_header_timeout_not_idle_timeout(
+    connect: Connect, serve: Serve
+) -> None:
     handler = Recorder()
     settings = ServerSettings(header_timeout_s=0.2, idle_timeout_s=60.0)
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler, settings)
-            client = await connect(port)
-            first = await client.request("GET", "/")
-            await client.send_raw(b"GET /slow HTTP/1.1\r\n")
-            second = await client.read_response()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler, settings)
+        client = await connect(port)
+        first = await client.request("GET", "/")
+        await client.send_raw(b"GET /slow HTTP/1.1\r\n")
+        second = await client.read_response()
     assert (first.status, second.status) == (200, 408)
     assert len(handler.requests) == 1
 
 
-async def test_idle_keep_alive_connection_closed_silently(connect: Connect) -> None:
+async def test_idle_keep_alive_connection_closed_silently(connect: Connect, serve: Serve) -> None:
     handler = Recorder()
     settings = ServerSettings(idle_timeout_s=0.2)
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler, settings)
-            client = await connect(port)
-            start = trio.current_time()
-            response = await client.request("GET", "/")
-            rest = await client.read_until_eof()
-            elapsed = trio.current_time() - start
-            nursery.cancel_scope.cancel()
+        port = await serve(handler, settings)
+        client = await connect(port)
+        start = trio.current_time()
+        response = await client.request("GET", "/")
+        rest = await client.read_until_eof()
+        elapsed = trio.current_time() - start
     assert response.status == 200
     assert rest == b""
     assert elapsed >= 0.2
     assert len(handler.requests) == 1
 
 
-async def test_malformed_request_answered_400_and_server_keeps_serving(connect: Connect) -> None:
+async def test_malformed_request_answered_400_and_server_keeps_serving(
+    connect: Connect, serve: Serve
+) -> None:
     handler = Recorder()
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            bad = await connect(port)
-            await bad.send_raw(b"THIS IS NOT HTTP\r\n\r\n")
-            refused = await bad.read_response()
-            rest = await bad.read_until_eof()
-            good = await connect(port)
-            served = await good.request("GET", "/")
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        bad = await connect(port)
+        await bad.send_raw(b"THIS IS NOT HTTP\r\n\r\n")
+        refused = await bad.read_response()
+        rest = await bad.read_until_eof()
+        good = await connect(port)
+        served = await good.request("GET", "/")
     assert refused.status == 400
     error = refused.json()["error"]
     assert error["code"] == "invalid_request"
@@ -275,7 +285,9 @@ async def test_malformed_request_answered_400_and_server_keeps_serving(connect: 
     assert len(handler.requests) == 1
 
 
-async def test_streamed_chunks_arrive_one_by_one_and_connection_is_reused(connect: Connect) -> None:
+async def test_streamed_chunks_arrive_one_by_one_and_connection_is_reused(
+    connect: Connect, serve: Serve
+) -> None:
     release = trio.Event()
     handled: list[str] = []
 
@@ -291,18 +303,16 @@ async def test_streamed_chunks_arrive_one_by_one_and_connection_is_reused(connec
         await writer.finish()
 
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_request("GET", "/stream")
-            head = await client.read_head()
-            # The handler is still blocked: this chunk went out on its own.
-            first = await client.read_chunk()
-            release.set()
-            second = await client.read_chunk()
-            end = await client.read_chunk()
-            plain = await client.request("GET", "/plain")
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_request("GET", "/stream")
+        head = await client.read_head()
+        # The handler is still blocked: this chunk went out on its own.
+        first = await client.read_chunk()
+        release.set()
+        second = await client.read_chunk()
+        end = await client.read_chunk()
+        plain = await client.request("GET", "/plain")
     assert head.status == 200
     assert head.header(b"transfer-encoding") == b"chunked"
     assert (first, second, end) == (b"data: one\n\n", b"data: two\n\n", None)
@@ -310,7 +320,7 @@ async def test_streamed_chunks_arrive_one_by_one_and_connection_is_reused(connec
     assert handled == ["/stream", "/plain"]
 
 
-async def test_client_disconnect_cancels_the_handler(connect: Connect) -> None:
+async def test_client_disconnect_cancels_the_handler(connect: Connect, serve: Serve) -> None:
     started = trio.Event()
     cancelled = trio.Event()
     seen: list[Request] = []
@@ -324,20 +334,18 @@ async def test_client_disconnect_cancels_the_handler(connect: Connect) -> None:
             cancelled.set()
 
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_request("POST", "/", body=b"{}")
-            await started.wait()
-            await client.aclose()
-            await cancelled.wait()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_request("POST", "/", body=b"{}")
+        await started.wait()
+        await client.aclose()
+        await cancelled.wait()
     assert len(seen) == 1
     assert seen[0].client_gone is True
 
 
 async def test_client_closing_after_the_whole_response_does_not_cancel_the_handler(
-    connect: Connect,
+    connect: Connect, serve: Serve
 ) -> None:
     client_closed = trio.Event()
     after_response: list[bool] = []
@@ -349,36 +357,32 @@ async def test_client_closing_after_the_whole_response_does_not_cancel_the_handl
         after_response.append(request.client_gone)
 
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            response = await client.request("GET", "/", headers=[("connection", "close")])
-            await client.aclose()
-            await trio.testing.wait_all_tasks_blocked()
-            client_closed.set()
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        response = await client.request("GET", "/", headers=[("connection", "close")])
+        await client.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        client_closed.set()
+        await trio.testing.wait_all_tasks_blocked()
     assert response.body == b"done"
     assert after_response == [False]
 
 
-async def test_pipelined_requests_are_all_answered_in_order(connect: Connect) -> None:
+async def test_pipelined_requests_are_all_answered_in_order(connect: Connect, serve: Serve) -> None:
     handler = Recorder()
     raw = b"GET /1 HTTP/1.1\r\nHost: t\r\n\r\nGET /2 HTTP/1.1\r\nHost: t\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_raw(raw)
-            first = await client.read_response()
-            second = await client.read_response()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_raw(raw)
+        first = await client.read_response()
+        second = await client.read_response()
     assert (first.status, second.status) == (200, 200)
     assert [r.path for r in handler.requests] == ["/1", "/2"]
 
 
 async def test_request_arriving_while_handler_runs_is_kept_for_the_next_cycle(
-    connect: Connect,
+    connect: Connect, serve: Serve
 ) -> None:
     slow_started = trio.Event()
     proceed = trio.Event()
@@ -392,25 +396,23 @@ async def test_request_arriving_while_handler_runs_is_kept_for_the_next_cycle(
         await writer.respond(200, [], request.path.encode())
 
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_raw(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
-            await slow_started.wait()
-            await client.send_raw(b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
-            # The disconnect watcher has read the second request by now.
-            await trio.testing.wait_all_tasks_blocked()
-            proceed.set()
-            first = await client.read_response()
-            second = await client.read_response()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_raw(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
+        await slow_started.wait()
+        await client.send_raw(b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
+        # The disconnect watcher has read the second request by now.
+        await trio.testing.wait_all_tasks_blocked()
+        proceed.set()
+        first = await client.read_response()
+        second = await client.read_response()
     assert (first.body, second.body) == (b"/slow", b"/next")
     assert [r.path for r in seen] == ["/slow", "/next"]
     assert seen[0].client_gone is False
 
 
 async def test_failed_send_while_streaming_raises_client_disconnected(
-    caplog: pytest.LogCaptureFixture, connect: Connect
+    caplog: pytest.LogCaptureFixture, connect: Connect, serve: Serve
 ) -> None:
     started = trio.Event()
     reset = trio.Event()
@@ -432,20 +434,18 @@ async def test_failed_send_while_streaming_raises_client_disconnected(
             done.set()
 
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_raw(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
-            await started.wait()
-            # Pipelined bytes end the watch, so only the failed send can tell.
-            await client.send_raw(b"GET /next HTTP/1.1\r\n")
-            await trio.testing.wait_all_tasks_blocked()
-            linger_off = struct.pack("ii", 1, 0)
-            client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_off)
-            await client.aclose()
-            reset.set()
-            await done.wait()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_raw(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        await started.wait()
+        # Pipelined bytes end the watch, so only the failed send can tell.
+        await client.send_raw(b"GET /next HTTP/1.1\r\n")
+        await trio.testing.wait_all_tasks_blocked()
+        linger_off = struct.pack("ii", 1, 0)
+        client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_off)
+        await client.aclose()
+        reset.set()
+        await done.wait()
     assert outcome == [True]
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
@@ -545,23 +545,23 @@ async def test_shutdown_grace_expiry_cancels_a_stuck_handler(connect: Connect) -
     assert rest == b""
 
 
-async def test_connections_over_the_cap_get_503_until_a_slot_frees(connect: Connect) -> None:
+async def test_connections_over_the_cap_get_503_until_a_slot_frees(
+    connect: Connect, serve: Serve
+) -> None:
     handler = Recorder()
     settings = ServerSettings(max_connections=1)
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler, settings)
-            holder = await connect(port)
-            held = await holder.request("GET", "/held")
-            extra = await connect(port)
-            await extra.send_request("GET", "/extra")
-            busy = await extra.read_response()
-            extra_rest = await extra.read_until_eof()
-            await holder.aclose()
-            await trio.testing.wait_all_tasks_blocked()
-            later = await connect(port)
-            served = await later.request("GET", "/later")
-            nursery.cancel_scope.cancel()
+        port = await serve(handler, settings)
+        holder = await connect(port)
+        held = await holder.request("GET", "/held")
+        extra = await connect(port)
+        await extra.send_request("GET", "/extra")
+        busy = await extra.read_response()
+        extra_rest = await extra.read_until_eof()
+        await holder.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        later = await connect(port)
+        served = await later.request("GET", "/later")
     assert held.status == 200
     assert busy.status == 503
     assert busy.header(b"retry-after") == b"1"
@@ -572,7 +572,7 @@ async def test_connections_over_the_cap_get_503_until_a_slot_frees(connect: Conn
 
 
 async def test_handler_failure_before_start_is_500_and_connection_keeps_serving(
-    caplog: pytest.LogCaptureFixture, connect: Connect
+    caplog: pytest.LogCaptureFixture, connect: Connect, serve: Serve
 ) -> None:
     async def handler(request: Request, writer: ResponseWriter) -> None:
         if request.path == "/boom":
@@ -582,13 +582,11 @@ async def test_handler_failure_before_start_is_500_and_connection_keeps_serving(
         await writer.respond(200, [], b"ok")
 
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            boom = await client.request("GET", "/boom")
-            silent = await client.request("GET", "/silent")
-            ok = await client.request("GET", "/ok")
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        boom = await client.request("GET", "/boom")
+        silent = await client.request("GET", "/silent")
+        ok = await client.request("GET", "/ok")
     assert (boom.status, silent.status, ok.status) == (500, 500, 200)
     assert boom.json()["error"]["type"] == "internal_error"
     assert "handler bug" not in boom.body.decode()
@@ -599,7 +597,7 @@ async def test_handler_failure_before_start_is_500_and_connection_keeps_serving(
 
 @pytest.mark.parametrize("raises", [True, False], ids=["raises", "returns-unfinished"])
 async def test_handler_leaving_a_started_response_closes_the_connection(
-    connect: Connect, raises: bool
+    connect: Connect, raises: bool, serve: Serve
 ) -> None:
     async def handler(request: Request, writer: ResponseWriter) -> None:
         await writer.start(200, [])
@@ -608,14 +606,12 @@ async def test_handler_leaving_a_started_response_closes_the_connection(
             raise ValueError("mid-stream bug")
 
     with trio.fail_after(GUARD_S):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
-            client = await connect(port)
-            await client.send_request("GET", "/")
-            head = await client.read_head()
-            chunk = await client.read_chunk()
-            rest = await client.read_until_eof()
-            nursery.cancel_scope.cancel()
+        port = await serve(handler)
+        client = await connect(port)
+        await client.send_request("GET", "/")
+        head = await client.read_head()
+        chunk = await client.read_chunk()
+        rest = await client.read_until_eof()
     assert head.status == 200
     assert chunk == b"partial"
     # Only the CRLF closing the "partial" chunk, never the zero-length last chunk: the
@@ -623,11 +619,11 @@ async def test_handler_leaving_a_started_response_closes_the_connection(
     assert rest in (b"", b"\r\n")
 
 
-async def test_bind_failure_raises_oserror_from_start(connect: Connect) -> None:
+async def test_bind_failure_raises_oserror_from_start(connect: Connect, serve: Serve) -> None:
     handler = Recorder()
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, handler)
+            port = await serve(handler)
             with pytest.raises(OSError):
                 await nursery.start(partial(serve_http, handler, ServerSettings(port=port)))
             client = await connect(port)

@@ -8,9 +8,9 @@ import h11
 import pytest
 import trio
 
-from router.http.messages import Headers, Request, ResponseWriter
-from router.http.response_framing import ResponseError
-from router.http.server import ServerSettings, serve_http
+from router.http.server.loop import ServerSettings, serve_http
+from router.http.server.messages import Headers, Request, ResponseWriter
+from router.http.server.response_framing import ResponseError
 
 GUARD_S = 5.0
 

@@ -20,9 +20,9 @@ import trio
 
 from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.settings import FakeWorkerSettings
-from router.http.messages import Request, ResponseWriter
-from router.http.server import serve_http
-from router.worker_record import WorkerRecord
+from router.fleet.records import WorkerRecord
+from router.http.server.loop import serve_http
+from router.http.server.messages import Request, ResponseWriter
 from tests.integration.test_failover_breaker import scrape
 from tests.support.etcd_server import EtcdServer
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet

@@ -18,10 +18,10 @@ import httpx
 import pytest
 import trio
 
+from router.cli.serve import RunningRouter
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
-from router.serve import RunningRouter
-from router.worker_record import Status
+from router.fleet.records import Status
 from tests.support.cli_process import sse_text
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.fake_kube_api import FakeKubeApi

@@ -16,10 +16,10 @@ import orjson
 import pytest
 import trio
 
+from router.cli.serve import RunningRouter
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
-from router.serve import RunningRouter
-from router.worker_record import Status, WorkerRecord
+from router.fleet.records import Status, WorkerRecord
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router

@@ -13,7 +13,7 @@ import orjson
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.http.pool import PoolStatistics, UpstreamPool
+from router.http.upstream.pool import PoolStatistics, UpstreamPool
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router

@@ -17,7 +17,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.worker_record import Status
+from router.fleet.records import Status
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.raw_upstream import Exchange, Respond, open_raw_upstream
 from tests.support.router_instance import open_router

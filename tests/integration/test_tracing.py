@@ -7,7 +7,7 @@ import httpx
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.tracing import OtlpTracing
+from router.observability.tracing import OtlpTracing
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, open_otlp_receiver
 from tests.support.ports import free_port

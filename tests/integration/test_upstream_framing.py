@@ -16,7 +16,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http.upstream_connection import (
+from router.http.upstream.connection import (
     UpstreamConnection,
     UpstreamProtocolError,
     encode_request,

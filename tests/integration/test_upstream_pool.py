@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from router.http.pool import (
+from router.http.upstream.pool import (
     LocalShortage,
     PoolSettings,
     UpstreamConnectError,
@@ -24,7 +24,7 @@ from router.http.pool import (
     UpstreamProtocolError,
     open_upstream_pool,
 )
-from router.http.worker_url import InvalidWorkerUrl
+from router.http.upstream.worker_url import InvalidWorkerUrl
 from tests.support.ports import unanswered_port
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
 from tests.support.waiting import wait_until

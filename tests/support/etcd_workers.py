@@ -13,7 +13,7 @@ import trio
 
 from router.agent.advertise import worker_record
 from router.agent.registration import Registration, serve_registration
-from router.worker_record import WorkerRecord
+from router.fleet.records import WorkerRecord
 
 PREFIX = "/test/workers/"
 MODEL = "fake-model"

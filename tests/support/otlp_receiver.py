@@ -21,8 +21,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from router.http.messages import Request, ResponseWriter
-from router.http.server import serve_http
+from router.http.server.loop import serve_http
+from router.http.server.messages import Request, ResponseWriter
 
 PROTOBUF = b"application/x-protobuf"
 

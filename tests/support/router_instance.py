@@ -9,8 +9,9 @@ from typing import Any
 
 import trio
 
-from router.config import Settings, parse_worker_spec
-from router.serve import RunningRouter, run_router
+from router.cli.config import Settings
+from router.cli.serve import RunningRouter, run_router
+from router.discovery.static import parse_worker_spec
 
 
 @asynccontextmanager

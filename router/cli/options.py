@@ -1,0 +1,307 @@
+"""Every `router serve` option, declared once: its name, kind, default, help and bounds.
+
+The flag (`--name-with-dashes`), the environment variable (`ROUTER_NAME`) and the YAML key
+(`name`) are derived from the name, so `router serve --help`, `docs/operations.md` and
+the config file cannot drift apart. `router.cli.config` reads and checks the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from router.policies.by_name import POLICY_NAMES
+
+ENV_PREFIX = "ROUTER_"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str
+    kind: type[str] | type[int] | type[float] | type[bool]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "127.0.0.1", "address to listen on"),
+    Option("port", int, 8080, "port to listen on (0 picks a free one)", minimum=0, maximum=65535),
+    Option("policy", str, "round_robin", "policy for mixed workers", POLICY_NAMES),
+    Option("prefill_policy", str, "round_robin", "policy for the prefill pool", POLICY_NAMES),
+    Option("decode_policy", str, "round_robin", "policy for the decode pool", POLICY_NAMES),
+    Option(
+        "discovery", str, "static", "where the fleet comes from", ("static", "etcd", "kubernetes")
+    ),
+    Option("etcd_endpoint", str, "http://127.0.0.1:2379", "etcd client URL (v3 JSON gateway)"),
+    Option("etcd_prefix", str, "/router/workers/", "etcd key prefix of worker records"),
+    Option("health_interval_s", float, 5.0, "seconds between active health checks", minimum=0.05),
+    Option("health_timeout_s", float, 2.0, "timeout of one health check", minimum=0.05),
+    Option(
+        "health_failure_threshold", int, 2, "failed checks before a worker is unhealthy", minimum=1
+    ),
+    Option(
+        "health_success_threshold", int, 1, "passed checks before it is healthy again", minimum=1
+    ),
+    Option("max_attempts", int, 3, "distinct workers tried per request", minimum=1),
+    Option("connect_timeout_s", float, 5.0, "upstream connect timeout", minimum=0.001),
+    Option(
+        "first_byte_timeout_s",
+        float,
+        120.0,
+        "time to upstream response headers (retryable)",
+        minimum=0.001,
+    ),
+    Option(
+        "stream_idle_timeout_s",
+        float,
+        120.0,
+        "longest silence mid-stream before it is ended with an error event",
+        minimum=0.001,
+    ),
+    Option(
+        "breaker_failure_threshold",
+        int,
+        3,
+        "consecutive faults that open a worker's breaker (0 disables)",
+        minimum=0,
+    ),
+    Option("breaker_cooldown_s", float, 5.0, "first cooldown of an open breaker", minimum=0.001),
+    Option("breaker_max_cooldown_s", float, 60.0, "cap of the doubling cooldown", minimum=0.001),
+    Option(
+        "breaker_all_open",
+        str,
+        "dispatch",
+        "when every candidate of a leg is open",
+        ("dispatch", "reject"),
+    ),
+    Option(
+        "retry_after_s",
+        float,
+        1.0,
+        "Retry-After of a 503 when no breaker gives a better figure",
+        minimum=1,
+    ),
+    Option("max_body_bytes", int, 32 * 1024 * 1024, "largest request body (413 beyond)", minimum=1),
+    Option("max_connections", int, 10_000, "concurrent client connections", minimum=1),
+    Option(
+        "header_timeout_s", float, 10.0, "time for a client to send request headers", minimum=0.001
+    ),
+    Option(
+        "idle_timeout_s",
+        float,
+        75.0,
+        "keep-alive idle time before a client connection is closed",
+        minimum=0.001,
+    ),
+    Option(
+        "shutdown_grace_s",
+        float,
+        30.0,
+        "time in-flight requests get to finish on SIGTERM",
+        minimum=0,
+    ),
+    Option(
+        "pool_max_idle_per_worker", int, 256, "idle upstream connections kept per worker", minimum=0
+    ),
+    Option(
+        "pool_idle_expiry_s",
+        float,
+        4.0,
+        "idle upstream connections are closed after this",
+        minimum=0.01,
+    ),
+    Option("log_level", str, "info", "log level", ("debug", "info", "warning", "error")),
+    Option(
+        "server",
+        str,
+        "native",
+        "HTTP front: native (trio + llhttp), or hypercorn (the ASGI adapter, for HTTP/2 or TLS; needs the asgi extra)",
+        ("native", "hypercorn"),
+    ),
+    Option(
+        "processes",
+        int,
+        1,
+        "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port",
+        minimum=1,
+    ),
+    Option(
+        "k8s_namespace",
+        str,
+        "",
+        "namespace of the worker Pods (empty: the router's own Pod's in a cluster, or the kubeconfig context's, else default)",
+    ),
+    Option("k8s_selector", str, "", "label selector k=v[,k=v] of mixed worker Pods"),
+    Option("k8s_prefill_selector", str, "", "label selector of prefill worker Pods"),
+    Option("k8s_decode_selector", str, "", "label selector of decode worker Pods"),
+    Option(
+        "k8s_port",
+        int,
+        8000,
+        "port of a worker Pod's engine (annotation trio-router/port wins)",
+        minimum=1,
+        maximum=65535,
+    ),
+    Option(
+        "k8s_kubeconfig",
+        str,
+        "",
+        "kubeconfig file (empty: in-cluster service account, else KUBECONFIG, else ~/.kube/config)",
+    ),
+    Option(
+        "max_n",
+        int,
+        128,
+        "largest n (choices per request) and PD batch size; 400 beyond",
+        minimum=1,
+        maximum=1_000_000,
+    ),
+    Option(
+        "model_memory_s",
+        float,
+        300.0,
+        "a model served within this long is known: 503, not 404, while it has no worker",
+        minimum=0,
+    ),
+    Option(
+        "discovery_silence_s",
+        float,
+        15.0,
+        "etcd silence (no event, progress notification or answered probe) before discovery is reported down",
+        minimum=0.1,
+    ),
+    Option(
+        "cache_threshold",
+        float,
+        0.3,
+        "cache_aware: least share of the prompt a worker must already hold to win on its cache",
+        minimum=0,
+        maximum=1,
+    ),
+    Option(
+        "balance_abs_threshold",
+        int,
+        64,
+        "cache_aware: in-flight gap (max - min) beyond which load wins over cache",
+        minimum=0,
+    ),
+    Option(
+        "balance_rel_threshold",
+        float,
+        1.5,
+        "cache_aware: and max > min times this, for load to win over cache",
+        minimum=1,
+    ),
+    Option(
+        "max_tree_size",
+        int,
+        2**26,
+        "cache_aware: characters each prefix tree (one per model and role) may hold; least recently used leaves go first",
+        minimum=1,
+    ),
+    Option(
+        "api_key",
+        str,
+        "",
+        "client key required as `Authorization: Bearer <key>` on the API routes (empty: no check)",
+    ),
+    Option(
+        "api_keys_file",
+        str,
+        "",
+        "YAML mapping of key name to client key, re-read on SIGHUP (empty: none)",
+    ),
+    Option("protect_metrics", bool, False, "require a client key on /metrics too"),
+    Option(
+        "worker_api_key",
+        str,
+        "",
+        "key sent to workers as `Authorization: Bearer <key>` (a worker record's api_key wins)",
+    ),
+    Option(
+        "max_concurrent_requests",
+        int,
+        0,
+        "generation requests served at once (0: no limit)",
+        minimum=0,
+    ),
+    Option(
+        "queue_size",
+        int,
+        100,
+        "requests that may wait for a slot once the concurrency limit is reached (429 when full)",
+        minimum=0,
+    ),
+    Option(
+        "queue_timeout_s",
+        float,
+        60.0,
+        "longest wait in the admission queue (503 queue_timeout after)",
+        minimum=0.001,
+    ),
+    Option(
+        "worker_max_inflight",
+        int,
+        0,
+        "requests in flight per worker (per DP rank when the router picks ranks); a full worker is not a candidate (0: no cap)",
+        minimum=0,
+    ),
+    Option(
+        "admin_api_key",
+        str,
+        "",
+        "key of the admin API (POST /v1/workers, drain, DELETE); without it those routes do not exist",
+    ),
+    Option(
+        "otlp_traces_endpoint",
+        str,
+        "",
+        "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces: one span per request and per attempt (needs the otel extra; empty: no tracing)",
+    ),
+    Option(
+        "wait_for_workers_s",
+        float,
+        0.0,
+        "how long a request waits for an unavailable or departed worker of its model to come back before the 503",
+        minimum=0,
+    ),
+    Option(
+        "body_timeout_s",
+        float,
+        30.0,
+        "time for a client to send a whole request body (408 beyond)",
+        minimum=0.001,
+    ),
+    Option(
+        "client_write_timeout_s",
+        float,
+        60.0,
+        "longest a client may take no byte of its answer before the request is aborted",
+        minimum=0.001,
+    ),
+    Option(
+        "max_buffered_body_bytes",
+        int,
+        1024**3,
+        "request-body bytes buffered at once across all client connections (503 beyond)",
+        minimum=1,
+    ),
+    Option(
+        "max_connections_per_worker",
+        int,
+        256,
+        "open upstream connections per worker; a checkout beyond it waits (FIFO) up to the connect timeout, then 503 router_overloaded",
+        minimum=1,
+    ),
+)

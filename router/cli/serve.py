@@ -1,0 +1,447 @@
+"""`router serve`: the router process, and `run_router` which tests and the demo embed.
+
+`run_router` owns the root nursery: discovery, health checks, the upstream pool's
+sweeper, then the HTTP server. Each starts with `nursery.start`, so the router reports
+ready only when all of them are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import httpx
+import trio
+from prometheus_client import CollectorRegistry, Gauge
+
+from router.api.errors import answer_refusal
+from router.cli.config import ConfigError, Settings, add_arguments, load_settings
+from router.cli.fleet_pruning import DepartedWorkerPruner
+from router.discovery import DiscoveryHealth
+from router.discovery.engine_facts import FactsSettings, serve_engine_facts
+from router.discovery.kube_config import KubeConfigError
+from router.discovery.kube_pods import pod_sources
+from router.discovery.kubernetes import KubeDiscoverySettings, serve_kubernetes_discovery
+from router.discovery.static import serve_static_discovery
+from router.edge.admin import AdminApi
+from router.edge.admission import AdmissionCollector, AdmissionGate, AdmissionSettings
+from router.edge.app import RouterApp
+from router.edge.auth import ClientKeys, KeysFileError, serve_key_reloads
+from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
+from router.fleet.candidates import AllOpenMode
+from router.fleet.health import serve_health_checks
+from router.fleet.registry import BreakerFactory, Fleet
+from router.http.server.loop import ServerLoad, serve_http
+from router.http.server.settings import ServerSettings
+from router.http.upstream.pool import PoolSettings, open_upstream_pool
+from router.observability.metrics import RouterMetrics
+from router.observability.request_id import current_request_id
+from router.observability.runtime_metrics import TaskCollector
+from router.observability.tracing import open_tracing, otel_installed
+from router.pipeline.dispatch import Timeouts
+from router.pipeline.service import FailoverSettings, GenerationService
+from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
+from router.policies.cache_aware import CacheAwareSettings
+
+log = logging.getLogger("router")
+EXIT_BAD_SETTINGS = 2
+EXIT_BIND_FAILED = 3
+
+
+class CannotListen(Exception):
+    """The HTTP server could not bind its address (in use, not local, not resolvable)."""
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@dataclass(slots=True)
+class RunningRouter:
+    host: str
+    port: int
+    app: RouterApp
+
+    @property
+    def url(self) -> str:
+        return http_url(self.host, self.port)
+
+    @property
+    def fleet(self) -> Fleet:
+        return self.app.fleet
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self.app.metrics
+
+
+def _breaker_factory(settings: Settings, metrics: RouterMetrics) -> BreakerFactory:
+    breaker_settings = BreakerSettings(
+        failure_threshold=settings.breaker_failure_threshold,
+        cooldown_s=settings.breaker_cooldown_s,
+        max_cooldown_s=settings.breaker_max_cooldown_s,
+    )
+
+    def on_transition(name: str, old: BreakerState, new: BreakerState, now: float) -> None:
+        if new is BreakerState.OPEN:
+            # A trip is an outage beginning (closed -> open), as `/v1/workers` counts it; a
+            # failed probe extends the outage and shows in the state gauge and the log.
+            # A worker that already left (its last request failing) gets no new series.
+            if old is BreakerState.CLOSED:
+                metrics.count_trip(name)
+            # Runs inside the request whose verdict tripped it: the log names that request.
+            log.warning(
+                "breaker of %s opened (was %s) [request %s]",
+                name,
+                old.name.lower(),
+                current_request_id(),
+            )
+        elif new is BreakerState.HALF_OPEN:
+            # The probe itself is logged when it is dispatched (router/pipeline/attempt.py).
+            log.debug("breaker of %s is half-open: the next request to it is the probe", name)
+        else:
+            log.info("breaker of %s closed: the worker recovered", name)
+
+    return lambda worker_id: make_breaker(breaker_settings, worker_id, on_transition)
+
+
+def client_keys(settings: Settings) -> ClientKeys:
+    """The client keys of `settings`; ConfigError when the keys file cannot be used."""
+    try:
+        return ClientKeys(settings.api_key, settings.api_keys_file)
+    except KeysFileError as error:
+        raise ConfigError(str(error)) from None
+
+
+def failover_settings(settings: Settings) -> FailoverSettings:
+    """What the generation path reads of `settings`."""
+    all_open = AllOpenMode(settings.breaker_all_open)
+    return FailoverSettings(
+        policy=settings.policy,
+        prefill_policy=settings.prefill_policy,
+        decode_policy=settings.decode_policy,
+        cache=CacheAwareSettings(
+            cache_threshold=settings.cache_threshold,
+            balance_abs_threshold=settings.balance_abs_threshold,
+            balance_rel_threshold=settings.balance_rel_threshold,
+            max_tree_size=settings.max_tree_size,
+        ),
+        all_open=all_open,
+        timeouts=Timeouts(
+            settings.connect_timeout_s,
+            settings.first_byte_timeout_s,
+            settings.stream_idle_timeout_s,
+        ),
+        wait=WorkerWaitSettings(
+            capacity_wait_s=settings.queue_timeout_s,
+            workers_wait_s=settings.wait_for_workers_s,
+            all_open=all_open,
+            retry_after_s=settings.retry_after_s,
+        ),
+        max_attempts=settings.max_attempts,
+        max_n=settings.max_n,
+        retry_after_s=settings.retry_after_s,
+        model_memory_s=settings.model_memory_s,
+        worker_api_key=settings.worker_api_key,
+    )
+
+
+def admission_settings(settings: Settings) -> AdmissionSettings:
+    return AdmissionSettings(
+        limit=settings.max_concurrent_requests,
+        queue_size=settings.queue_size,
+        timeout_s=settings.queue_timeout_s,
+        retry_after_s=settings.retry_after_s,
+    )
+
+
+def server_settings(settings: Settings) -> ServerSettings:
+    return ServerSettings(
+        host=settings.host,
+        port=settings.port,
+        max_body_bytes=settings.max_body_bytes,
+        max_connections=settings.max_connections,
+        header_timeout_s=settings.header_timeout_s,
+        idle_timeout_s=settings.idle_timeout_s,
+        shutdown_grace_s=settings.shutdown_grace_s,
+        reuse_port=settings.reuse_port,
+        body_timeout_s=settings.body_timeout_s,
+        client_write_timeout_s=settings.client_write_timeout_s,
+        max_buffered_body_bytes=settings.max_buffered_body_bytes,
+    )
+
+
+def register_server_gauges(load: ServerLoad, metrics: RouterMetrics) -> None:
+    """Expose the native server's `load` as gauges read at scrape time (the hypercorn front
+    has no such counts, so it gets no such gauges)."""
+    registry = metrics.registry
+    Gauge(
+        "router_client_connections", "Client connections being served", registry=registry
+    ).set_function(lambda: load.connections)
+    Gauge(
+        "router_client_turn_away_tasks",
+        "Connections past --max-connections being answered 503",
+        registry=registry,
+    ).set_function(lambda: load.turning_away)
+    Gauge(
+        "router_buffered_body_bytes",
+        "Request-body bytes the server holds (budget --max-buffered-body-bytes)",
+        registry=registry,
+    ).set_function(lambda: load.body_bytes)
+
+
+async def run_router(
+    settings: Settings,
+    *,
+    shutdown: trio.Event | None = None,
+    registry: CollectorRegistry | None = None,
+    task_status: trio.TaskStatus[RunningRouter] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the router until `shutdown` is set (then drain gracefully) or cancelled.
+
+    Reports a `RunningRouter` once discovery, health checks and the HTTP server are all
+    up. Raises `CannotListen` when the address cannot be bound.
+    Cancellation: every connection, upstream or client, is closed at once.
+    """
+    shutdown = shutdown if shutdown is not None else trio.Event()
+    keys = client_keys(settings)
+    metrics = RouterMetrics(registry=registry, key_label=keys.named)
+    fleet = Fleet(
+        _breaker_factory(settings, metrics),
+        model_memory_s=settings.model_memory_s,
+        clock=trio.current_time,
+        max_inflight=settings.worker_max_inflight,
+    )
+    metrics.watch_fleet(fleet)
+    admission = AdmissionGate(admission_settings(settings))
+    metrics.registry.register(AdmissionCollector(admission))
+    pool_settings = PoolSettings(
+        max_idle_per_worker=settings.pool_max_idle_per_worker,
+        idle_expiry_s=settings.pool_idle_expiry_s,
+        max_connections_per_worker=settings.max_connections_per_worker,
+    )
+    async with (
+        open_upstream_pool(pool_settings) as pool,
+        httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
+        open_tracing(settings.otlp_traces_endpoint) as tracing,
+        trio.open_nursery() as nursery,
+    ):
+        metrics.watch_pool(pool)
+        metrics.registry.register(TaskCollector())
+        # Before discovery, so a worker named without its facts is asked at once.
+        await nursery.start(
+            partial(
+                serve_engine_facts, fleet, http, FactsSettings(timeout_s=settings.health_timeout_s)
+            )
+        )
+        discovery: DiscoveryHealth = await nursery.start(
+            partial(serve_discovery, settings, fleet, http, metrics)
+        )
+        await nursery.start(
+            partial(
+                serve_health_checks,
+                fleet,
+                http,
+                interval_s=settings.health_interval_s,
+                timeout_s=settings.health_timeout_s,
+                failure_threshold=settings.health_failure_threshold,
+                success_threshold=settings.health_success_threshold,
+            )
+        )
+        if settings.api_keys_file:
+            await nursery.start(serve_key_reloads, keys)
+        admin = None
+        if settings.admin_api_key:
+            admin = AdminApi(
+                fleet,
+                http,
+                nursery,
+                admin_key=settings.admin_api_key,
+                worker_api_key=settings.worker_api_key,
+                discovery_owns_fleet=settings.discovery != "static",
+                drain_timeout_s=settings.shutdown_grace_s,
+            )
+        generation = GenerationService(failover_settings(settings), fleet, pool, metrics)
+        await nursery.start(generation.runner.stalls.serve)
+        app = RouterApp(
+            generation,
+            metrics,
+            discovery,
+            protect_metrics=settings.protect_metrics,
+            keys=keys,
+            admission=admission,
+            admin=admin,
+            tracing=tracing,
+        )
+        metrics.registry.register(WorkerWaitCollector(generation.waits))
+        # Attached once the app exists: a worker that left before it (during the first
+        # listing) had no request, so no pool endpoint, rank state or series to prune.
+        fleet.add_listener(DepartedWorkerPruner(pool, generation.ranks, metrics))
+
+        serve: Callable[..., Awaitable[None]]
+        if settings.server == "hypercorn":
+            from router.http.server.asgi import serve_asgi
+
+            serve = partial(serve_asgi, answer_refusal=answer_refusal)
+        else:
+            load = ServerLoad(settings.max_buffered_body_bytes)
+            register_server_gauges(load, metrics)
+            serve = partial(serve_http, load=load, answer_refusal=answer_refusal)
+
+        async def serve_until_drained(*, task_status: trio.TaskStatus[int]) -> None:
+            await serve(
+                app.handle, server_settings(settings), shutdown=shutdown, task_status=task_status
+            )
+            nursery.cancel_scope.cancel()
+
+        try:
+            port = await nursery.start(serve_until_drained)
+        except OSError as exc:
+            raise CannotListen(f"cannot listen on {settings.host}:{settings.port}: {exc}") from exc
+        # Operators and scripts read the bound URL from this line (with --port 0 it is
+        # the only place the port shows up).
+        log.info(
+            "router listening on %s with %d workers", http_url(settings.host, port), len(fleet)
+        )
+        task_status.started(RunningRouter(host=settings.host, port=port, app=app))
+
+
+async def serve_discovery(
+    settings: Settings,
+    fleet: Fleet,
+    http: httpx.AsyncClient,
+    metrics: RouterMetrics,
+    *,
+    task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    if settings.discovery == "etcd":
+        from router.discovery.etcd import EtcdDiscoveryTiming, serve_etcd_discovery
+
+        await serve_etcd_discovery(
+            settings.etcd_endpoint,
+            settings.etcd_prefix,
+            fleet,
+            metrics,
+            timing=EtcdDiscoveryTiming(silence_s=settings.discovery_silence_s),
+            task_status=task_status,
+        )
+    elif settings.discovery == "kubernetes":
+        await serve_kubernetes_discovery(
+            kube_settings(settings), fleet, metrics, task_status=task_status
+        )
+    else:
+        await serve_static_discovery(
+            fleet,
+            settings.workers,
+            http,
+            worker_api_key=settings.worker_api_key,
+            task_status=task_status,
+        )
+
+
+def kube_settings(settings: Settings) -> KubeDiscoverySettings:
+    return KubeDiscoverySettings(
+        sources=pod_sources(
+            settings.k8s_selector, settings.k8s_prefill_selector, settings.k8s_decode_selector
+        ),
+        namespace=settings.k8s_namespace or None,
+        port=settings.k8s_port,
+        kubeconfig=settings.k8s_kubeconfig or None,
+    )
+
+
+async def _main(settings: Settings) -> None:
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    if shutdown.is_set():
+                        log.warning("second %s: stopping now", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+                    log.info(
+                        "%s: no new connections; in-flight requests get up to %gs",
+                        signal.Signals(signum).name,
+                        settings.shutdown_grace_s,
+                    )
+                    shutdown.set()
+
+        nursery.start_soon(watch_signals)
+        await run_router(settings, shutdown=shutdown)
+        nursery.cancel_scope.cancel()
+    log.info("router stopped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every `router serve` flag: the settings of `router.cli.config`, plus `--reuse-port`."""
+    parser = argparse.ArgumentParser(
+        prog="router serve", description="Run the router in front of a fleet."
+    )
+    add_arguments(parser)
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="listen with SO_REUSEPORT, sharing the port with other router processes "
+        "(what each process of --processes does)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    try:
+        settings = load_settings(args)
+        client_keys(settings)  # a bad keys file stops the start, like any bad setting
+    except ConfigError as error:
+        print(f"router serve: {error}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    # httpx logs every health check and etcd call at INFO: decisions, not traffic, belong here.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if args.reuse_port:
+        settings = dataclasses.replace(settings, reuse_port=True)
+    if settings.server == "hypercorn" and importlib.util.find_spec("hypercorn") is None:
+        print(
+            "router serve: --server hypercorn needs hypercorn: pip install 'trio-router[asgi]'",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_SETTINGS
+    if settings.otlp_traces_endpoint and not otel_installed():
+        print(
+            "router serve: --otlp-traces-endpoint needs OpenTelemetry: pip install 'trio-router[otel]'",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_SETTINGS
+    if settings.processes > 1:
+        from router.cli.processes import run_processes
+
+        return run_processes(settings, argv)
+    exit_code = 0
+    try:
+        trio.run(_main, settings)
+    except* CannotListen as group:
+        print(f"router serve: {_first_leaf(group)}", file=sys.stderr)
+        exit_code = EXIT_BIND_FAILED
+    except* KubeConfigError as group:
+        print(f"router serve: {_first_leaf(group)}", file=sys.stderr)
+        exit_code = EXIT_BAD_SETTINGS
+    return exit_code
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    """The first exception that is not a group (nurseries nest the one that matters)."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

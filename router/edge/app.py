@@ -1,0 +1,213 @@
+"""Routes: which handler answers which method and path. Nothing else lives here."""
+
+from __future__ import annotations
+
+import orjson
+import trio
+
+from router.api.error_shapes import error_body
+from router.api.errors import JSON_CONTENT_TYPE, MethodNotAllowed, NotFound, RouterError
+from router.api.routes import ROUTES, Dialect
+from router.discovery import DiscoveryHealth
+from router.edge.admin import AdminApi, is_admin_route
+from router.edge.admission import AdmissionGate, AdmissionSettings
+from router.edge.auth import ClientKeys
+from router.fleet.registry import Worker
+from router.http.server.messages import Request, ResponseWriter
+from router.observability.metrics import CONTENT_TYPE, RouterMetrics
+from router.observability.request_id import IdentifiedWriter, forget, identify
+from router.observability.tracing import Tracing
+from router.pipeline.service import GenerationService
+
+_POST = b"POST"
+_GET = b"GET, HEAD"
+
+
+class RouterApp:
+    def __init__(
+        self,
+        generation: GenerationService,
+        metrics: RouterMetrics,
+        discovery: DiscoveryHealth,
+        *,
+        protect_metrics: bool = False,
+        keys: ClientKeys | None = None,
+        admission: AdmissionGate | None = None,
+        admin: AdminApi | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.admin = admin
+        self.tracing = tracing if tracing is not None else Tracing()
+        self.keys = keys if keys is not None else ClientKeys()
+        self.admission = (
+            admission if admission is not None else AdmissionGate(AdmissionSettings(0, 0, 1.0))
+        )
+        # Routes open to anyone even when client keys are checked (probes and scrapers).
+        self._open_routes = {"/health", "/readiness"} | (set() if protect_metrics else {"/metrics"})
+        self.fleet = generation.fleet
+        self.metrics = metrics
+        self.discovery = discovery
+        self.generation = generation
+        self._get_routes = {
+            "/v1/models": self._models,
+            "/health": self._health,
+            "/readiness": self._readiness,
+            "/metrics": self._metrics,
+            "/v1/workers": self._workers,
+        }
+
+    async def handle(self, request: Request, writer: ResponseWriter) -> None:
+        """Give the request its id, then route it; the id is on the answer whatever it is."""
+        request_id, token = identify(request)
+        try:
+            await self._route(request, IdentifiedWriter(writer, request_id))
+        finally:
+            forget(token)
+
+    async def _route(self, request: Request, writer: ResponseWriter) -> None:
+        path = request.path
+        model_route = ROUTES.get(path)
+        try:
+            if model_route is not None:
+                if request.method != "POST":
+                    raise MethodNotAllowed(f"{path} accepts POST, not {request.method}", _POST)
+                trace, writer = self.tracing.begin(request, writer)
+                token = self.tracing.enter(trace)
+                try:
+                    key = self._authorize_generation(request, path)
+                    await self._admit_generation(request, writer, path, key)
+                except RouterError as error:
+                    await writer.respond(
+                        error.status,
+                        [JSON_CONTENT_TYPE, *error.headers()],
+                        error_body(error, model_route.dialect),
+                    )
+                finally:
+                    self.tracing.leave(token)
+                    trace.end(None)
+                return
+            if is_admin_route(request):
+                if self.admin is None:
+                    raise NotFound(f"no route {path}")  # no admin key: the routes do not exist
+                status, body = await self.admin.handle(request)
+                await writer.respond(status, [JSON_CONTENT_TYPE], body)
+                return
+            route = self._get_routes.get(path)
+            if route is None:
+                raise NotFound(f"no route {path}")
+            if self.keys.enabled and path not in self._open_routes:
+                self.keys.check(request.header(b"authorization"))
+            if request.method not in ("GET", "HEAD"):
+                raise MethodNotAllowed(f"{path} accepts GET, not {request.method}", _GET)
+            status, content_type, body = route()
+            await writer.respond(status, [(b"content-type", content_type)], body)
+        except RouterError as error:
+            dialect = Dialect.OPENAI if model_route is None else model_route.dialect
+            await writer.respond(
+                error.status, [JSON_CONTENT_TYPE, *error.headers()], error_body(error, dialect)
+            )
+
+    def _authorize_generation(self, request: Request, path: str) -> str | None:
+        """The name of the client's key (None when keys are off); 401 before anything else.
+
+        With keys on, the client's own `Authorization` goes no further than here: workers
+        get the router's worker key instead (see `router.pipeline.dispatch.upstream_headers`).
+        """
+        if not self.keys.enabled:
+            return None
+        try:
+            name = self.keys.check(request.header(b"authorization"))
+        except RouterError as error:
+            self._count_refusal(path, error.status)
+            raise
+        request.headers = [item for item in request.headers if item[0] != b"authorization"]
+        return name if self.keys.named else None
+
+    async def _admit_generation(
+        self, request: Request, writer: ResponseWriter, path: str, key: str | None
+    ) -> None:
+        if not self.admission.enabled:
+            # No limit: no context manager on the hot path either.
+            await self.generation.handle(request, writer, key)
+            return
+        try:
+            async with self.admission.admit():
+                await self.generation.handle(request, writer, key)
+        except RouterError as error:
+            # Raised by the gate before the request was served: the service counted nothing.
+            self._count_refusal(path, error.status, key)
+            raise
+
+    def _count_refusal(self, path: str, status: int, key: str | None = None) -> None:
+        self.metrics.count_request("-", ROUTES[path].label, status, key)
+
+    def _models(self) -> tuple[int, bytes, bytes]:
+        data = [
+            {"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()
+        ]
+        return 200, b"application/json", orjson.dumps({"object": "list", "data": data})
+
+    def _takes_work(self, worker: Worker, now: float) -> bool:
+        breaker = worker.breaker
+        return (
+            worker.healthy and not worker.draining and (breaker is None or breaker.available(now))
+        )
+
+    def _health(self) -> tuple[int, bytes, bytes]:
+        now = trio.current_time()
+        workers = self.fleet.workers()
+        summary = {
+            "status": "ok",
+            "workers": len(workers),
+            "available": sum(1 for worker in workers if self._takes_work(worker, now)),
+            "draining": sum(1 for worker in workers if worker.draining),
+            "unhealthy": sum(1 for worker in workers if not worker.healthy),
+            "models": self.fleet.models(),
+            "discovery": {
+                "source": self.discovery.source,
+                "up": self.discovery.up,
+                "detail": self.discovery.detail,
+            },
+        }
+        return 200, b"application/json", orjson.dumps(summary)
+
+    def _readiness(self) -> tuple[int, bytes, bytes]:
+        now = trio.current_time()
+        ready = any(self._takes_work(worker, now) for worker in self.fleet.workers())
+        body = orjson.dumps({"ready": ready})
+        return (200 if ready else 503), b"application/json", body
+
+    def _metrics(self) -> tuple[int, bytes, bytes]:
+        return 200, CONTENT_TYPE, self.metrics.render()
+
+    def _workers(self) -> tuple[int, bytes, bytes]:
+        now = trio.current_time()
+        listing = []
+        for worker in self.fleet.workers():
+            entry = worker.record.to_json()
+            entry.update(
+                status=worker.record.status.value,
+                healthy=worker.healthy,
+                inflight=worker.inflight,
+                rank_inflight=worker.rank_inflight if worker.record.rank_multiplexed else None,
+            )
+            if worker.breaker is not None:
+                stats = worker.breaker.statistics(now)
+                entry["breaker"] = {
+                    "state": stats.state.name.lower(),
+                    "consecutive_faults": stats.consecutive_faults,
+                    "cooldown_s": stats.cooldown_s,
+                    "next_probe_in_s": None
+                    if stats.next_probe_at is None
+                    else max(0.0, stats.next_probe_at - now),
+                    "trips": stats.trips,
+                }
+            else:
+                entry["breaker"] = None
+            listing.append(entry)
+        for pending in self.fleet.pending.values():
+            # Named by discovery, not admitted: its engine has not stated what it needs.
+            entry = pending.record.to_json()
+            entry.update(status="PENDING", admitted=False, reason=pending.reason)
+            listing.append(entry)
+        return 200, b"application/json", orjson.dumps({"workers": listing})

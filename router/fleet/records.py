@@ -1,0 +1,207 @@
+"""Worker records: what discovery knows about a worker, checked once where it is read.
+
+A `WorkerRecord` comes from static flags, a fleet file, an etcd key or a Pod. It is
+validated here (URL, role, DP size, handoff address), so nothing downstream meets a record
+the pool or the PD pairing cannot use. Facts a record leaves to the engine are listed in
+`unknown_facts` and filled in by `router.discovery.engine_facts`; until then the worker is pending.
+Nothing in the router ever writes `status`: the worker's own registration does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from router.http.upstream.worker_url import InvalidWorkerUrl, parse_worker_url
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+MAX_DP_SIZE = 4096
+"""Largest `dp_size` a record may claim: the router keeps one counter per rank."""
+
+
+class Role(enum.StrEnum):
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Status(enum.StrEnum):
+    ACTIVE = "ACTIVE"
+    DRAINING = "DRAINING"
+
+
+class Mode(enum.StrEnum):
+    """How a model's request is served: by one mixed worker, or by a prefill and a decode."""
+
+    MIXED = "mixed"
+    PD = "pd"
+
+
+class InvalidWorkerRecord(ValueError):
+    """A worker record that cannot be used; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    id: str
+    url: str
+    models: tuple[str, ...] = ()
+    role: Role = Role.MIXED
+    engine: str = "sglang"
+    dp_size: int = 1
+    dp_rank: int | None = None
+    disagg_meta: dict[str, Any] | None = None
+    status: Status = Status.ACTIVE
+    unknown_facts: frozenset[str] = frozenset()
+    """Facts the record leaves to the engine (`FACTS`): the worker joins the fleet once
+    they are learned (router.discovery.engine_facts); until then it is pending."""
+    api_key: str | None = field(default=None, repr=False)
+    """The key the router sends this worker (`Authorization: Bearer`); never listed back."""
+
+    @property
+    def rank_multiplexed(self) -> bool:
+        """The router picks the DP rank (header `X-Data-Parallel-Rank`) for this worker."""
+        return self.dp_size > 1 and self.dp_rank is None
+
+    @property
+    def bootstrap_addr(self) -> str | None:
+        """`host:port` a decode pulls this prefill's KV cache from, when advertised."""
+        if not self.disagg_meta:
+            return None
+        params = self.disagg_meta.get("params") or {}
+        addr = params.get("bootstrap_addr")
+        return addr if isinstance(addr, str) else None
+
+    @classmethod
+    def from_json(cls, data: Any) -> WorkerRecord:
+        """Validate a JSON record (etcd value or fleet-file entry). Unknown fields are ignored."""
+        if not isinstance(data, dict):
+            raise InvalidWorkerRecord(
+                f"a worker record must be an object, got {type(data).__name__}"
+            )
+        url = data.get("url")
+        if not isinstance(url, str):
+            raise InvalidWorkerRecord(f"'url' must be an http:// URL, got {url!r}")
+        url = url.rstrip("/")
+        try:
+            parse_worker_url(url)
+        except InvalidWorkerUrl as exc:
+            raise InvalidWorkerRecord(str(exc)) from None
+        worker_id = data.get("id", url)
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidWorkerRecord(f"'id' must be a non-empty string, got {worker_id!r}")
+        raw_models = data.get("model", data.get("models", ()))
+        if isinstance(raw_models, str):
+            raw_models = (raw_models,)
+        if not isinstance(raw_models, list | tuple) or not all(
+            isinstance(m, str) and m for m in raw_models
+        ):
+            raise InvalidWorkerRecord(
+                f"'model' must be a string or a list of strings, got {raw_models!r}"
+            )
+        role = _enum_field(Role, data.get("role", "mixed"), "role")
+        status = _enum_field(Status, str(data.get("status", "ACTIVE")).upper(), "status")
+        engine = data.get("engine", "sglang")
+        if not isinstance(engine, str):
+            raise InvalidWorkerRecord(f"'engine' must be a string, got {engine!r}")
+        dp_size = _int_field(data.get("dp_size", 1), "dp_size", minimum=1)
+        if dp_size > MAX_DP_SIZE:
+            raise InvalidWorkerRecord(f"'dp_size' must be at most {MAX_DP_SIZE}, got {dp_size}")
+        raw_rank = data.get("dp_rank")
+        dp_rank = None if raw_rank is None else _int_field(raw_rank, "dp_rank", minimum=0)
+        if dp_rank is not None and dp_rank >= dp_size:
+            raise InvalidWorkerRecord(f"'dp_rank' {dp_rank} must be below 'dp_size' {dp_size}")
+        meta = data.get("disagg_meta")
+        if meta is not None and not isinstance(meta, dict):
+            raise InvalidWorkerRecord(f"'disagg_meta' must be an object, got {meta!r}")
+        unknown: frozenset[str] = frozenset()
+        params = (meta or {}).get("params")
+        if role is Role.PREFILL and not (
+            isinstance(params, dict) and isinstance(params.get("bootstrap_addr"), str)
+        ):
+            # The engine knows its bootstrap port; its DP size comes with the same answer
+            # unless the record gives one.
+            unknown = frozenset(
+                {"bootstrap_port"} if "dp_size" in data else {"bootstrap_port", "dp_size"}
+            )
+        api_key = data.get("api_key")
+        if api_key is not None and (
+            not isinstance(api_key, str) or not api_key.isprintable() or " " in api_key
+        ):
+            # The value is a secret: the message does not repeat it.
+            raise InvalidWorkerRecord(
+                "'api_key' must be a string without spaces or control characters"
+            )
+        return cls(
+            id=worker_id,
+            url=url,
+            models=tuple(raw_models),
+            role=role,
+            engine=engine,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            disagg_meta=meta,
+            status=status,
+            unknown_facts=unknown,
+            api_key=api_key or None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as registered; `status` is omitted while ACTIVE, `api_key` always."""
+        data: dict[str, Any] = {
+            "id": self.id,
+            "url": self.url,
+            "model": list(self.models),
+            "role": self.role.value,
+            "engine": self.engine,
+            "dp_size": self.dp_size,
+            "dp_rank": self.dp_rank,
+        }
+        if self.disagg_meta is not None:
+            data["disagg_meta"] = self.disagg_meta
+        if self.status is not Status.ACTIVE:
+            data["status"] = self.status.value
+        return data
+
+
+FACTS = ("bootstrap_port", "dp_size", "models")
+"""What a record may leave to the engine: a prefill's bootstrap port and the DP size
+(`/get_server_info`), the served models (`/v1/models`)."""
+
+
+def fill_facts(record: WorkerRecord, learned: WorkerRecord) -> WorkerRecord:
+    """`record` with each fact it leaves open taken from `learned` (a complete record of
+    the same worker); every value `record` gives explicitly stays."""
+    changes: dict[str, Any] = {}
+    if "bootstrap_port" in record.unknown_facts:
+        changes["disagg_meta"] = learned.disagg_meta
+    if "dp_size" in record.unknown_facts:
+        changes["dp_size"] = learned.dp_size
+    if "models" in record.unknown_facts:
+        changes["models"] = learned.models
+    return dataclasses.replace(record, unknown_facts=frozenset(), **changes)
+
+
+@dataclass(slots=True)
+class PendingWorker:
+    """A worker discovery named whose facts are not learned yet, and why not."""
+
+    record: WorkerRecord
+    reason: str = "waiting for the engine to state its facts"
+
+
+def _enum_field(kind: type[_E], value: Any, name: str) -> _E:
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise InvalidWorkerRecord(f"'{name}' must be one of {choices}, got {value!r}") from None
+
+
+def _int_field(value: Any, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidWorkerRecord(f"'{name}' must be an integer >= {minimum}, got {value!r}")
+    return value

@@ -1,0 +1,1 @@
+"""The client-facing HTTP/1.1 server on trio: requests parsed by llhttp and checked by our framing, answers written by our code, limits and timeouts, graceful shutdown, and the optional ASGI front."""

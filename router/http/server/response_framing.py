@@ -1,0 +1,174 @@
+"""An answer's head and body framing, decided and written by the server itself.
+
+Pure and synchronous. `encode_head` checks the handler's headers against HTTP/1.1's
+grammar (RFC 9110 section 5: a token for the name, no NUL, CR, LF or edge whitespace in
+the value), decides how the body is framed (RFC 9112 section 6.3) and whether the
+connection stays open, and writes the head's bytes. The rules and the bytes are those h11
+(the reference the tests compare against, byte for byte) writes for the same exchange:
+- no body for 204, 304, HEAD and a 2xx to CONNECT (a HEAD answer keeps the head a GET
+  would get);
+- `Transfer-Encoding: chunked` wins over `Content-Length`; a head with neither is sent
+  chunked to an HTTP/1.1 client and delimited by the connection's close to an HTTP/1.0 one;
+- the connection closes after the answer when the request or the answer says
+  `Connection: close`, when the client speaks HTTP/1.0, or when the server is closing;
+  the head then says `Connection: close`.
+A head that breaks the grammar, or declares conflicting lengths, raises `ResponseError`
+before any byte is sent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from router.http.server.messages import Headers
+
+__all__ = ["CHUNKED", "LENGTH", "UNTIL_CLOSE", "ResponseError", "ResponseHead", "encode_head"]
+
+_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+_FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
+_DIGITS = re.compile(rb"[0-9]+")
+_MAX_LENGTH_DIGITS = 20
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+# How a body is framed on the wire.
+LENGTH, CHUNKED, UNTIL_CLOSE = range(3)
+
+
+class ResponseError(Exception):
+    """An answer HTTP/1.1 cannot carry as the handler asked (a bad header, a wrong length)."""
+
+
+@dataclass(slots=True)
+class ResponseHead:
+    """A head's bytes and what they commit the body and the connection to.
+
+    `length`: the body's byte count under LENGTH framing (0 for an answer without a body).
+    """
+
+    data: bytes
+    framing: int
+    length: int
+    keep_alive: bool
+
+
+def encode_head(
+    status: int,
+    headers: Headers,
+    reason: bytes,
+    *,
+    method: str,
+    http_version: bytes,
+    request_keep_alive: bool,
+) -> ResponseHead:
+    """The head for `status` and `headers` (in the order given), to a request made with
+    `method` over `http_version`; `request_keep_alive`: False when the request (or the
+    server, closing) already ended the connection's reuse."""
+    if not 200 <= status < 1000:
+        raise ResponseError(f"a final response needs a status from 200 to 999, not {status}")
+    lines: list[tuple[bytes, bytes, bytes]] = []
+    length: bytes | None = None
+    chunked = False
+    connection: list[bytes] = []
+    for raw_name, raw_value in headers:
+        name_bytes = _bytes(raw_name)
+        value = _bytes(raw_value)
+        if _FIELD_NAME.fullmatch(name_bytes) is None:
+            raise ResponseError(f"illegal header name {name_bytes!r}")
+        if _FIELD_VALUE.fullmatch(value) is None:
+            raise ResponseError(f"illegal header value {value!r}")
+        name = name_bytes.lower()
+        if name == b"content-length":
+            lengths = {part.strip() for part in value.split(b",")}
+            if len(lengths) != 1:
+                raise ResponseError("conflicting content-length headers")
+            value = lengths.pop()
+            if _DIGITS.fullmatch(value) is None or len(value) > _MAX_LENGTH_DIGITS:
+                raise ResponseError(f"bad content-length {value!r}")
+            if length is not None:
+                if length != value:
+                    raise ResponseError("conflicting content-length headers")
+                continue
+            length = value
+        elif name == b"transfer-encoding":
+            if chunked:
+                raise ResponseError("more than one transfer-encoding header")
+            value = value.lower()
+            if value != b"chunked":
+                raise ResponseError("transfer-encoding other than chunked")
+            chunked = True
+        elif name == b"connection":
+            connection.extend(_comma_values(value))
+        lines.append((name_bytes, name, value))
+
+    # A 2xx to CONNECT turns the connection into a tunnel: no body, and no HTTP after it.
+    tunnel = method == "CONNECT" and 200 <= status < 300
+    fixed_empty = tunnel or status in _NO_BODY_STATUSES
+    need_close = False
+    if not fixed_empty and (chunked or length is None):
+        # A body of unknown length: chunked to an HTTP/1.1 client, else ended by the close.
+        lines = [line for line in lines if line[1] != b"content-length"]
+        length = None
+        lines = [line for line in lines if line[1] != b"transfer-encoding"]
+        if http_version == b"1.1":
+            lines.append((b"Transfer-Encoding", b"transfer-encoding", b"chunked"))
+            chunked = True
+        else:
+            chunked = False
+            need_close = method != "HEAD"
+    if not request_keep_alive or need_close:
+        tokens = set(connection)
+        tokens.discard(b"keep-alive")
+        tokens.add(b"close")
+        lines = [line for line in lines if line[1] != b"connection"]
+        lines.extend((b"Connection", b"connection", token) for token in sorted(tokens))
+        connection = sorted(tokens)
+
+    if fixed_empty or method == "HEAD":
+        framing, body_length = LENGTH, 0
+    elif chunked:
+        framing, body_length = CHUNKED, 0
+    elif length is not None:
+        framing, body_length = LENGTH, int(length)
+    else:
+        framing, body_length = UNTIL_CLOSE, 0
+    keep_alive = (
+        not tunnel
+        and request_keep_alive
+        and not need_close
+        and framing != UNTIL_CLOSE
+        and b"close" not in connection
+    )
+    parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    # Host first, as h11 writes it (an answer rarely has one).
+    parts.extend(b"%s: %s\r\n" % (raw, value) for raw, name, value in lines if name == b"host")
+    parts.extend(b"%s: %s\r\n" % (raw, value) for raw, name, value in lines if name != b"host")
+    parts.append(b"\r\n")
+    return ResponseHead(b"".join(parts), framing, body_length, keep_alive)
+
+
+def request_keeps_alive(http_version: bytes, headers: Headers) -> bool:
+    """Whether a request lets its connection be reused: HTTP/1.1 without `Connection: close`."""
+    if http_version != b"1.1":
+        return False
+    for name, value in headers:
+        if name == b"connection" and b"close" in _comma_values(value):
+            return False
+    return True
+
+
+def _comma_values(value: bytes) -> list[bytes]:
+    return [part for part in (piece.strip() for piece in value.lower().split(b",")) if part]
+
+
+def _bytes(value: bytes | str) -> bytes:
+    if type(value) is bytes:
+        return value
+    if isinstance(value, str):
+        try:
+            return value.encode("ascii")
+        except UnicodeEncodeError:
+            raise ResponseError(f"header text must be ASCII: {value!r}") from None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise ResponseError(f"a header must be bytes, not {type(value).__name__}")

@@ -1,0 +1,1 @@
+"""What the router tells about itself: Prometheus metrics, OpenTelemetry tracing, request ids."""

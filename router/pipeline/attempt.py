@@ -1,0 +1,339 @@
+"""One attempt at one worker, and everything it owns.
+
+A `Lease` is one worker taken for one attempt: its breaker permit (taken at dispatch),
+its DP rank, its in-flight count and its one verdict. `AttemptRunner` takes leases,
+exchanges a request with a worker through the upstream pool, and releases every lease on
+every path. A strategy (`router.pipeline.mixed`, `router.pipeline.pd`) decides which workers one attempt
+takes and how their exchanges fit together; the attempt loop (`router.pipeline.service`) decides
+whether another attempt follows.
+
+The verdict is recorded in one place, `Lease.settle`; a failure leaves this module as a
+`WorkerFailed` that names its worker from where it is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from router.api.error_shapes import STREAM_ERROR_EVENTS
+from router.fleet.breaker import Outcome, Permit
+from router.fleet.ranks import RankChooser
+from router.fleet.records import Role
+from router.fleet.registry import Fleet, Worker
+from router.http.server.messages import Request, ResponseWriter
+from router.http.upstream.pool import UpstreamPool
+from router.observability.metrics import RouterMetrics
+from router.observability.request_id import current_request_id
+from router.observability.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
+from router.pipeline.dispatch import (
+    Answer,
+    AttemptFailed,
+    Timeouts,
+    client_headers,
+    first_stream_chunk,
+    judge_answer,
+    open_upstream_response,
+    read_answer,
+    relay_stream,
+    upstream_headers,
+)
+from router.pipeline.plan import Plan
+from router.pipeline.resolve import GenerationRequest
+from router.pipeline.stall_watch import StallWatch
+from router.policies.policy import Policy, PolicyKey, pick_excluding
+
+# Attempts log under the name operators already filter on (docs/failover-and-breaker.md).
+log = logging.getLogger("router.failover")
+
+STREAM_HEADERS: list[tuple[bytes, bytes]] = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+]
+
+
+class WorkerFailed(Exception):
+    """An attempt's exchange with `worker` failed before anything reached the client.
+
+    Wraps the `AttemptFailed` the exchange raised (its `__cause__` too); its verdict is
+    already recorded and the worker already counts as tried for its role.
+    """
+
+    def __init__(self, worker: Worker, failure: AttemptFailed) -> None:
+        super().__init__(f"{worker.id}: {failure.detail}")
+        self.worker = worker
+        self.failure = failure
+
+
+@dataclass(slots=True)
+class AttemptLog:
+    """What the request's attempts have done so far: the workers tried per role, the last
+    worker answer worth returning, and why each failed attempt failed."""
+
+    tried: dict[Role, set[str]] = field(default_factory=lambda: {role: set() for role in Role})
+    last_answer: tuple[Answer, str] | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def untried_left(self, plan: Plan) -> bool:
+        """Whether every leg of `plan` still has a candidate the request has not tried.
+
+        Only asked before a retry, so its scan is not on the path of a healthy request.
+        """
+        return all(
+            any(worker.id not in self.tried[role] for worker in leg.candidates)
+            for role, leg in plan.legs.items()
+        )
+
+    def failed(self, failed: WorkerFailed) -> None:
+        worker_id = failed.worker.id
+        failure = failed.failure
+        self.reasons.append(f"{worker_id}: {failure.detail}")
+        if failure.answer is not None:
+            self.last_answer = (failure.answer, worker_id)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What every attempt of one request needs, built once per request."""
+
+    generation: GenerationRequest
+    request: Request
+    writer: ResponseWriter
+    key_bytes: bytes | None
+    started: float
+    log: AttemptLog = field(default_factory=AttemptLog)
+
+
+class Strategy(Protocol):
+    """How one attempt uses the workers of a plan (mixed: one worker; PD: a pair)."""
+
+    async def attempt(self, plan: Plan, ctx: RequestContext) -> int | None:
+        """Serve the request once: the status given to the client, or None when a leg
+        has no untried candidate left. Raises WorkerFailed when another attempt may follow.
+        Every lease it takes is released before it returns or raises."""
+        ...
+
+
+@dataclass(slots=True)
+class Lease:
+    """One worker taken for one attempt: its breaker permit, its DP rank and its verdict."""
+
+    worker: Worker
+    permit: Permit | None
+    rank: int | None
+    trace: AttemptTrace = NO_ATTEMPT_TRACE
+    settled: bool = False
+    committed: bool = False
+    """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
+
+    async def commit(self) -> None:
+        """Pass the point of no return, unless the attempt was cancelled meanwhile.
+
+        A PD partner's failure cancels this attempt's scope; a task already scheduled to
+        resume would otherwise only see that cancellation at its next checkpoint, which can
+        be inside the client write, after the response started. Checking here first makes
+        "cancelled" and "committed" exclusive.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self.committed = True
+
+    def settle(self, failure: AttemptFailed | None = None, status: int | None = None) -> None:
+        """Record the attempt's one verdict on the worker's breaker (later calls do nothing).
+
+        A failure is a fault or neutral as it says; an answer is a success below 400 and
+        neutral from 400 up (the client's error, or backpressure). A lease released
+        without either records neutral, which frees a half-open probe slot.
+        """
+        if self.settled:
+            return
+        self.settled = True
+        if failure is not None:
+            outcome = Outcome.FAULT if failure.fault else Outcome.NEUTRAL
+        elif status is not None and status < 400:
+            outcome = Outcome.SUCCESS
+        else:
+            outcome = Outcome.NEUTRAL
+        self.trace.verdict(outcome.name.lower())
+        breaker = self.worker.breaker
+        if breaker is not None and self.permit is not None:
+            breaker.record(self.permit, outcome, trio.current_time())
+
+
+class AttemptRunner:
+    """Takes and releases leases and runs their exchanges with the workers."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        pool: UpstreamPool,
+        metrics: RouterMetrics,
+        timeouts: Timeouts,
+        policies: Mapping[Role, Policy],
+        *,
+        worker_api_key: str = "",
+        on_release: Callable[[Worker], None] = lambda worker: None,
+    ) -> None:
+        self.fleet = fleet
+        self.pool = pool
+        self.metrics = metrics
+        self.timeouts = timeouts
+        # One timer for the silence of every relayed stream.
+        self.stalls = StallWatch(timeouts.stream_idle_s)
+        self.policies = policies
+        self.ranks = RankChooser()
+        self._worker_api_key = worker_api_key
+        self._on_release = on_release
+
+    def pick(self, plan: Plan, role: Role, ctx: RequestContext) -> Worker | None:
+        """The role's policy pick among the plan's candidates the request has not tried."""
+        generation = ctx.generation
+        key = PolicyKey(generation.model, role, ctx.key_bytes, generation.routing_text)
+        return pick_excluding(
+            self.policies[role], key, plan.legs[role].candidates, ctx.log.tried[role]
+        )
+
+    def take(
+        self, worker: Worker, forced: bool, now: float, rank: int | None, leases: list[Lease]
+    ) -> Lease:
+        """Take `worker` for one attempt on DP `rank`: its breaker permit now, at dispatch.
+
+        The lease is appended to `leases` the moment it exists, so the caller's `finally:
+        release_all(leases)` releases it whatever happens next. The permit is acquired
+        here and not when candidates are listed, so the half-open probe slot is only ever
+        held by a request that is really sent to that worker.
+        """
+        permit: Permit | None = None
+        if worker.breaker is not None:
+            permit = worker.breaker.acquire(now, force=forced)
+            if permit is None:
+                # Only reachable if selection and dispatch disagree; dispatch forced rather
+                # than drop a request the plan admitted.
+                permit = worker.breaker.acquire(now, force=True)
+            if permit is not None and permit.probe:
+                log.info(
+                    "probing %s: its breaker cooldown is over [request %s]",
+                    worker.id,
+                    current_request_id(),
+                )
+        lease = Lease(worker, permit, rank, current_trace().attempt(worker))
+        worker.begin(rank)
+        leases.append(lease)
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        """End the lease: a neutral verdict unless one was recorded (which frees a probe
+        slot), and the in-flight counts drop, even when the verdict raises."""
+        try:
+            lease.settle()
+        finally:
+            lease.worker.end(lease.rank)
+            lease.trace.end()
+            self.fleet.lease_ended(lease.worker)
+            self._on_release(lease.worker)
+
+    def release_all(self, leases: list[Lease]) -> None:
+        """Release every lease, each even when releasing another one raised."""
+        if leases:
+            lease = leases.pop()
+            try:
+                self.release(lease)
+            finally:
+                self.release_all(leases)
+
+    def _failed(self, lease: Lease, failure: AttemptFailed, ctx: RequestContext) -> WorkerFailed:
+        lease.settle(failure)
+        worker = lease.worker
+        ctx.log.tried[worker.role].add(worker.id)
+        return WorkerFailed(worker, failure)
+
+    def _headers(self, lease: Lease, request: Request) -> list[tuple[bytes, bytes]]:
+        key = lease.worker.record.api_key or self._worker_api_key
+        credential = b"Bearer " + key.encode() if key else None
+        return lease.trace.inject(upstream_headers(request.headers, lease.rank, credential))
+
+    async def exchange(self, lease: Lease, body: bytes, ctx: RequestContext) -> int:
+        """One request to one worker whose answer goes to the client.
+
+        Raises WorkerFailed when nothing reached the client yet and another worker may be
+        tried; otherwise answers the client and returns the status.
+        """
+        worker = lease.worker
+        generation = ctx.generation
+        idle_s = self.timeouts.stream_idle_s
+        try:
+            async with open_upstream_response(
+                self.pool,
+                worker.url,
+                generation.path,
+                self._headers(lease, ctx.request),
+                body,
+                self.timeouts,
+            ) as response:
+                lease.trace.answered(response.status)
+                if generation.stream and response.status == 200:
+                    first = await first_stream_chunk(response, worker.url, idle_s)
+                    await self._begin_answer(lease, 200, ctx)
+                    await ctx.writer.start(
+                        200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
+                    )
+                    await relay_stream(
+                        response,
+                        first,
+                        ctx.writer,
+                        worker.url,
+                        self.stalls,
+                        STREAM_ERROR_EVENTS[generation.spec.dialect],
+                    )
+                    return 200
+                answer = await read_answer(response, worker.url, idle_s)
+            # The upstream connection is back in the pool before a slow client is written to.
+            judge_answer(answer, worker.url, expect_json=not generation.stream)
+        except AttemptFailed as failure:
+            raise self._failed(lease, failure, ctx) from failure
+        await self._begin_answer(lease, answer.status, ctx)
+        await ctx.writer.respond(
+            answer.status, client_headers(answer.headers, worker.id), answer.body
+        )
+        return answer.status
+
+    async def _begin_answer(self, lease: Lease, status: int, ctx: RequestContext) -> None:
+        lease.settle(status=status)
+        await lease.commit()
+        self.metrics.observe_ttfb(ctx.generation.route, trio.current_time() - ctx.started)
+
+    async def consume(self, lease: Lease, body: bytes, ctx: RequestContext) -> None:
+        """One request to one worker whose answer is read and discarded (a prefill leg).
+
+        An answer of 400 or more fails the attempt for good (every worker would repeat
+        it): WorkerFailed, not retryable. Cancellation: the upstream connection closes and
+        the lease records no verdict.
+        """
+        worker = lease.worker
+        generation = ctx.generation
+        try:
+            async with open_upstream_response(
+                self.pool,
+                worker.url,
+                generation.path,
+                self._headers(lease, ctx.request),
+                body,
+                self.timeouts,
+            ) as response:
+                lease.trace.answered(response.status)
+                answer = await read_answer(response, worker.url, self.timeouts.stream_idle_s)
+            judge_answer(answer, worker.url, expect_json=not generation.stream)
+            if answer.status >= 400:
+                raise AttemptFailed(
+                    f"{worker.role.value}_status_{answer.status}",
+                    f"{worker.role.value} {worker.url} answered {answer.status}",
+                    fault=False,
+                    answer=answer,
+                    retryable=False,
+                )
+        except AttemptFailed as failure:
+            raise self._failed(lease, failure, ctx) from failure
+        lease.settle(status=answer.status)

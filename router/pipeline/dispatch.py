@@ -1,0 +1,334 @@
+"""Upstream calls for one attempt: headers out, the answer judged, SSE relayed as bytes.
+
+This is the edge where pool and socket errors become `AttemptFailed` (retryable,
+with or without a worker's answer) so the attempt loop sees one vocabulary; the router's
+own shortages (`LocalShortage`) become `RouterOverloaded`, a 503 that blames no worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import orjson
+import trio
+
+from router.api.errors import RouterOverloaded, WorkerUnreachable
+from router.http.server.messages import Headers, ResponseWriter
+from router.http.upstream.pool import (
+    LocalShortage,
+    PooledRequest,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
+from router.pipeline.relay import EventCutter
+from router.pipeline.stall_watch import StallWatch
+
+log = logging.getLogger("router.dispatch")
+
+# Request headers a worker needs from the client; everything else stays at the router.
+FORWARDED_REQUEST_HEADERS = frozenset(
+    {b"content-type", b"authorization", b"x-request-id", b"traceparent", b"tracestate"}
+)
+# Response headers of a worker the client gets back.
+RELAYED_RESPONSE_HEADERS = frozenset({b"content-type", b"retry-after", b"x-request-id"})
+RANK_HEADER = b"x-data-parallel-rank"
+WORKER_HEADER = b"x-router-worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float
+    first_byte_s: float
+    stream_idle_s: float
+
+
+@dataclass(slots=True)
+class Answer:
+    """A worker's complete answer, read but not yet given to the client."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class AttemptFailed(Exception):
+    """One attempt failed before any byte reached the client: another worker may be tried.
+
+    `fault` says whether it counts against the worker's breaker (transport errors,
+    timeouts, 5xx, unparseable unary bodies) or not (429: backpressure).
+    `answer` is the worker's own answer when it gave one, returned as-is if attempts run out.
+    `retryable=False` marks an answer every worker would repeat (a prefill's 4xx): the
+    client gets it at once.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        *,
+        fault: bool,
+        answer: Answer | None = None,
+        retryable: bool = True,
+    ) -> None:
+        super().__init__(detail)
+        self.retryable = retryable
+        self.reason = reason
+        self.detail = detail
+        self.fault = fault
+        self.answer = answer
+
+
+def unexpected_failure(url: str, exc: Exception) -> WorkerUnreachable:
+    """A 502 naming the worker for an exception no upstream error explains (a bug of ours
+    or a request the pool refused): the lease's owner releases it without a verdict."""
+    log.error("request to %s failed unexpectedly", url, exc_info=exc)
+    return WorkerUnreachable(f"the request to worker {url} failed: {type(exc).__name__}: {exc}")
+
+
+def upstream_headers(
+    request_headers: Sequence[tuple[bytes, bytes]],
+    rank: int | None,
+    credential: bytes | None = None,
+) -> list[tuple[bytes, bytes]]:
+    """What a worker gets: the forwarded client headers, the DP rank, and the router's own
+    `Authorization` for the worker in place of the client's when it holds one."""
+    if credential is None:
+        headers = [(k, v) for k, v in request_headers if k in FORWARDED_REQUEST_HEADERS]
+    else:
+        headers = [
+            (k, v)
+            for k, v in request_headers
+            if k in FORWARDED_REQUEST_HEADERS and k != b"authorization"
+        ]
+        headers.append((b"authorization", credential))
+    if rank is not None:
+        headers.append((RANK_HEADER, str(rank).encode()))
+    return headers
+
+
+def client_headers(worker_headers: Headers, worker_id: str) -> list[tuple[bytes, bytes]]:
+    headers = [(k, v) for k, v in worker_headers if k in RELAYED_RESPONSE_HEADERS]
+    headers.append((WORKER_HEADER, worker_id.encode()))
+    return headers
+
+
+def open_upstream_response(
+    pool: UpstreamPool,
+    url: str,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    timeouts: Timeouts,
+) -> UpstreamAttempt:
+    """Send the request and wait for response headers, within the first-byte deadline.
+
+    An async context manager giving the `UpstreamResponse`. A new connection must also be
+    made within the connect deadline, inside the first-byte one: a worker that is not
+    there is given up on long before a slow one would be.
+    Cancellation: the upstream connection is closed, never returned to the pool.
+    """
+    return UpstreamAttempt(
+        pool.request(url, "POST", path, headers, body, connect_timeout_s=timeouts.connect_s),
+        url,
+        timeouts,
+    )
+
+
+class UpstreamAttempt:
+    """`open_upstream_response`'s context manager: the pool's, with errors translated.
+
+    A plain class rather than a generator-based context manager: it is entered once per
+    upstream request.
+    """
+
+    __slots__ = ("_request", "_timeouts", "_url")
+
+    def __init__(self, request: PooledRequest, url: str, timeouts: Timeouts) -> None:
+        self._request = request
+        self._url = url
+        self._timeouts = timeouts
+
+    async def __aenter__(self) -> UpstreamResponse:
+        url = self._url
+        first_byte_s = self._timeouts.first_byte_s
+        with trio.CancelScope(deadline=trio.current_time() + first_byte_s) as deadline:
+            try:
+                return await self._request.__aenter__()
+            except UpstreamConnectTimeout as exc:
+                raise AttemptFailed("connect_timeout", str(exc), fault=True) from None
+            except UpstreamConnectError as exc:
+                # The pool's message already names the URL.
+                raise AttemptFailed("connect_error", str(exc), fault=True) from None
+            except UpstreamError as exc:
+                raise AttemptFailed(
+                    "transport_error", f"{url} broke the connection: {exc}", fault=True
+                ) from None
+            except LocalShortage as exc:
+                # The router's own trouble: no verdict on the worker, no other worker tried
+                # (it would meet the same shortage).
+                raise RouterOverloaded(str(exc), exc.kind) from None
+            except Exception as exc:
+                raise unexpected_failure(url, exc) from exc
+        assert deadline.cancelled_caught
+        raise AttemptFailed(
+            "first_byte_timeout",
+            f"{url} sent no response headers within {first_byte_s:g}s",
+            fault=True,
+        )
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self._request.__aexit__(exc_type, exc, traceback)
+
+
+async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> Answer:
+    """Read a whole upstream body, no chunk further apart than `idle_s`."""
+    whole = response.take_whole_body()
+    if whole is not None:
+        # It came with the head (a typical unary answer): no wait, so no idle scope.
+        return Answer(response.status, response.headers, whole)
+    parts: list[bytes] = []
+    # One scope whose deadline moves with each chunk: a scope per chunk costs more.
+    with trio.CancelScope() as idle:
+        try:
+            while True:
+                idle.deadline = trio.current_time() + idle_s
+                chunk = await response.receive_some()
+                if not chunk:
+                    break
+                parts.append(chunk)
+        except UpstreamError as exc:
+            raise AttemptFailed(
+                "transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True
+            ) from None
+        except Exception as exc:
+            raise unexpected_failure(url, exc) from exc
+    if idle.cancelled_caught:
+        raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
+    return Answer(
+        response.status, response.headers, parts[0] if len(parts) == 1 else b"".join(parts)
+    )
+
+
+def judge_answer(answer: Answer, url: str, *, expect_json: bool) -> Answer:
+    """Retryable answers raise AttemptFailed; anything else is the client's answer.
+
+    5xx and (for unary) a 200 that is not JSON are faults; 429 is retried but is
+    backpressure, not a fault; other 4xx are the request's own fault and returned verbatim.
+    """
+    status = answer.status
+    if status >= 500:
+        raise AttemptFailed(
+            f"status_{status}", f"{url} answered {status}", fault=True, answer=answer
+        )
+    if status == 429:
+        raise AttemptFailed("status_429", f"{url} answered 429", fault=False, answer=answer)
+    if expect_json and status == 200:
+        try:
+            orjson.loads(answer.body)
+        except orjson.JSONDecodeError:
+            raise AttemptFailed(
+                "invalid_body",
+                f"{url} answered 200 with a body that is not JSON",
+                fault=True,
+                answer=answer,
+            ) from None
+    return answer
+
+
+async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float) -> bytes:
+    """The first body bytes of a 200 stream; nothing has reached the client yet."""
+    try:
+        with trio.move_on_after(idle_s) as idle:
+            chunk = await response.receive_some()
+    except UpstreamError as exc:
+        raise AttemptFailed(
+            "transport_error", f"{url} broke the stream before its first event: {exc}", fault=True
+        ) from None
+    except Exception as exc:
+        raise unexpected_failure(url, exc) from exc
+    if idle.cancelled_caught:
+        raise AttemptFailed(
+            "first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True
+        )
+    if not chunk:
+        raise AttemptFailed(
+            "empty_stream", f"{url} ended a 200 stream without any event", fault=True
+        )
+    return chunk
+
+
+def stream_error_event(message: str, code: str) -> bytes:
+    payload = orjson.dumps({"error": {"message": message, "type": "upstream_error", "code": code}})
+    return b"event: error\ndata: " + payload + b"\n\n"
+
+
+async def relay_stream(
+    response: UpstreamResponse,
+    first: bytes,
+    writer: ResponseWriter,
+    url: str,
+    stalls: StallWatch,
+    error_event: Callable[[str, str], bytes] = stream_error_event,
+) -> int:
+    """Relay SSE bytes as they arrive; returns the number of body bytes relayed.
+
+    Everything up to the last complete event of what arrived goes out at once (an event
+    ends at LF LF, CRLF CRLF or CR CR: `EventCutter`); bytes of an unfinished event are
+    held until it completes, or until more than 64 KiB are held. When the worker breaks
+    or stays silent for `stalls.idle_s` mid-stream, the complete events already received
+    have gone out and the held remainder is dropped, so the stream ends with a well-formed
+    error event (`error_event(message, code)`: the route's dialect) (after a blank line if
+    a 64 KiB flush left the client inside an event). Time spent writing to the client does
+    not count as the worker's silence. `ClientDisconnected` from the writer propagates (the
+    caller's scope closes the upstream connection).
+    """
+    relayed = 0
+    cutter = EventCutter()
+    chunk = first
+    error: bytes | None = None
+    # The reads run in one scope that `stalls` cancels when the worker is silent too long
+    # (no trio deadline moved per event: see `router.pipeline.stall_watch`).
+    with trio.CancelScope() as reads:
+        watched = stalls.watch(reads)
+        try:
+            while True:
+                ready = cutter.feed(chunk)
+                if ready:
+                    watched.waiting_since = math.inf
+                    await writer.write(ready)
+                    relayed += len(ready)
+                    watched.waiting_since = trio.current_time()
+                try:
+                    chunk = await response.receive_some()
+                except UpstreamError:
+                    error = error_event(f"worker {url} broke the stream", "stream_interrupted")
+                    break
+                if not chunk:
+                    watched.waiting_since = math.inf
+                    rest = cutter.flush()
+                    if rest:
+                        await writer.write(rest)
+                        relayed += len(rest)
+                    break
+        finally:
+            stalls.forget(watched)
+    if watched.stalled:
+        error = error_event(
+            f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout"
+        )
+    if error is not None:
+        await writer.write(b"\n\n" + error if cutter.mid_event else error)
+    await writer.finish()
+    return relayed

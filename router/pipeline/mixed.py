@@ -1,0 +1,31 @@
+"""The mixed strategy: one attempt is one worker that prefills and decodes."""
+
+from __future__ import annotations
+
+import trio
+
+from router.fleet.records import Role
+from router.pipeline.attempt import AttemptRunner, Lease, RequestContext
+from router.pipeline.plan import Plan
+
+
+class MixedStrategy:
+    """One worker per attempt, its answer relayed to the client."""
+
+    def __init__(self, runner: AttemptRunner) -> None:
+        self.runner = runner
+
+    async def attempt(self, plan: Plan, ctx: RequestContext) -> int | None:
+        runner = self.runner
+        worker = runner.pick(plan, Role.MIXED, ctx)
+        if worker is None:
+            return None
+        rank = runner.ranks.choose(worker)
+        leases: list[Lease] = []
+        try:
+            lease = runner.take(
+                worker, plan.legs[Role.MIXED].forced, trio.current_time(), rank, leases
+            )
+            return await runner.exchange(lease, ctx.generation.raw, ctx)
+        finally:
+            runner.release_all(leases)

@@ -1,0 +1,220 @@
+"""The attempt loop: plan, pick a strategy, attempt, and fail over to another worker.
+
+One request = one call of `GenerationService.handle`, inside the nursery the server gave
+the request. Each attempt is run by the plan's strategy (`router.pipeline.mixed`, `router.pipeline.pd`),
+which takes its workers through `router.pipeline.attempt` and records one verdict for each. A
+pre-first-byte failure goes back to planning; after the first byte nothing is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from router.api.error_shapes import error_body
+from router.api.errors import JSON_CONTENT_TYPE, RouterError, RouterOverloaded, WorkerUnreachable
+from router.api.routes import ROUTES
+from router.fleet.candidates import AllOpenMode
+from router.fleet.ranks import RankChooser
+from router.fleet.records import Mode, Role
+from router.fleet.registry import Fleet
+from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
+from router.http.upstream.pool import UpstreamPool
+from router.observability.metrics import RouterMetrics
+from router.observability.request_id import current_request_id
+from router.pipeline.attempt import AttemptRunner, RequestContext, Strategy, WorkerFailed
+from router.pipeline.dispatch import Timeouts, client_headers
+from router.pipeline.mixed import MixedStrategy
+from router.pipeline.pd import PDStrategy
+from router.pipeline.plan import Plan, plan_request
+from router.pipeline.resolve import GenerationRequest, parse_generation_request
+from router.pipeline.wait import WorkerWait, WorkerWaitSettings
+from router.policies.by_name import make_policy
+from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
+from router.policies.routing_keys import routing_key, routing_text
+
+log = logging.getLogger("router.failover")
+
+CLIENT_LEFT = 499  # status recorded in metrics for a client that went away
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverSettings:
+    """What the generation path reads: policies, timeouts, attempts and waits."""
+
+    policy: str
+    prefill_policy: str
+    decode_policy: str
+    cache: CacheAwareSettings
+    all_open: AllOpenMode
+    timeouts: Timeouts
+    wait: WorkerWaitSettings
+    max_attempts: int
+    max_n: int
+    retry_after_s: float
+    model_memory_s: float
+    worker_api_key: str
+
+
+class GenerationService:
+    """Serves the model-keyed routes (`router.api.routes.ROUTES`): resolve, select, dispatch,
+    fail over. Non-generation routes take the same path on a mixed worker."""
+
+    def __init__(
+        self, settings: FailoverSettings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.pool = pool
+        self.metrics = metrics
+        self.policies = {
+            Role.MIXED: make_policy(settings.policy, cache=settings.cache),
+            Role.PREFILL: make_policy(settings.prefill_policy, cache=settings.cache),
+            Role.DECODE: make_policy(settings.decode_policy, cache=settings.cache),
+        }
+        cache_aware = {
+            role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)
+        }
+        self.reads_text = bool(cache_aware)
+        for policy in cache_aware.values():
+            fleet.add_listener(policy)
+        # Registered under every policy, so the families exist (empty) whatever is chosen.
+        metrics.registry.register(CacheAwareCollector(cache_aware))
+        self.waits = WorkerWait(fleet, settings.wait)
+        self.runner = AttemptRunner(
+            fleet,
+            pool,
+            metrics,
+            settings.timeouts,
+            self.policies,
+            worker_api_key=settings.worker_api_key,
+            on_release=self.waits.notify,
+        )
+        self.strategies: dict[Mode, Strategy] = {
+            Mode.MIXED: MixedStrategy(self.runner),
+            Mode.PD: PDStrategy(self.runner, metrics, settings.max_n),
+        }
+
+    @property
+    def ranks(self) -> RankChooser:
+        """The DP rank rotation both strategies share (pruned when a worker leaves)."""
+        return self.runner.ranks
+
+    async def handle(
+        self, request: Request, writer: ResponseWriter, key: str | None = None
+    ) -> None:
+        """Answer one generation request (`key`: the client key's name, for metrics).
+
+        Cancellation (client gone, shutdown): every upstream connection of the request is
+        closed, every breaker permit is released without a verdict, in-flight counts drop.
+        """
+        started = trio.current_time()
+        spec = ROUTES[request.path]
+        route = spec.label
+        model_label = "-"
+        status = 500
+        try:
+            generation = parse_generation_request(
+                request.path, request.body, self.fleet.models(), self.settings.max_n
+            )
+            if self.fleet.for_model(generation.model):
+                model_label = generation.model
+            status = await self._serve(generation, request, writer, started)
+        except RouterError as error:
+            status = error.status
+            if isinstance(error, RouterOverloaded):
+                self.metrics.count_local_error(error.kind)
+            await writer.respond(
+                error.status, [JSON_CONTENT_TYPE, *error.headers()], error_body(error, spec.dialect)
+            )
+        except ClientDisconnected:
+            status = CLIENT_LEFT
+        finally:
+            if request.client_gone:
+                status = CLIENT_LEFT
+            self.metrics.count_request(model_label, route, status, key)
+            self.metrics.observe_duration(route, trio.current_time() - started)
+
+    async def _serve(
+        self,
+        generation: GenerationRequest,
+        request: Request,
+        writer: ResponseWriter,
+        started: float,
+    ) -> int:
+        key_bytes = routing_key(request.header(b"x-session-id"), generation.body)
+        if self.reads_text:
+            generation.routing_text = routing_text(generation.body)
+        ctx = RequestContext(generation, request, writer, key_bytes, started)
+        attempts = ctx.log
+        retry_reason: str | None = None
+        for attempt in range(self.settings.max_attempts):
+            now = trio.current_time()
+            try:
+                plan_at = partial(self._plan, generation)
+                plan = (
+                    await self.waits.plan(generation.model, plan_at)
+                    if attempt == 0
+                    else plan_at(now)
+                )
+            except RouterError:
+                if attempt == 0:
+                    raise
+                break  # the fleet changed under a failing request: give the last answer
+            if retry_reason is not None:
+                if not attempts.untried_left(plan):
+                    break
+                # Counted as another worker is about to be tried: a failure that ends the
+                # request is no retry, whatever its reason.
+                self.metrics.count_retry(retry_reason)
+                retry_reason = None
+            if attempt == 0 and generation.spec.generation:
+                # A request counts once, under the mode it was first planned in.
+                self.metrics.count_mode(plan.mode)
+            try:
+                delivered = await self.strategies[plan.mode].attempt(plan, ctx)
+            except WorkerFailed as failed:
+                attempts.failed(failed)
+                failure = failed.failure
+                log.warning(
+                    "attempt on %s failed (%s): %s [request %s]",
+                    failed.worker.id,
+                    failure.reason,
+                    failure.detail,
+                    current_request_id(),
+                )
+                if not failure.retryable:
+                    break
+                retry_reason = failure.reason
+                continue
+            if delivered is None:
+                break  # no untried worker left
+            return delivered
+        return await self._give_up(ctx)
+
+    def _plan(self, generation: GenerationRequest, now: float) -> Plan:
+        settings = self.settings
+        return plan_request(
+            generation.model,
+            self.fleet.for_model(generation.model),
+            now,
+            settings.all_open,
+            settings.retry_after_s,
+            self.fleet.last_served_at(generation.model),
+            settings.model_memory_s,
+            generation.spec.generation,
+        )
+
+    async def _give_up(self, ctx: RequestContext) -> int:
+        attempts = ctx.log
+        if attempts.last_answer is not None:
+            answer, worker_id = attempts.last_answer
+            await ctx.writer.respond(
+                answer.status, client_headers(answer.headers, worker_id), answer.body
+            )
+            return answer.status
+        tried = "; ".join(attempts.reasons) or "no worker could be tried"
+        raise WorkerUnreachable(f"no worker answered for model '{ctx.generation.model}': {tried}")

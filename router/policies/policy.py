@@ -1,0 +1,42 @@
+"""What every policy is: a pure, synchronous pick among a leg's candidates, keyed by model and
+role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.fleet.records import Role
+from router.fleet.registry import Worker
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKey:
+    """What a policy keys its state and its hashing on, for one request's leg."""
+
+    model: str
+    role: Role
+    routing_key: bytes | None = None
+    text: str | None = None
+    """The whole prompt (`router.policies.routing_keys`), given only to policies that read it."""
+
+
+class Policy(Protocol):
+    def pick(self, key: PolicyKey, candidates: Sequence[Worker]) -> Worker:
+        """One of `candidates` (never empty) for the request described by `key`."""
+        ...
+
+
+_StateKey = tuple[str, Role]
+
+
+def pick_excluding(
+    policy: Policy, key: PolicyKey, candidates: Sequence[Worker], tried: Collection[str]
+) -> Worker | None:
+    """The policy's pick among candidates whose id is not in `tried`; None when all were."""
+    if not tried:
+        return policy.pick(key, candidates) if candidates else None
+    remaining = [worker for worker in candidates if worker.id not in tried]
+    return policy.pick(key, remaining) if remaining else None
