@@ -11,7 +11,7 @@ import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.fleet.records import WorkerRecord
+from router.fleet.records import WorkerRecord, disagg_meta
 
 
 def etcd_endpoint_url(endpoint: str) -> str:
@@ -88,8 +88,5 @@ def worker_record(
     }
     if bootstrap_port is not None:
         host = urlsplit(url).hostname or "127.0.0.1"
-        data["disagg_meta"] = {
-            "protocol": pd_protocol,
-            "params": {"bootstrap_addr": _host_port(host, bootstrap_port)},
-        }
+        data["disagg_meta"] = disagg_meta(host, bootstrap_port, pd_protocol)
     return WorkerRecord.from_json(data)

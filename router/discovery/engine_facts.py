@@ -24,7 +24,7 @@ import trio
 from router.discovery.backoff import Backoff
 from router.discovery.static import fetch_models
 from router.discovery.streams import close_stream
-from router.fleet.records import Role, WorkerRecord
+from router.fleet.records import Role, WorkerRecord, disagg_meta
 from router.fleet.registry import Fleet
 
 log = logging.getLogger("router.engine_facts")
@@ -73,10 +73,9 @@ def complete_record(record: WorkerRecord, server_info: Any) -> WorkerRecord:
             )
         protocol = server_info.get("disaggregation_transfer_backend")
         host = urlsplit(record.url).hostname or "127.0.0.1"
-        changes["disagg_meta"] = {
-            "protocol": protocol if isinstance(protocol, str) and protocol else "mooncake",
-            "params": {"bootstrap_addr": f"[{host}]:{port}" if ":" in host else f"{host}:{port}"},
-        }
+        changes["disagg_meta"] = disagg_meta(
+            host, port, protocol if isinstance(protocol, str) and protocol else "mooncake"
+        )
     return replace(record, **changes)
 
 

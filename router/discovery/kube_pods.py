@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.fleet.records import InvalidWorkerRecord, Role, Status, WorkerRecord
+from router.fleet.records import InvalidWorkerRecord, Role, Status, WorkerRecord, disagg_meta
 from router.fleet.registry import Fleet
 
 log = logging.getLogger("router.discovery.kubernetes")
@@ -179,10 +179,7 @@ def pod_record(facts: PodFacts, role: Role, default_port: int) -> WorkerRecord:
     bootstrap_port = _annotation_int(facts, BOOTSTRAP_PORT_ANNOTATION, 1, 65535)
     if bootstrap_port is not None:
         protocol = str(facts.annotations.get(PD_PROTOCOL_ANNOTATION, "mooncake"))
-        data["disagg_meta"] = {
-            "protocol": protocol,
-            "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"},
-        }
+        data["disagg_meta"] = disagg_meta(host, bootstrap_port, protocol)
     record = WorkerRecord.from_json(data)
     if record.role is Role.PREFILL and bootstrap_port is None:
         unknown.add("bootstrap_port")

@@ -19,7 +19,7 @@ import yaml
 
 from router.discovery import DiscoveryHealth
 from router.discovery.backoff import Backoff
-from router.fleet.records import InvalidWorkerRecord, WorkerRecord
+from router.fleet.records import InvalidWorkerRecord, WorkerRecord, disagg_meta
 from router.fleet.registry import Fleet
 
 log = logging.getLogger("router.discovery.static")
@@ -133,10 +133,7 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
             )
     if bootstrap_port is not None:
         host = urlsplit(url).hostname or "127.0.0.1"
-        data["disagg_meta"] = {
-            "protocol": "mooncake",
-            "params": {"bootstrap_addr": f"{host}:{bootstrap_port}"},
-        }
+        data["disagg_meta"] = disagg_meta(host, bootstrap_port)
     return _record(data, f"--worker {spec!r}")
 
 
@@ -170,13 +167,7 @@ def records_from_list(data: Any, source: str) -> list[WorkerRecord]:
             continue
         if isinstance(entry, dict) and "bootstrap_port" in entry and "disagg_meta" not in entry:
             host = urlsplit(str(entry.get("url", ""))).hostname or "127.0.0.1"
-            entry = {
-                **entry,
-                "disagg_meta": {
-                    "protocol": "mooncake",
-                    "params": {"bootstrap_addr": f"{host}:{entry['bootstrap_port']}"},
-                },
-            }
+            entry = {**entry, "disagg_meta": disagg_meta(host, entry["bootstrap_port"])}
         records.append(_record(entry, f"{source}: worker #{index + 1}"))
     return records
 

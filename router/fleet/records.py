@@ -44,6 +44,13 @@ class InvalidWorkerRecord(ValueError):
     """A worker record that cannot be used; the message says which field and why."""
 
 
+def disagg_meta(host: str, bootstrap_port: int | str, protocol: str = "mooncake") -> dict[str, Any]:
+    """A prefill's `disagg_meta` record field: its KV transfer backend and the bootstrap
+    address decode workers reach it at (an IPv6 host in brackets)."""
+    address = f"[{host}]:{bootstrap_port}" if ":" in host else f"{host}:{bootstrap_port}"
+    return {"protocol": protocol, "params": {"bootstrap_addr": address}}
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
     id: str
