@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.fake_worker.engine import FakeWorker
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, tokenize
 from router.fake_worker.settings import FakeWorkerSettings
-from tests.test_fake_worker import call
+from tests.fake_worker.test_engine import call
 
 SYSTEM = {"role": "system", "content": "s" * 252}  # "<|system|>" + 252 + "\n" = 263 bytes
 

@@ -17,9 +17,9 @@ from router.fleet.candidates import AllOpenMode
 from router.fleet.records import Mode, Role
 from router.pipeline.plan import plan_request
 from router.pipeline.resolve import parse_generation_request
-from tests.test_classify import NOW, fleet_of, record, trip
+from tests.pipeline.test_plan import NOW, fleet_of, record, trip
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 GENERATION = {
     "/v1/chat/completions",
     "/v1/completions",

@@ -29,7 +29,7 @@ from router.observability.metrics import RouterMetrics
 from router.pipeline.attempt import AttemptRunner, Lease, RequestContext, Strategy
 from router.pipeline.plan import Plan
 from router.pipeline.service import GenerationService
-from tests.test_failover import CHAT, MODEL, Answer, Script, ScriptedPool
+from tests.pipeline.test_service import CHAT, MODEL, Answer, Script, ScriptedPool
 
 ENCODE_A, ENCODE_B = "http://encode-a", "http://encode-b"
 PREFILL, DECODE = "http://prefill", "http://decode"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CASES = ("unary-c1", "stream-c32")
 CONTENDERS = ("direct", "ours")
 NUMBER = r"[\d,]+(?:\.\d+)?"
