@@ -106,7 +106,7 @@ class Settings:
     queue_size: int = 100
     queue_timeout_s: float = 60.0
     worker_max_inflight: int = 0
-    wait_for_workers_s: float = 0.0
+    wait_for_workers_s: float = 5.0
     admin_api_key: str = ""
     otlp_traces_endpoint: str = ""
     body_timeout_s: float = 30.0

@@ -272,7 +272,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "wait_for_workers_s",
         float,
-        0.0,
+        5.0,
         "how long a request waits for an unavailable or departed worker of its model to come back before the 503",
         minimum=0,
     ),

@@ -38,7 +38,8 @@ from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.candidates import AllOpenMode
 from router.fleet.health import serve_health_checks
 from router.fleet.registry import BreakerFactory, Fleet
-from router.http.server.loop import ServerLoad, serve_http
+from router.http.server.load import ServerLoad
+from router.http.server.loop import serve_http
 from router.http.server.settings import ServerSettings
 from router.http.upstream.pool import PoolSettings, open_upstream_pool
 from router.observability.metrics import RouterMetrics

@@ -18,15 +18,9 @@ import trio
 
 from router.api.errors import RouterOverloaded, WorkerUnreachable
 from router.http.server.messages import Headers, ResponseWriter
-from router.http.upstream.pool import (
-    LocalShortage,
-    PooledRequest,
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
-    UpstreamError,
-    UpstreamPool,
-    UpstreamResponse,
-)
+from router.http.upstream.connection import UpstreamConnectTimeout, UpstreamResponse
+from router.http.upstream.exceptions import LocalShortage, UpstreamConnectError, UpstreamError
+from router.http.upstream.pool import PooledRequest, UpstreamPool
 from router.pipeline.relay import EventCutter
 from router.pipeline.stall_watch import StallWatch
 

@@ -216,6 +216,17 @@ class PDStrategy:
         except WorkerFailed as failed:
             self.metrics.count_leg_failure(Role.PREFILL)
             if decode_lease.committed:
+                answer = failed.failure.answer
+                if not failed.failure.retryable and answer is not None and answer.status < 500:
+                    # The client's own mistake (say `"max_new_tokens": -5`), which the
+                    # decode answered too: nothing failed, as a mixed worker's 400 is none.
+                    log.debug(
+                        "prefill %s refused the request with %d, as the decode did [request %s]",
+                        failed.worker.id,
+                        answer.status,
+                        current_request_id(),
+                    )
+                    return
                 log.warning(
                     "prefill %s failed after the decode answered: %s [request %s]",
                     failed.worker.id,

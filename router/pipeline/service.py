@@ -21,6 +21,7 @@ from router.fleet.candidates import AllOpenMode
 from router.fleet.ranks import RankChooser
 from router.fleet.records import Mode, Role
 from router.fleet.registry import Fleet
+from router.http.direct_socket import SendStalled
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
@@ -130,8 +131,13 @@ class GenerationService:
             await writer.respond(
                 error.status, [JSON_CONTENT_TYPE, *error.headers()], error_body(error, spec.dialect)
             )
-        except ClientDisconnected:
+        except ClientDisconnected as gone:
             status = CLIENT_LEFT
+            if isinstance(gone.__cause__, SendStalled):
+                # Not the client leaving: the router cut the answer, so the operator hears it.
+                log.warning(
+                    "request %s cut: %s (--client-write-timeout-s)", current_request_id(), gone
+                )
         finally:
             if request.client_gone:
                 status = CLIENT_LEFT

@@ -11,7 +11,8 @@ import orjson
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.http.server.loop import ServerLoad, serve_http
+from router.http.server.load import ServerLoad
+from router.http.server.loop import serve_http
 from router.http.server.messages import Request, ResponseWriter
 from tests.adversarial.support import (
     CHAT,

@@ -5,9 +5,11 @@ cancelled and its lease released."""
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import orjson
+import pytest
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
@@ -103,14 +105,17 @@ async def test_a_chunked_body_trickled_is_cut_at_the_body_timeout() -> None:
             await assert_still_serving(setup)
 
 
-async def test_a_client_that_never_reads_is_dropped_and_its_upstream_leg_cancelled() -> None:
+async def test_a_client_that_never_reads_is_dropped_and_its_upstream_leg_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A stream far larger than every socket buffer on the way, to a client that never
     calls recv: after `client_write_timeout_s` without progress the request ends as if the
-    client had left."""
+    client had left, and one log line names the request that was cut."""
     request = orjson.dumps({**CHAT, "stream": True, "max_tokens": 1_000_000})
     data = FOLLOW_UP.replace(CHAT_BODY, request).replace(
         b"Content-Length: %d" % len(CHAT_BODY), b"Content-Length: %d" % len(request)
     )
+    caplog.set_level(logging.WARNING, logger="router.failover")
     with trio.fail_after(GUARD_S):
         async with open_setup(
             FakeWorkerSettings(tokens=1_000_000), client_write_timeout_s=0.5
@@ -140,3 +145,6 @@ async def test_a_client_that_never_reads_is_dropped_and_its_upstream_leg_cancell
             assert stats.closed == stats.opened == 1
             assert set((await workers_inflight(setup.router)).values()) == {0}
             await assert_still_serving(setup)
+    cut = [r.getMessage() for r in caplog.records if "client-write-timeout-s" in r.getMessage()]
+    assert len(cut) == 1
+    assert cut[0].startswith("request ") and "took no byte for 0.5s" in cut[0]

@@ -8,9 +8,10 @@ import h11
 import pytest
 import trio
 
-from router.http.server.loop import ServerSettings, serve_http
+from router.http.server.loop import serve_http
 from router.http.server.messages import Headers, Request, ResponseWriter
 from router.http.server.response_framing import ResponseError
+from router.http.server.settings import ServerSettings
 
 GUARD_S = 5.0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import httpx
@@ -364,3 +365,26 @@ async def test_a_client_leaving_before_the_first_token_closes_both_legs() -> Non
             assert p.worker.routing.disconnects == d.worker.routing.disconnects == 2
             assert sample(router, "router_leg_failures_total", role="prefill") == 0
             assert sample(router, "router_leg_failures_total", role="decode") == 0
+
+
+async def test_a_client_error_both_legs_refuse_is_not_logged_as_a_prefill_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The router passes sampling parameters through; both engines refuse this one.
+    bad = {"model": MODEL, "text": "hello", "sampling_params": {"max_new_tokens": -5}}
+    with trio.fail_after(30):
+        async with (
+            open_fake_fleet([prefill(9300), decode()]) as fleet,
+            open_router([spec(h) for h in fleet]) as router,
+        ):
+            async with httpx.AsyncClient(base_url=router.url) as client:
+                with caplog.at_level(logging.DEBUG, logger="router.pd"):
+                    statuses = [
+                        (await client.post("/generate", json=bad)).status_code for _ in range(20)
+                    ]
+            await settled(router)
+    assert statuses == [400] * 20
+    # Both legs were sent each request and refused it.
+    assert [h.worker.routing.paths.get("/generate") for h in fleet] == [20, 20]
+    pd_lines = [r for r in caplog.records if r.name == "router.pd"]
+    assert [r for r in pd_lines if r.levelno >= logging.WARNING] == []

@@ -1,13 +1,12 @@
-"""The upstream pool after a burst: bounded idle connections, and c1 traffic as fast as before.
+"""The upstream pool after a burst: bounded idle connections, reused by the traffic after it.
 
 A pool that walks its pooled connections on each request (httpcore's does) serves c1
 traffic an order of magnitude slower once a burst has left hundreds of idle connections
-behind. This is a pool-behaviour assertion with a generous margin, not a speed test.
+behind; that cost is measured by `bench`, not here. This test holds the pool's state to
+what an O(1) pool leaves: its bound kept, every later request on a pooled connection.
 """
 
 from __future__ import annotations
-
-import statistics
 
 import orjson
 import trio
@@ -27,15 +26,11 @@ BODY = orjson.dumps(
 HEADERS = [("content-type", "application/json")]
 
 
-async def _c1_latencies(client: RawClient) -> list[float]:
-    """Latency of each of C1_REQUESTS sequential requests on one kept-alive connection."""
-    latencies = []
+async def _c1_traffic(client: RawClient) -> None:
+    """C1_REQUESTS sequential requests on one kept-alive connection."""
     for _ in range(C1_REQUESTS):
-        started = trio.current_time()
         response = await client.request("POST", "/v1/chat/completions", HEADERS, BODY)
-        latencies.append(trio.current_time() - started)
         assert response.status == 200
-    return latencies
 
 
 async def _settled(pool: UpstreamPool) -> PoolStatistics:
@@ -61,8 +56,8 @@ async def _one_of_the_burst(port: int, statuses: list[int]) -> None:
         await client.aclose()
 
 
-async def test_after_a_burst_the_pool_keeps_its_bound_and_c1_latency_holds() -> None:
-    with trio.fail_after(30):
+async def test_after_a_burst_the_pool_keeps_its_bound_and_reuses_it() -> None:
+    with trio.fail_after(60):
         async with (
             open_fake_fleet([FakeWorkerSettings()]) as fleet,
             open_router(
@@ -74,11 +69,12 @@ async def test_after_a_burst_the_pool_keeps_its_bound_and_c1_latency_holds() -> 
         ):
             pool = router.app.generation.pool
             c1 = await RawClient.connect(router.port)
-            before = await _c1_latencies(c1)
+            await _c1_traffic(c1)
             assert pool.statistics().opened == 1  # c1 traffic rides one pooled connection
 
-            # Each answer waits long enough for the whole burst to be in flight at once.
-            fleet[0].worker.behaviour.ttft_ms = 300
+            # Each answer waits long enough for the whole burst to be in flight at once
+            # (checked below from the worker's own count, not assumed from the time).
+            fleet[0].worker.behaviour.ttft_ms = 3000
             statuses: list[int] = []
             async with trio.open_nursery() as nursery:
                 for _ in range(BURST):
@@ -86,11 +82,12 @@ async def test_after_a_burst_the_pool_keeps_its_bound_and_c1_latency_holds() -> 
             fleet[0].worker.behaviour.ttft_ms = 0
             burst = await _settled(pool)
 
-            after = await _c1_latencies(c1)
+            await _c1_traffic(c1)
             settled = await _settled(pool)
             await c1.aclose()
 
     assert statuses == [200] * BURST
+    assert fleet[0].worker.routing.peak_inflight == BURST
     assert fleet[0].worker.routing.dispatches == BURST + 2 * C1_REQUESTS
     # The burst needed far more connections than the pool may keep ...
     assert burst.opened > IDLE_BOUND + 1
@@ -102,6 +99,3 @@ async def test_after_a_burst_the_pool_keeps_its_bound_and_c1_latency_holds() -> 
     assert settled.reused - burst.reused == C1_REQUESTS
     assert settled.stale_discarded == 0
     assert settled.idle_total == IDLE_BOUND
-    median_before = statistics.median(before)
-    median_after = statistics.median(after)
-    assert median_after < 3 * median_before + 0.002, (median_before, median_after)

@@ -16,11 +16,9 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.http.upstream.connection import (
-    UpstreamConnection,
-    UpstreamProtocolError,
-    encode_request,
-)
+from router.http.upstream.connection import UpstreamConnection
+from router.http.upstream.exceptions import UpstreamProtocolError
+from router.http.upstream.request_encoding import encode_request
 
 GUARD_S = 10
 REQUEST = encode_request("POST", "/v1/x", b"worker:1", [(b"x-test", b"1")], b"{}")

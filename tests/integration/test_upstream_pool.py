@@ -15,15 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from router.http.upstream.pool import (
+from router.http.upstream.connection import UpstreamConnectTimeout
+from router.http.upstream.exceptions import (
     LocalShortage,
-    PoolSettings,
     UpstreamConnectError,
-    UpstreamConnectTimeout,
-    UpstreamPool,
     UpstreamProtocolError,
-    open_upstream_pool,
 )
+from router.http.upstream.pool import PoolSettings, UpstreamPool, open_upstream_pool
 from router.http.upstream.worker_url import InvalidWorkerUrl
 from tests.support.ports import unanswered_port
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream

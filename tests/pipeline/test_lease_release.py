@@ -33,7 +33,8 @@ from router.fleet.breaker import (
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Fleet
 from router.http.server.messages import ClientDisconnected, Headers, Request
-from router.http.upstream.pool import UpstreamConnectError, UpstreamPool
+from router.http.upstream.exceptions import UpstreamConnectError
+from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.attempt import Lease
 from router.pipeline.service import GenerationService

@@ -100,7 +100,7 @@ class Writer:
 async def test_a_request_in_the_gap_gets_503_with_retry_after_then_404_after_the_memory(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    settings = Settings.defaults(model_memory_s=MEMORY_S, retry_after_s=3.0)
+    settings = Settings.defaults(model_memory_s=MEMORY_S, retry_after_s=3.0, wait_for_workers_s=0.0)
     fleet = Fleet(model_memory_s=MEMORY_S, clock=trio.current_time)
     fleet.upsert(record("a"))
     fleet.upsert(record("z", model="other"))  # so the model must be named, as clients do

@@ -25,7 +25,8 @@ from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Fleet, Worker
 from router.http.server.messages import Headers, Request
-from router.http.upstream.pool import UpstreamConnectError, UpstreamPool
+from router.http.upstream.exceptions import UpstreamConnectError
+from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.service import GenerationService
 from router.policies.policy import PolicyKey
@@ -159,6 +160,8 @@ def make_router(scripts: dict[str, Script], **overrides: Any) -> Router:
         "breaker_failure_threshold": 1,
         "breaker_cooldown_s": 5.0,
         "breaker_max_cooldown_s": 60.0,
+        # The attempt loop itself, not the wait before it: a verdict is answered at once.
+        "wait_for_workers_s": 0.0,
     }
     values.update(overrides)
     settings = Settings.defaults(**values)

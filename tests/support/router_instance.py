@@ -20,10 +20,13 @@ async def open_router(
 ) -> AsyncIterator[RunningRouter]:
     """A router in front of `worker_specs` (the `--worker` syntax), with settings overrides.
 
-    Health checks default to a long interval so a test sees only the traffic it sends.
+    Health checks default to a long interval so a test sees only the traffic it sends, and
+    a request that finds no worker is answered at once (no `--wait-for-workers-s`) unless
+    the test asks for the wait.
     """
     overrides.setdefault("port", 0)
     overrides.setdefault("health_interval_s", 3600.0)
+    overrides.setdefault("wait_for_workers_s", 0.0)
     workers = tuple(parse_worker_spec(spec) for spec in worker_specs)
     settings = Settings.defaults(workers=workers, **overrides)
     async with trio.open_nursery() as nursery:

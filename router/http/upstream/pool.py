@@ -35,17 +35,20 @@ from types import TracebackType
 import trio
 
 from router.http.upstream.connection import (
-    UpstreamConnectError,
     UpstreamConnection,
     UpstreamConnectTimeout,
-    UpstreamError,
-    UpstreamProtocolError,
     UpstreamResponse,
-    encode_request,
     open_upstream_connection,
 )
 from router.http.upstream.connection_slots import ConnectionSlots, SlotWaitTimeout
-from router.http.upstream.exceptions import POOL_WAIT_KIND, LocalShortage
+from router.http.upstream.exceptions import (
+    POOL_WAIT_KIND,
+    LocalShortage,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+)
+from router.http.upstream.request_encoding import encode_request
 from router.http.upstream.worker_url import parse_worker_url
 
 __all__ = [
