@@ -38,6 +38,7 @@ from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.attempt import Lease
 from router.pipeline.service import GenerationService
+from tests.support.scripted_upstream import ScriptedResponse
 
 MODEL = "m"
 OK_BODY = orjson.dumps({"choices": [{"message": {"content": "hello"}}]})
@@ -52,22 +53,6 @@ def deep_chat(depth: int = 300) -> bytes:
     """Valid JSON that orjson parses (limit 1024) and cannot dump again (limit 254)."""
     nested = b"[" * depth + b"]" * depth
     return chat()[:-1] + b',"deep":' + nested + b"}"
-
-
-class Response:
-    def __init__(self, status: int, body: bytes) -> None:
-        self.status = status
-        self.headers = [(b"content-type", b"application/json")]
-        self._body = body
-
-    def take_whole_body(self) -> None:
-        """The body never came with the head here: it is read with `receive_some`."""
-        return None
-
-    async def receive_some(self) -> bytes:
-        await trio.lowlevel.checkpoint()
-        body, self._body = self._body, b""
-        return body
 
 
 @dataclass
@@ -87,13 +72,13 @@ class Pool:
         body: bytes,
         *,
         connect_timeout_s: float | None = None,
-    ) -> AsyncIterator[Response]:
+    ) -> AsyncIterator[ScriptedResponse]:
         self.bodies.append((base_url, body))
         await trio.sleep(1.0)  # the worker's simulated work, in virtual time (autojump clock)
         status = self.behaviour[base_url]
         if status == "refuse":
             raise UpstreamConnectError(f"cannot connect to {base_url}: refused")
-        yield Response(int(status), OK_BODY)
+        yield ScriptedResponse(int(status), OK_BODY)
 
 
 @dataclass

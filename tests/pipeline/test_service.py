@@ -30,6 +30,7 @@ from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.service import GenerationService
 from router.policies.policy import PolicyKey
+from tests.support.scripted_upstream import ScriptedResponse
 
 MODEL = "m"
 CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
@@ -43,22 +44,6 @@ class Script:
 
     status: int | str = 200
     latency_s: float = 1.0
-
-
-class ScriptedResponse:
-    def __init__(self, status: int, body: bytes) -> None:
-        self.status = status
-        self.headers = [(b"content-type", b"application/json")]
-        self._body = body
-
-    def take_whole_body(self) -> None:
-        """The body never came with the head here: it is read with `receive_some`."""
-        return None
-
-    async def receive_some(self) -> bytes:
-        await trio.lowlevel.checkpoint()
-        body, self._body = self._body, b""
-        return body
 
 
 class ScriptedPool:
