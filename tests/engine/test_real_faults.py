@@ -1,0 +1,233 @@
+"""Real faults under the router: three vLLM engines, one SIGKILLed and one SIGSTOPped for
+10 s under load from 16 clients, with nothing visible to the clients; a model whose only
+engine died answers 503; a killed engine restarted on its port serves again."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from conformance.engines import EngineSettings
+from tests.engine.conftest import EngineHost, host_engines
+from tests.engine.helpers import RouterProcess, chat_body, metric_sum, open_router, scrape
+
+MODEL = "tiny"
+ONLY_ON_A = "tiny-a"
+CLIENTS = 16
+LOAD_S = 30.0
+KILL_AT_S = 3.0
+STOP_AT_S = 8.0
+STOPPED_FOR_S = 10.0
+# Long enough for a healthy engine on a busy 2-core machine (3 s was not: 29 of 181
+# requests exhausted their attempts), short enough that the stopped engine's breaker opens
+# well within its 10 s stop.
+FIRST_BYTE_TIMEOUT_S = 5.0
+BREAKER_COOLDOWN_S = 2.0
+ENGINE_ARGS = ("--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[EngineHost]:
+    settings = [
+        EngineSettings(served_model_name=MODEL, aliases=(ONLY_ON_A,), extra_args=ENGINE_ARGS),
+        EngineSettings(served_model_name=MODEL, extra_args=ENGINE_ARGS),
+        EngineSettings(served_model_name=MODEL, extra_args=ENGINE_ARGS),
+    ]
+    yield from host_engines(settings, name="faults")
+
+
+@pytest.fixture
+async def router(host: EngineHost) -> AsyncIterator[RouterProcess]:
+    a, b, c = host.engines
+    args = [
+        "--worker",
+        f"{a.url},model={MODEL}+{ONLY_ON_A}",
+        "--worker",
+        f"{b.url},model={MODEL}",
+        "--worker",
+        f"{c.url},model={MODEL}",
+        "--health-interval-s",
+        "1",
+        "--health-timeout-s",
+        "2",
+        "--first-byte-timeout-s",
+        str(FIRST_BYTE_TIMEOUT_S),
+        "--connect-timeout-s",
+        "1",
+        "--breaker-cooldown-s",
+        str(BREAKER_COOLDOWN_S),
+        "--max-attempts",
+        "3",
+    ]
+    async with open_router(*args) as process:
+        yield process
+
+
+async def _workers(client: httpx.AsyncClient, router: RouterProcess) -> dict[str, Any]:
+    listed = (await client.get(f"{router.url}/v1/workers")).json()["workers"]
+    return {worker["url"]: worker for worker in listed}
+
+
+@dataclass
+class Load:
+    statuses: Counter[int | str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    served_by: Counter[str] = field(default_factory=Counter)
+    slowest_s: float = 0.0
+
+    async def client(self, url: str, until: float) -> None:
+        body = chat_body(model=MODEL, max_tokens=4)
+        async with httpx.AsyncClient(timeout=60) as client:
+            while trio.current_time() < until:
+                started = trio.current_time()
+                try:
+                    response = await client.post(f"{url}/v1/chat/completions", json=body)
+                except httpx.HTTPError as exc:
+                    self.statuses[type(exc).__name__] += 1
+                    self.failures.append(repr(exc))
+                    continue
+                self.slowest_s = max(self.slowest_s, trio.current_time() - started)
+                self.statuses[response.status_code] += 1
+                if response.status_code != 200 or not response.json().get("choices"):
+                    self.failures.append(f"{response.status_code} {response.text[:300]}")
+                else:
+                    self.served_by[response.headers.get("x-router-worker", "?")] += 1
+
+
+async def test_one_engine_killed_one_stopped_under_load_no_client_sees_a_failure(
+    host: EngineHost, router: RouterProcess
+) -> None:
+    a, b, c = host.engines
+    for engine in (a, b, c):
+        await host.ensure_running(engine)
+    load = Load()
+    # (time since the load started, breaker state, healthy) of the stopped engine, as read.
+    b_seen: list[tuple[float, str, bool]] = []
+    events: dict[str, float] = {}
+    try:
+        with trio.fail_after(LOAD_S + 90):
+            async with httpx.AsyncClient(timeout=10) as admin:
+                start = trio.current_time()
+
+                async def watch_b() -> None:
+                    while True:
+                        worker = (await _workers(admin, router))[b.url]
+                        entry = (
+                            round(trio.current_time() - start, 2),
+                            worker["breaker"]["state"],
+                            worker["healthy"],
+                        )
+                        if not b_seen or b_seen[-1][1:] != entry[1:]:
+                            b_seen.append(entry)
+                        await trio.sleep(0.2)
+
+                async def faults() -> None:
+                    await trio.sleep(KILL_AT_S)
+                    a.kill()
+                    events["killed_a"] = trio.current_time() - start
+                    await trio.sleep(STOP_AT_S - KILL_AT_S)
+                    b.stop()
+                    events["stopped_b"] = trio.current_time() - start
+                    await trio.sleep(STOPPED_FOR_S)
+                    b.resume()
+                    events["resumed_b"] = trio.current_time() - start
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch_b)
+                    async with trio.open_nursery() as clients:
+                        clients.start_soon(faults)
+                        for _ in range(CLIENTS):
+                            clients.start_soon(load.client, router.url, start + LOAD_S)
+                    events["load_ended"] = trio.current_time() - start
+                    # The stopped engine is back: its breaker closes once a probe succeeds.
+                    # One client goes on (a probe needs a request) until it has.
+                    while not (b_seen and b_seen[-1][1:] == ("closed", True)):
+                        await load.client(router.url, trio.current_time() + 0.2)
+                    events["b_closed_again"] = b_seen[-1][0]
+                    nursery.cancel_scope.cancel()
+                workers = await _workers(admin, router)
+                samples = await scrape(admin, router.url)
+    finally:
+        print(f"\nrouter log:\n{router.log(40)}")
+    print(
+        f"\nload: {sum(load.statuses.values())} requests, statuses {dict(load.statuses)}, "
+        f"served by {dict(load.served_by)}, slowest {load.slowest_s:.2f} s"
+    )
+    print(f"faults: {events}")
+    print(f"stopped engine (t, breaker, healthy): {b_seen}")
+    print(
+        "breakers at the end: "
+        + ", ".join(
+            f"{url}: {w['breaker']['state']} trips {w['breaker']['trips']}"
+            for url, w in workers.items()
+        )
+    )
+    assert load.failures == []
+    assert set(load.statuses) == {200}
+    states = [state for _, state, _ in b_seen]
+    assert "open" in states, b_seen
+    opened_at = next(t for t, state, _ in b_seen if state == "open")
+    assert events["stopped_b"] <= opened_at < events["resumed_b"]
+    assert events["b_closed_again"] > events["resumed_b"]
+    assert workers[b.url]["breaker"]["trips"] >= 1
+    assert workers[a.url]["breaker"]["state"] in ("open", "half_open")
+    assert workers[c.url]["breaker"]["trips"] == 0
+    # Nothing left in flight through the router, on any worker.
+    assert metric_sum(samples, "router_worker_inflight") == 0.0
+    assert [w["inflight"] for w in workers.values()] == [0, 0, 0]
+
+
+async def test_a_model_whose_only_engine_died_is_503_no_available_workers(
+    host: EngineHost, router: RouterProcess
+) -> None:
+    a = host.engines[0]
+    a.kill()
+    with trio.fail_after(60):
+        await a.wait_exited()
+        async with httpx.AsyncClient(timeout=10) as client:
+            # The router's health checks find it gone (polled: the router offers no event).
+            while (await _workers(client, router))[a.url]["healthy"]:  # noqa: ASYNC110
+                await trio.sleep(0.2)
+            response = await client.post(
+                f"{router.url}/v1/chat/completions", json=chat_body(model=ONLY_ON_A)
+            )
+            # The model the other engines serve is unaffected.
+            other = await client.post(
+                f"{router.url}/v1/chat/completions", json=chat_body(model=MODEL, max_tokens=4)
+            )
+    print(f"\n503 body: {response.text}; Retry-After {response.headers.get('retry-after')}")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_available_workers"
+    assert ONLY_ON_A in response.json()["error"]["message"]
+    assert int(response.headers["retry-after"]) >= 1
+    assert other.status_code == 200
+
+
+async def test_a_killed_engine_restarted_on_its_port_serves_again(
+    host: EngineHost, router: RouterProcess
+) -> None:
+    a = host.engines[0]
+    a.kill()
+    with trio.fail_after(240):
+        await a.wait_exited()
+        restart_s = await host.restart(a)
+        async with httpx.AsyncClient(timeout=30) as client:
+            while True:
+                worker = (await _workers(client, router))[a.url]
+                # Its breaker is still open from the kill: the next request is its probe.
+                if worker["healthy"]:
+                    break
+                await trio.sleep(0.2)
+            response = await client.post(
+                f"{router.url}/v1/chat/completions",
+                json=chat_body(model=ONLY_ON_A, max_tokens=4),
+            )
+    print(f"\nrestart of a killed engine on its port: {restart_s:.1f} s to healthy")
+    assert response.status_code == 200
+    assert response.headers["x-router-worker"] == a.url
