@@ -9,6 +9,7 @@ import socket
 import trio
 import trio.testing
 
+from router.http.server.exceptions import plain_refusal
 from router.http.server.load import ServerLoad
 from router.http.server.loop import _Connection, _Server
 from router.http.server.messages import Request, ResponseWriter
@@ -27,7 +28,8 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 def connection(handler: object) -> tuple[_Connection, socket.socket]:
     ours, theirs = tcp_pair()
     settings = ServerSettings()
-    server = _Server(handler, settings, ServerLoad(settings.max_buffered_body_bytes))  # type: ignore[arg-type]
+    load = ServerLoad(settings.max_buffered_body_bytes)
+    server = _Server(handler, settings, load, plain_refusal)  # type: ignore[arg-type]
     return _Connection(server, ours), theirs
 
 
