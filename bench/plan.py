@@ -73,6 +73,7 @@ class Contender:
     description: str
     router_flags: tuple[str, ...] | None = None
     processes: int = 1
+    ready_timeout_s: float = 30.0
 
 
 CONTENDERS: dict[str, Contender] = {
@@ -92,5 +93,11 @@ CONTENDERS: dict[str, Contender] = {
             processes=2,
         ),
         Contender("smg", "SGLang Model Gateway (Rust), round_robin"),
+        # Its proxy takes about 27 s to start on an idle 2-core machine.
+        Contender(
+            "litellm",
+            "LiteLLM proxy (Python, uvicorn), simple-shuffle, from .venv-litellm",
+            ready_timeout_s=180.0,
+        ),
     )
 }

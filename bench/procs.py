@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,12 +206,19 @@ class Proc:
         return "\n".join(f"  | {line}" for line in lines)
 
 
-def start(name: str, command: Sequence[str], log_dir: Path) -> Proc:
-    """Start `command` with stdout and stderr to `<log_dir>/<name>.log`."""
+def start(
+    name: str, command: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+) -> Proc:
+    """Start `command` with stdout and stderr to `<log_dir>/<name>.log`, and `env` on top
+    of this process's environment."""
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
         popen = subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
         )
     return Proc(name=name, popen=popen, log_path=log_path)
 

@@ -227,7 +227,8 @@ def results_markdown(session: Session, header: dict[str, str], png_name: str | N
     )
     out.append(
         f"Versions: Python {header['python']}, trio {header['trio']}, httptools {header.get('httptools', 'n/a')}, h11 {header['h11']}, "
-        f"hypercorn {header['hypercorn']}, smg {header['smg']}, {header['wrk']}."
+        f"hypercorn {header['hypercorn']}, smg {header['smg']}, "
+        f"litellm {header.get('litellm', 'n/a')}, {header['wrk']}."
     )
     out.append(
         f"Each figure: {header['rounds']} interleaved rounds of {header['duration']} s per contender "
@@ -344,6 +345,8 @@ def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list
         ("ours-hypercorn / ours", "ours-hypercorn", "ours"),
         ("ours-2proc / ours", "ours-2proc", "ours"),
         ("smg / direct", "smg", "direct"),
+        ("ours / litellm", "ours", "litellm"),
+        ("litellm / direct", "litellm", "direct"),
     ]
     pairs = [p for p in pairs if p[1] in contenders and p[2] in contenders]
     lines = ["| ratio | " + " | ".join(cases) + " |", "|---|" + "--:|" * len(cases)]

@@ -18,9 +18,10 @@ from typing import Any
 
 import httpx
 import orjson
+import yaml
 
 from bench import idle, pyspy
-from bench.plan import CONTENDERS, Case, Contender, chat_body
+from bench.plan import CONTENDERS, MODEL, Case, Contender, chat_body
 from bench.procs import BenchError, Proc, free_port, python_module, start
 from bench.wrk import WrkResult, run_wrk, write_script
 
@@ -29,6 +30,10 @@ FLEET_SIZE = 2
 IDLE_TOKEN_LATENCY_MS = 300_000.0
 ROUTER_MAX_CONNECTIONS = 30_000
 PROFILE_MIN_S = 5
+# LiteLLM lives in a venv of its own (`make litellm-env`); offline, it must not fetch its
+# model cost map.
+LITELLM_VENV = Path(__file__).resolve().parents[1] / ".venv-litellm"
+LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
 @dataclass
@@ -152,7 +157,11 @@ class Bench:
                 self.targets[name] = target
                 continue
             port = free_port()
-            if contender.router_flags is not None:
+            env: dict[str, str] = {}
+            if name == "litellm":
+                command = self.litellm_command(port)
+                env = dict(LITELLM_ENV)
+            elif contender.router_flags is not None:
                 command = python_module(
                     "router.cli",
                     "serve",
@@ -183,7 +192,7 @@ class Bench:
                     "--port",
                     str(port),
                 )
-            proc = self._start(name, command)
+            proc = self._start(name, command, env)
             target = Target(contender, f"http://127.0.0.1:{port}", proc)
             pending.append((target, self._readiness(target)))
         for target, wait_ready in pending:
@@ -197,14 +206,52 @@ class Bench:
         def wait_ready() -> None:
             if contender.router_flags is not None:
                 target.proc.wait_for_log(r"router listening on", count=contender.processes)
-            target.proc.wait_for_answer(target.url + CHAT_PATH, chat_body(stream=False, tokens=4))
+            target.proc.wait_for_answer(
+                target.url + CHAT_PATH,
+                chat_body(stream=False, tokens=4),
+                timeout_s=contender.ready_timeout_s,
+            )
             parent = 1 if contender.processes > 1 else 0
             target.proc.settle_tree(contender.processes + parent)
 
         return wait_ready
 
-    def _start(self, name: str, command: list[str]) -> Proc:
-        proc = start(name, command, self.work_dir)
+    def litellm_command(self, port: int) -> list[str]:
+        """LiteLLM's proxy in front of the fleet: one `openai/` deployment per worker in
+        one model group, its default routing (simple-shuffle), no retries, no key (it
+        refuses to start without one unless told none is meant)."""
+        deployments = [
+            {
+                "model_name": MODEL,
+                "litellm_params": {
+                    "model": f"openai/{MODEL}",
+                    "api_base": url + "/v1",
+                    "api_key": "bench",
+                },
+            }
+            for url in self.fleet_urls
+        ]
+        config = {
+            "model_list": deployments,
+            "router_settings": {"routing_strategy": "simple-shuffle", "num_retries": 0},
+            "general_settings": {"dangerously_permit_weak_or_unset_master_key": True},
+        }
+        path = self.work_dir / "litellm-config.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return [
+            str(LITELLM_VENV / "bin" / "litellm"),
+            "--config",
+            str(path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num_workers",
+            "1",
+        ]
+
+    def _start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = start(name, command, self.work_dir, env)
         self._procs.append(proc)
         return proc
 
@@ -334,7 +381,24 @@ def versions() -> dict[str, str]:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             found[package] = "not installed"
+    found["litellm"] = litellm_version()
     return found
+
+
+def litellm_version() -> str:
+    """The version installed in LiteLLM's venv, as its interpreter says it."""
+    code = "import importlib.metadata as m; print(m.version('litellm'))"
+    try:
+        done = subprocess.run(
+            [str(LITELLM_VENV / "bin" / "python"), "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "not installed"
+    return done.stdout.strip() or "not installed"
 
 
 def machine() -> dict[str, str]:

@@ -34,6 +34,14 @@ CAPABILITIES: Mapping[str, str] = {
     "pd.bootstrap": "SGLang's handoff: bootstrap host, port and room injected into both legs",
     "pd.nixl": "vLLM's NIXL handoff: prefill first, its kv_transfer_params passed to the decode",
     "dp_rank": "a rank-multiplexed worker gets a rank per request",
+    # Routes beyond chat (every plane serves /v1/chat/completions), by `request.route`
+    "route.completions": "POST /v1/completions (OpenAI completions)",
+    "route.generate": "POST /generate (SGLang's native API)",
+    "route.responses": "POST /v1/responses (OpenAI Responses)",
+    "route.messages": "POST /v1/messages (Anthropic Messages)",
+    "route.embeddings": "POST /v1/embeddings",
+    # Limits
+    "limits.body_size": "a largest request body a case can set (`settings.max_body_bytes`); over it, 413",
     # Admission
     "auth.client_key": "a client key the plane requires (`Authorization: Bearer`), 401 without it",
     "admission.queue": "a limit on requests served at once with a bounded queue; 429 when it is full",

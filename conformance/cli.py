@@ -29,7 +29,7 @@ from conformance.divergences import Divergence, load_divergences, unknown_cases
 from conformance.loader import default_spec_root, load_cases, select_cases, spec_version
 from conformance.model import Case
 from conformance.nodes import SpecError
-from conformance.planes import PLANES, Plane, resolve_plane
+from conformance.planes import PLANES, Plane, Unsupported, resolve_plane
 from conformance.publish import ReportError, load_reports, parity_markdown, write_report
 from conformance.report import RunInfo, junit, markdown, reports
 from conformance.runner import CASE_TIMEOUT_S, FAILING, Outcome, RunOptions, run_suite
@@ -219,6 +219,8 @@ def list_cases(cases: Sequence[Case], planes: Sequence[Plane]) -> int:
             missing = case.capabilities_needed() - plane.capabilities
             if missing:
                 verdicts.append(f"{plane.name}: unsupported")
+            elif (refused := _refusal(plane, case)) is not None:
+                verdicts.append(f"{plane.name}: unsupported ({refused})")
             elif case.id in divergences[plane.name]:
                 verdicts.append(f"{plane.name}: divergent")
             else:
@@ -228,6 +230,15 @@ def list_cases(cases: Sequence[Case], planes: Sequence[Plane]) -> int:
         print(f"    {case.name}")
     print(f"{len(cases)} case(s)")
     return EXIT_OK
+
+
+def _refusal(plane: Plane, case: Case) -> str | None:
+    """Why the plane's `check` refuses the case, or None when it takes it."""
+    try:
+        plane.check(case)
+    except Unsupported as exc:
+        return str(exc)
+    return None
 
 
 def _divergences(plane: Plane) -> dict[str, Divergence]:
@@ -283,6 +294,8 @@ def run(
         if outcome.verdict in FAILING or args.verbose:
             for line in [*outcome.detail.splitlines()[1:], *outcome.failures]:
                 print(f"        {line}", flush=True)
+        for note in outcome.notes:
+            print(f"        note: {note}", flush=True)
         if args.verbose and outcome.plane_log:
             print(f"        last output of {outcome.plane}:", flush=True)
             for line in outcome.plane_log.splitlines():

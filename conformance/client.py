@@ -14,7 +14,10 @@ from typing import Any
 import httpx
 import trio
 
+from conformance.connections import open_plane_client, watch_exchange
 from conformance.model import ROUTES, RawBody, RequestSpec
+
+__all__ = ["Answer", "open_plane_client", "send_many", "send_one"]
 
 # The field a `raw.nested` body nests its lists under, and a `raw.size` body pads.
 NESTED_FIELD = "x_nested"
@@ -23,12 +26,14 @@ PADDING_FIELD = "x_padding"
 
 @dataclass(slots=True)
 class Answer:
-    """One request's outcome. `status` is None when no HTTP status arrived at all."""
+    """One request's outcome. `status` is None when no HTTP status arrived at all.
+    `notes` says what the runner did beyond sending it once (a resend, and why)."""
 
     status: int | None
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
     transport_error: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def json(self) -> Any:
         try:
@@ -123,7 +128,10 @@ async def send_one(
 ) -> Answer:
     """Make one request and read its answer to the end (a stream until it closes).
 
-    A broken connection is recorded in `transport_error`, keeping whatever arrived.
+    A broken connection is recorded in `transport_error`, keeping whatever arrived. A
+    request the plane cannot have processed (a reused connection it closed before a byte
+    of the answer, see `conformance.connections`) is sent once more on a new connection,
+    and `notes` says so.
     Cancellation: the connection is closed.
     """
     url = base_url + ROUTES[request.route]
@@ -134,23 +142,48 @@ async def send_one(
     else:
         content = raw_bytes(request.raw, request, default_model)
         headers["content-type"] = request.raw.content_type
-    answer = Answer(status=None)
-    try:
-        with trio.fail_after(request.timeout_s):
-            async with client.stream("POST", url, content=content, headers=headers) as response:
-                answer.status = response.status_code
-                answer.headers = {k.lower(): v for k, v in response.headers.items()}
-                chunks = []
-                try:
-                    async for chunk in response.aiter_raw():
-                        chunks.append(chunk)
-                finally:
-                    answer.body = b"".join(chunks)
-    except trio.TooSlowError:
-        answer.transport_error = f"no complete answer within {request.timeout_s:g}s"
-    except httpx.HTTPError as exc:
-        answer.transport_error = f"{type(exc).__name__}: {exc}"
+    answer, resend = await _send(client, url, content, headers, request.timeout_s)
+    if resend:
+        # A pool of its own, so that the second try cannot meet another stale connection.
+        async with open_plane_client(httpx.Limits(max_keepalive_connections=0)) as fresh:
+            answer, _ = await _send(fresh, url, content, headers, request.timeout_s)
+        answer.notes.append(
+            f"resent once on a new connection: the plane closed a reused connection "
+            f"before any byte of an answer ({resend})"
+        )
     return answer
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str], timeout_s: float
+) -> tuple[Answer, str | None]:
+    """One try: the answer, and the error that makes a resend safe (None: keep it)."""
+    answer = Answer(status=None)
+    with watch_exchange() as exchange:
+        try:
+            with trio.fail_after(timeout_s):
+                await _exchange(client, url, content, headers, answer)
+        except trio.TooSlowError:
+            answer.transport_error = f"no complete answer within {timeout_s:g}s"
+        except httpx.HTTPError as exc:
+            answer.transport_error = f"{type(exc).__name__}: {exc}"
+            if answer.status is None and exchange.unprocessed(exc):
+                return answer, answer.transport_error
+    return answer, None
+
+
+async def _exchange(
+    client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str], answer: Answer
+) -> None:
+    async with client.stream("POST", url, content=content, headers=headers) as response:
+        answer.status = response.status_code
+        answer.headers = {k.lower(): v for k, v in response.headers.items()}
+        chunks = []
+        try:
+            async for chunk in response.aiter_raw():
+                chunks.append(chunk)
+        finally:
+            answer.body = b"".join(chunks)
 
 
 async def send_many(

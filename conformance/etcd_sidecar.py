@@ -5,9 +5,11 @@ ports with a data dir in the case's scratch folder; the runner stops it with the
 Records are written and deleted over etcd's v3 JSON gateway (keys and values base64),
 with httpx: the runner needs put and delete, nothing more.
 
-A record has the shape a worker's own registration writes (see
+`put_record` writes, by default, the shape this repository's workers register (see
 `docs/discovery-and-drain.md`): `id`, `url`, `model`, `role`, `dp_size`, `disagg_meta`
-for a prefill, and `status: DRAINING` while draining.
+for a prefill, and `status: DRAINING` while draining. A plane whose router reads another
+shape passes its own `shape` (a function of the worker and its status), or writes any
+key and value with `put_value` / `delete_key`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import base64
 import json
 import os
 import platform
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -96,6 +99,11 @@ async def start_etcd(sidecars: Sidecars, prefix: str = DEFAULT_PREFIX) -> str:
     )
 
 
+# A record's shape: the worker and its status (`active`, `draining`, `not_ready`) to the
+# JSON object (or the exact text) stored under its key.
+RecordShape = Callable[[RunningWorker, str], Mapping[str, Any] | str]
+
+
 def record(worker: RunningWorker, status: str) -> dict[str, Any]:
     """The worker's record as its own registration would write it."""
     spec = worker.spec
@@ -117,22 +125,39 @@ def record(worker: RunningWorker, status: str) -> dict[str, Any]:
     return out
 
 
+def record_key(sidecars: Sidecars, worker: RunningWorker) -> str:
+    """Where a worker's record lives: the prefix `start_etcd` was given, then its name."""
+    return str(sidecars.values[PREFIX_KEY]) + worker.spec.name
+
+
 async def put_record(
-    client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker, status: str
+    client: httpx.AsyncClient,
+    sidecars: Sidecars,
+    worker: RunningWorker,
+    status: str,
+    shape: RecordShape = record,
 ) -> None:
-    key = sidecars.values[PREFIX_KEY] + worker.spec.name
-    await _call(
-        client,
-        sidecars,
-        "/v3/kv/put",
-        {"key": _b64(key), "value": _b64(json.dumps(record(worker, status)))},
-    )
+    """Write the worker's record, shaped by `shape` (default: this repository's), under
+    `record_key`."""
+    value = shape(worker, status)
+    text = value if isinstance(value, str) else json.dumps(dict(value))
+    await put_value(client, sidecars, record_key(sidecars, worker), text)
 
 
 async def delete_record(
     client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker
 ) -> None:
-    key = sidecars.values[PREFIX_KEY] + worker.spec.name
+    await delete_key(client, sidecars, record_key(sidecars, worker))
+
+
+async def put_value(client: httpx.AsyncClient, sidecars: Sidecars, key: str, value: str) -> None:
+    """Store `value` under `key` in the case's etcd (no lease: the case ends with it).
+    ProcessFailed when etcd does not take it."""
+    await _call(client, sidecars, "/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+
+
+async def delete_key(client: httpx.AsyncClient, sidecars: Sidecars, key: str) -> None:
+    """Delete `key` from the case's etcd (a missing key is no error)."""
     await _call(client, sidecars, "/v3/kv/deleterange", {"key": _b64(key)})
 
 

@@ -16,8 +16,10 @@ The runner then acts as the control plane and the kubelet, over the API only:
   event); a later `add` creates a new Pod of the same name with a new uid, as a
   StatefulSet does.
 
-Every Pod carries the label `app=conformance-worker` and the annotations a plane reads
-(model, role, DP size, and SGLang's `sglang.ai/bootstrap-port` on a prefill). All the
+Every Pod carries the label `app=conformance-worker` and, by default, the annotations
+this repository's router reads (`default_annotations`: model, role, DP size, and SGLang's
+`sglang.ai/bootstrap-port` on a prefill). A plane that reads other labels or annotations
+passes its own `PodShape` to `publish`. All the
 fleet's workers listen on one port, each on an address of its own (its Pod IP), because
 a plane may take one port for every discovered Pod (the SGLang gateway does).
 """
@@ -27,6 +29,8 @@ from __future__ import annotations
 import re
 import secrets
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -102,16 +106,37 @@ def shared_port(workers: list[RunningWorker]) -> int:
     return port
 
 
-def pod(worker: RunningWorker, ready: bool, generation: int) -> dict[str, Any]:
-    """The worker's Pod: Running at the worker's address, Ready or not."""
+def default_annotations(worker: RunningWorker) -> dict[str, str]:
+    """The annotations this repository's router reads from a worker's Pod."""
     spec = worker.spec
-    annotations = {
+    out = {
         "trio-router/model": spec.model,
         "trio-router/role": spec.role,
         "trio-router/dp-size": str(spec.dp_size),
     }
     if spec.role == "prefill" and worker.bootstrap_port is not None:
-        annotations["sglang.ai/bootstrap-port"] = str(worker.bootstrap_port)
+        out["sglang.ai/bootstrap-port"] = str(worker.bootstrap_port)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PodShape:
+    """What a plane reads on a worker's Pod beyond its phase, address and readiness:
+    labels on top of the selector's (`app=conformance-worker` is always there, so the
+    plane's selector finds every Pod), and the annotations, a function of the worker."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Callable[[RunningWorker], Mapping[str, str]] = default_annotations
+
+
+DEFAULT_SHAPE = PodShape()
+
+
+def pod(
+    worker: RunningWorker, ready: bool, generation: int, shape: PodShape = DEFAULT_SHAPE
+) -> dict[str, Any]:
+    """The worker's Pod: Running at the worker's address, Ready or not."""
+    spec = worker.spec
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -119,8 +144,8 @@ def pod(worker: RunningWorker, ready: bool, generation: int) -> dict[str, Any]:
             "name": spec.name,
             "namespace": NAMESPACE,
             "uid": f"conformance-{spec.name}-{generation}",
-            "labels": {LABEL_KEY: LABEL_VALUE},
-            "annotations": annotations,
+            "labels": {**shape.labels, LABEL_KEY: LABEL_VALUE},
+            "annotations": dict(shape.annotations(worker)),
         },
         "spec": {"containers": [{"name": "engine", "image": "fake-worker"}]},
         "status": {
@@ -136,9 +161,14 @@ def _ready(ready: bool) -> dict[str, str]:
 
 
 async def publish(
-    client: httpx.AsyncClient, sidecars: Sidecars, worker: RunningWorker, status: str
+    client: httpx.AsyncClient,
+    sidecars: Sidecars,
+    worker: RunningWorker,
+    status: str,
+    shape: PodShape = DEFAULT_SHAPE,
 ) -> None:
-    """Make the worker's Pod show `status` (`active`, `not_ready` or `draining`)."""
+    """Make the worker's Pod show `status` (`active`, `not_ready` or `draining`); a new
+    Pod gets the plane's `shape`."""
     pods: dict[str, str] = sidecars.values[PODS_KEY]
     name = worker.spec.name
     now = pods.get(name)
@@ -153,7 +183,9 @@ async def publish(
     elif now is None:
         generation = sidecars.values.setdefault(f"kube_generation_{name}", 0) + 1
         sidecars.values[f"kube_generation_{name}"] = generation
-        await _call(client, sidecars, "POST", "", pod(worker, status == "active", generation))
+        await _call(
+            client, sidecars, "POST", "", pod(worker, status == "active", generation, shape)
+        )
     else:
         await _call(
             client,

@@ -355,4 +355,9 @@ class Case:
             needed.add("auth.client_key")
         if s.max_concurrent is not None or s.queue_size is not None:
             needed.add("admission.queue")
+        if s.max_body_bytes is not None:
+            needed.add("limits.body_size")
+        for step in self.steps:
+            if isinstance(step, SendStep | PollStep) and step.request.route != "chat":
+                needed.add(f"route.{step.request.route}")
         return frozenset(needed)

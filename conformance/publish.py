@@ -18,8 +18,10 @@ parity matrix generated from those files.
         verdict: pass
 
 A case that did not pass carries `observed` (what the plane was seen doing, or why it did
-not run) and, for a failing verdict, its first failure lines. `conformance parity DIR`
-reads every report under DIR and writes the Markdown matrix (`docs/parity.md`).
+not run) and every failure line of its run (a divergence's too, and an unsupported case's
+when `--run-unsupported` ran it), and a case the runner had to help (a resend) its
+`notes`. `conformance parity DIR` reads every report under DIR and writes the Markdown
+matrix (`docs/parity.md`), with the same lines.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ CELL = {
     "stale": "**STALE**",
     "error": "**ERROR**",
 }
-FAILURE_LINES = 5
 
 
 class ReportError(ValueError):
@@ -59,6 +60,8 @@ class CaseResult:
     verdict: str
     observed: str = ""
     failures: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what the runner did beyond the steps (a resend)
+    seconds: float = 0.0  # how long it ran (0 when it did not run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,12 @@ class PlaneReport:
     cases: tuple[CaseResult, ...] = field(default_factory=tuple)
 
     @property
+    def case_seconds(self) -> float:
+        """The time its cases took, added up (cases run side by side, so more than the
+        run's wall time when `--jobs` is above 1)."""
+        return sum(case.seconds for case in self.cases)
+
+    @property
     def summary(self) -> dict[str, int]:
         counts = Counter(case.verdict for case in self.cases)
         return {verdict: counts.get(verdict, 0) for verdict in VERDICTS}
@@ -80,10 +89,14 @@ class PlaneReport:
         cases: list[dict[str, Any]] = []
         for case in self.cases:
             entry: dict[str, Any] = {"id": case.id, "verdict": case.verdict}
+            if case.seconds:
+                entry["seconds"] = round(case.seconds, 1)
             if case.observed:
                 entry["observed"] = case.observed
             if case.failures:
                 entry["failures"] = list(case.failures)
+            if case.notes:
+                entry["notes"] = list(case.notes)
             cases.append(entry)
         return {
             "plane": self.plane,
@@ -109,12 +122,11 @@ def build_report(
     """The report of one plane from its outcomes (other planes' outcomes are ignored)."""
     results = []
     for o in sorted((o for o in outcomes if o.plane == plane), key=lambda o: o.case_id):
-        failures = (
-            tuple(_one_line(line) for line in o.failures[:FAILURE_LINES])
-            if o.verdict != "pass"
-            else ()
+        failures = tuple(_one_line(line) for line in o.failures) if o.verdict != "pass" else ()
+        notes = tuple(_one_line(line) for line in o.notes)
+        results.append(
+            CaseResult(o.case_id, o.verdict, _one_line(o.detail), failures, notes, o.seconds)
         )
-        results.append(CaseResult(o.case_id, o.verdict, _one_line(o.detail), failures))
     return PlaneReport(
         plane=plane,
         version=version,
@@ -154,6 +166,8 @@ def load_report(path: Path) -> PlaneReport:
                 verdict=_verdict(entry["verdict"]),
                 observed=str(entry.get("observed", "")),
                 failures=tuple(str(line) for line in entry.get("failures", ())),
+                notes=tuple(str(line) for line in entry.get("notes", ())),
+                seconds=float(entry.get("seconds", 0.0)),
             )
             for entry in data["cases"]
         )
@@ -207,13 +221,13 @@ def parity_markdown(
         f"{', '.join(spec_versions) or 'unknown'}; {len(case_ids)} cases. "
         "See `docs/writing-spec-cases.md` for what the verdicts mean.",
         "",
-        "| plane | version | date | spec | " + " | ".join(VERDICTS) + " |",
-        "|---|---|---|---|" + "---|" * len(VERDICTS),
+        "| plane | version | date | spec | case time (s) | " + " | ".join(VERDICTS) + " |",
+        "|---|---|---|---|--:|" + "---|" * len(VERDICTS),
     ]
     for r in reports:
         counts = r.summary
         lines.append(
-            f"| {r.plane} | {r.version} | {r.date} | {r.spec_version} | "
+            f"| {r.plane} | {r.version} | {r.date} | {r.spec_version} | {r.case_seconds:.0f} | "
             + " | ".join(str(counts[v]) for v in VERDICTS)
             + " |"
         )
@@ -252,11 +266,19 @@ def parity_markdown(
             continue
         lines += ["", f"## {title}", ""]
         for column, case in sorted(picked, key=lambda pair: (columns.index(pair[0]), pair[1].id)):
-            lines.append(
-                f"- **{column}** `{case.id}` ({case.verdict}): {case.observed or '(no detail recorded)'}"
+            what = case.observed or (
+                f"{len(case.failures)} failure line(s):" if case.failures else "(nothing recorded)"
             )
-            for failure in case.failures if case.verdict in FAILING else ():
-                lines.append(f"  - {failure}")
+            lines.append(f"- **{column}** `{case.id}` ({case.verdict}): {what}")
+            lines += [f"  - {failure}" for failure in case.failures]
+    noted = [
+        (column, case) for column in columns for case in by_column[column].values() if case.notes
+    ]
+    if noted:
+        lines += ["", "## Runner notes", ""]
+        for column, case in noted:
+            lines.append(f"- **{column}** `{case.id}` ({case.verdict}):")
+            lines += [f"  - {note}" for note in case.notes]
     lines.append("")
     return "\n".join(lines)
 

@@ -81,6 +81,8 @@ def junit(outcomes: Sequence[Outcome], info: RunInfo) -> str:
                 ET.SubElement(
                     case, "skipped", message=f"{o.verdict}: {_one_line(o.detail)}", type=o.verdict
                 )
+            if o.notes:
+                ET.SubElement(case, "system-out").text = "\n".join(o.notes)
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 

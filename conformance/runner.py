@@ -17,7 +17,7 @@ from typing import Literal
 import httpx
 import trio
 
-from conformance.client import Answer, send_many, send_one
+from conformance.client import Answer, open_plane_client, send_many, send_one
 from conformance.dispatch_counts import settled_routing, worker_view
 from conformance.divergences import Divergence
 from conformance.expect import check_answers, check_workers
@@ -67,6 +67,8 @@ class Outcome:
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
     plane_log: str = ""  # the plane's last output lines, kept when the case failed
+    # What the runner did beyond the case's own steps (a request resent, and why).
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -106,7 +108,7 @@ async def run_case(
     started = trio.current_time()
     try:
         with trio.fail_after(options.case_timeout_s):
-            failures, plane_log = await execute_case(case, plane, options)
+            ran = await execute_case(case, plane, options, observe=unsupported is not None)
     except (
         CaseError,
         FleetError,
@@ -132,14 +134,19 @@ async def run_case(
             case.id, plane.name, verdict, _join(unsupported, str(problem)), seconds=seconds
         )
     seconds = trio.current_time() - started
+    failures = ran.failures
     if unsupported is not None:
         seen = "observed: fails" if failures else "observed: passes"
-        return Outcome(
+        if ran.substitutions:
+            seen += "; substituted " + "; ".join(ran.substitutions)
+        outcome = Outcome(
             case.id, plane.name, "unsupported", f"{unsupported} ({seen})", failures, seconds
         )
-    outcome = judge(case.id, plane.name, failures, divergences.get(case.id), seconds)
+    else:
+        outcome = judge(case.id, plane.name, failures, divergences.get(case.id), seconds)
     if outcome.verdict != "pass":
-        outcome.plane_log = plane_log
+        outcome.plane_log = ran.plane_log
+    outcome.notes = ran.notes
     return outcome
 
 
@@ -179,29 +186,42 @@ def judge(
     return Outcome(case_id, plane, "divergent", divergence.observed, failures, seconds)
 
 
-async def execute_case(case: Case, plane: Plane, options: RunOptions) -> tuple[list[str], str]:
+@dataclass(slots=True)
+class Ran:
+    """What a case that ran to its end left: the failure lines of every step (empty: it
+    passed), the runner's notes, the plane's last output lines, and the settings the
+    plane substituted while observed."""
+
+    failures: list[str]
+    notes: list[str]
+    plane_log: str
+    substitutions: list[str] = field(default_factory=list)
+
+
+async def execute_case(case: Case, plane: Plane, options: RunOptions, observe: bool = False) -> Ran:
     """Start the plane's sidecars, the fleet and the plane, drive every step, stop
-    everything; the failure lines of every step (empty: the case passed) and the plane's
-    last output lines. Raises CaseError when it cannot run.
+    everything. Raises CaseError when it cannot run.
+
+    `observe`: the case runs only to be watched (`--run-unsupported`), so the plane may
+    substitute settings it lacks (`Launch.substitute`).
 
     Cancellation: every process of the case (sidecars included) is stopped.
     """
-    limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)
     with tempfile.TemporaryDirectory(prefix="conformance-") as scratch:
         async with (
-            httpx.AsyncClient(limits=limits, trust_env=False, timeout=10.0) as client,
+            open_plane_client() as client,
             open_sidecars(plane.environment(), Path(scratch)) as sidecars,
         ):
             await plane.start_sidecars(sidecars, case)
             async with open_fleet(case, client, options.fake_worker_command) as fleet:
-                launch = Launch(case, list(fleet), HOST, 0, Path(scratch), sidecars)
-                if case.discovery is not None:
-                    for worker in fleet:
-                        await plane.publish(launch, client, worker, worker.spec.status)
+                launch = Launch(
+                    case, list(fleet), HOST, 0, Path(scratch), sidecars, observe=observe
+                )
+                await plane.prepare(launch, client)
                 async with open_plane(plane, launch, client) as (url, child):
                     run = CaseRun(case, plane, fleet, launch, client, url, child)
                     failures = await drive_steps(run)
-                    return failures, child.output.tail(40)
+                    return Ran(failures, run.notes, child.output.tail(40), launch.substitutions)
 
 
 @dataclass(slots=True)
@@ -215,6 +235,12 @@ class CaseRun:
     client: httpx.AsyncClient
     url: str
     child: Child
+    notes: list[str] = field(default_factory=list)
+
+    def noted(self, label: str, answers: Sequence[Answer]) -> list[Answer]:
+        """`answers`, with the notes the client wrote on them kept for the case's record."""
+        self.notes += [f"{label}: {note}" for answer in answers for note in answer.notes]
+        return list(answers)
 
     @property
     def sidecars(self) -> Sidecars:
@@ -232,7 +258,16 @@ async def open_plane(
     """
     for attempt in range(3):
         port = 0 if plane.listen_pattern is not None else free_port(HOST)
-        launch = Launch(base.case, base.workers, base.host, port, base.workdir, base.sidecars)
+        launch = Launch(
+            base.case,
+            base.workers,
+            base.host,
+            port,
+            base.workdir,
+            base.sidecars,
+            base.observe,
+            base.substitutions,
+        )
         argv = plane.command(launch)
         async with open_process(
             argv,
@@ -296,7 +331,8 @@ async def drive_steps(run: CaseRun) -> list[str]:
     background: dict[str, tuple[trio.Event, list[Answer]]] = {}
 
     async def collect(step: SendStep, done: trio.Event, into: list[Answer]) -> None:
-        into += await send_many(client, run.url, step.request, model)
+        answers = await send_many(client, run.url, step.request, model)
+        into += run.noted(step.label, answers)
         done.set()
 
     async with trio.open_nursery() as nursery:
@@ -314,7 +350,7 @@ async def drive_steps(run: CaseRun) -> list[str]:
             elif isinstance(step, SendStep):
                 before = await settled_routing(fleet, client) if step.expect.reads_workers else None
                 answers = await send_many(client, run.url, step.request, model)
-                lines = check_answers(step.expect, answers)
+                lines = check_answers(step.expect, run.noted(f"step {index} {step.label}", answers))
                 if before is not None:
                     after = await settled_routing(fleet, client)
                     lines += check_workers(step.expect, case, worker_view(start, before, after))
@@ -323,7 +359,7 @@ async def drive_steps(run: CaseRun) -> list[str]:
                 await done.wait()
                 lines = check_answers(step.expect, answers)
             elif isinstance(step, PollStep):
-                lines = await poll(step, client, run.url, model)
+                lines = await poll(run, step, f"step {index} {step.label}")
             failures += [f"step {index} {step.label}: {line}" for line in lines]
             problems = fleet.crashed() + run.sidecars.crashed()
             if run.child.exited:
@@ -346,11 +382,11 @@ async def change_fleet(run: CaseRun, step: FleetChangeStep) -> None:
             await run.plane.publish(run.launch, run.client, worker, status)
 
 
-async def poll(step: PollStep, client: httpx.AsyncClient, url: str, model: str) -> list[str]:
+async def poll(run: CaseRun, step: PollStep, label: str) -> list[str]:
     deadline = trio.current_time() + step.timeout_s
     while True:
-        answer = await send_one(client, url, step.request, model)
-        lines = check_answers(step.expect, [answer])
+        answer = await send_one(run.client, run.url, step.request, run.case.default_model)
+        lines = check_answers(step.expect, run.noted(label, [answer]))
         if not lines:
             return []
         if trio.current_time() >= deadline:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from conformance.planes.base import Launch, Plane, Unsupported
+from conformance.planes.litellm import LiteLLMPlane
 from conformance.planes.python import PythonPlane
 from conformance.planes.smg import SmgPlane
 from conformance.planes.vllm_router import VllmRouterPlane
@@ -14,6 +15,7 @@ PLANES: dict[str, type[Plane]] = {
     PythonPlane.name: PythonPlane,
     SmgPlane.name: SmgPlane,
     VllmRouterPlane.name: VllmRouterPlane,
+    LiteLLMPlane.name: LiteLLMPlane,
 }
 
 __all__ = ["PLANES", "Launch", "Plane", "Unsupported", "resolve_plane"]

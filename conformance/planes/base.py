@@ -17,8 +17,11 @@ An adapter is a `Plane` subclass in one module. It says:
 - `environment`: variables its processes get on top of the runner's;
 - `start_sidecars`: what it needs running before itself (an etcd, a fake Kubernetes API),
   started through a runner-owned `Sidecars` that stops all of it when the case ends;
-- `publish` / `withdraw`: for a plane with a `discovery.*` capability, how a worker's
-  record appears in (or leaves) the discovery backend it follows.
+- `prepare`: an async step per case once the sidecars and the fleet run and before the
+  plane starts (default: publish every worker of a discovery case). A discovery-only
+  plane publishes a static fleet here too;
+- `publish` / `withdraw`: how a worker's record appears in (or leaves) the discovery
+  backend the plane follows.
 
 Adding a plane is one module with such a subclass, registered in
 `conformance.planes.PLANES` or named on the command line as `--plane module:Class`.
@@ -33,7 +36,7 @@ import subprocess
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -59,6 +62,17 @@ class Launch:
     port: int  # 0 when the plane has a `listen_pattern`
     workdir: Path  # a private scratch folder for files the plane reads (fleet files, ...)
     sidecars: Sidecars  # what `start_sidecars` started for this case, and its `values`
+    # True when the case runs only to be observed (`--run-unsupported`): an adapter may
+    # then put a setting it lacks by one it has, and must say so with `substitute`.
+    observe: bool = False
+    substitutions: list[str] = field(default_factory=list)
+
+    def substitute(self, setting: str, wanted: object, used: object, why: str = "") -> None:
+        """Record that the plane runs `setting` as `used` instead of `wanted` (only while
+        observing); the case's record shows it beside what was observed."""
+        line = f"{setting}: {wanted} run as {used}" + (f" ({why})" if why else "")
+        if line not in self.substitutions:
+            self.substitutions.append(line)
 
 
 class Plane(ABC):
@@ -77,7 +91,8 @@ class Plane(ABC):
     interpreter: ClassVar[str] = sys.executable
 
     def version_argv(self) -> list[str] | None:
-        """The command whose last output line is the plane's version (None: unknown).
+        """The command whose last output line is the plane's version, all of it (None:
+        unknown).
 
         Default: the plane's interpreter reports the installed `distribution`. A binary
         plane answers `[binary, "--version"]` or the like: the version is asked of what
@@ -89,7 +104,9 @@ class Plane(ABC):
         return [self.interpreter, "-c", code]
 
     def version(self) -> str:
-        """The plane's version as its own binary or interpreter says it, for reports."""
+        """The plane's version as its own binary or interpreter says it, for reports: the
+        whole last line of `version_argv`'s output (`0.3.1+cpu (build 2026-11-02)` stays
+        whole)."""
         argv = self.version_argv()
         if argv is None:
             return "unknown"
@@ -108,7 +125,7 @@ class Plane(ABC):
         lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
         if done.returncode != 0 or not lines:
             return f"unknown (exit {done.returncode})"
-        return lines[-1].split()[-1]
+        return lines[-1]
 
     def environment(self) -> Mapping[str, str]:
         """Variables every process of this plane (sidecars included) gets on top of the
@@ -125,12 +142,25 @@ class Plane(ABC):
         stops it). Runs before the fleet starts. Default: nothing."""
         return None
 
+    async def prepare(self, launch: Launch, client: httpx.AsyncClient) -> None:
+        """Make the fleet known to the plane before it starts, once per case: the
+        sidecars and the fake workers run, the plane does not yet (`launch.port` is not
+        chosen). Default: for a case with `discovery`, publish every worker with its
+        starting status; nothing for a static fleet, which goes on the command line.
+
+        A discovery-only plane overrides it to publish a static fleet as well (its
+        `start_sidecars` then starts the backend for every case).
+        """
+        if launch.case.discovery is not None:
+            for worker in launch.workers:
+                await self.publish(launch, client, worker, worker.spec.status)
+
     async def publish(
         self, launch: Launch, client: httpx.AsyncClient, worker: RunningWorker, status: str
     ) -> None:
-        """Make `worker`'s record, with `status` (`active` or `draining`), visible in the
-        discovery backend the case names (`launch.case.discovery`). Only called for cases
-        whose `discovery.*` capability the plane declares."""
+        """Make `worker`'s record, with `status` (`active`, `draining` or `not_ready`),
+        visible in the discovery backend the plane follows. Called by `prepare` and by
+        the steps that change the fleet (`set_status`, `add`)."""
         raise Unsupported(f"plane {self.name} publishes no worker records")
 
     async def withdraw(

@@ -51,6 +51,12 @@ class PythonPlane(Plane):
             "discovery.kubernetes",
             "policy.cache_aware",
             "cache_aware.smallest_tree",
+            # Every route of the engines' APIs, and a body limit (`--max-body-bytes`).
+            *(
+                f"route.{name}"
+                for name in ("completions", "generate", "responses", "messages", "embeddings")
+            ),
+            "limits.body_size",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
@@ -131,9 +137,11 @@ class PythonPlane(Plane):
         return flags
 
     def settings_flags(self, case: Case) -> list[str]:
-        """The case's neutral settings as `router serve` flags; unset ones keep our defaults."""
+        """The case's neutral settings as `router serve` flags; unset ones keep our defaults,
+        but for the wait for workers: the spec's verdicts (503, 404) are the answer a request
+        gets at once, as the other planes give it, so the router's 5 s wait is off."""
         s = case.settings
-        flags: list[str] = []
+        flags: list[str] = ["--wait-for-workers-s", "0"]
         if s.policy is not None:
             flags += ["--policy", s.policy]
         prefill = s.prefill_policy or s.policy

@@ -31,6 +31,7 @@ from conformance.planes.cache_flags import cache_aware_flags
 from conformance.processes import free_port
 from conformance.sidecars import Sidecars
 
+ROUTES = ("completions", "generate", "responses", "messages", "embeddings")
 POLICIES = {
     "round_robin": "round_robin",
     "random": "random",
@@ -44,6 +45,7 @@ POLICIES = {
 class SmgPlane(Plane):
     name = "smg"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("smg_divergences.yaml")
+    # Its interpreter names the installed release (`smg --version` says "smg 1.13.0").
     distribution = "smg"
     capabilities = frozenset(
         {
@@ -57,6 +59,9 @@ class SmgPlane(Plane):
             # Through the fake API server a sidecar runs, with a kubeconfig (KUBECONFIG).
             "discovery.kubernetes",
             *(f"policy.{name}" for name in POLICIES),
+            # Every route of the engines' APIs, and a body limit (`--max-payload-size`).
+            *(f"route.{name}" for name in ROUTES),
+            "limits.body_size",
         }
     )
     # Observed with `conformance run --plane smg --run-unsupported -v`.
@@ -80,9 +85,6 @@ class SmgPlane(Plane):
     ready_timeout_s = 40.0
     command_prefix: ClassVar[tuple[str, ...]] = (sys.executable, "-m", "smg", "launch")
     log_level: ClassVar[str] = "warn"
-
-    def version_argv(self) -> list[str]:
-        return [self.command_prefix[0], "-m", "smg", "--version"]
 
     def check(self, case: Case) -> None:
         b = case.settings.breaker

@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from conformance.model import Case
 from conformance.planes.base import Launch, Unsupported
-from conformance.planes.smg import SmgPlane
+from conformance.planes.smg import ROUTES, SmgPlane
 from conformance.processes import free_port
 
 POLICIES = {
@@ -72,6 +72,9 @@ class VllmRouterPlane(SmgPlane):
             "admission.queue",
             "health.active",
             *(f"policy.{name}" for name in POLICIES),
+            # Every route of the engines' APIs, and smg's `--max-payload-size`.
+            *(f"route.{name}" for name in ROUTES),
+            "limits.body_size",
         }
     )
     # Observed with `conformance run --plane vllm-router --run-unsupported -v`.

@@ -40,7 +40,7 @@ class StubPlane(Plane):
     stop_grace_s = 0.5
 
     def version_argv(self) -> list[str]:
-        return [sys.executable, "-c", "print('stub 0.0.1')"]
+        return [sys.executable, "-c", "print('stub router'); print('0.0.1')"]
 
     def check(self, case: Case) -> None:
         if case.settings.max_body_bytes is not None:

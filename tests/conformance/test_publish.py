@@ -61,7 +61,7 @@ def test_a_report_names_plane_version_date_spec_and_every_verdict(tmp_path: Path
         "error": 0,
     }
     cases = {case["id"]: case for case in data["cases"]}
-    assert cases["a/one"] == {"id": "a/one", "verdict": "pass"}
+    assert cases["a/one"] == {"id": "a/one", "verdict": "pass", "seconds": 1.0}
     assert cases["a/two"]["observed"] == "answers 503 instead of 404"
     assert cases["a/three"]["failures"] == ["step 2 send: dispatches[a]: expected 1, got 2"]
     assert load_report(path) == report
