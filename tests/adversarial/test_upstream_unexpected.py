@@ -29,7 +29,7 @@ async def test_an_unexpected_exception_answers_502_naming_the_worker(
     with trio.fail_after(GUARD_S):
         async with open_edge(never_called, max_attempts=2) as edge:
             edge.router.fleet.upsert(WorkerRecord(id="hand-made", url=bad_url, models=("n",)))
-            with caplog.at_level(logging.ERROR, logger="router.pipeline.dispatch"):
+            with caplog.at_level(logging.ERROR, logger="router.dispatch"):
                 response = await edge.client.post(
                     "/v1/chat/completions", json=chat(stream=stream, model="n")
                 )
