@@ -69,7 +69,7 @@ def worker_record(
     url: str,
     model: str,
     role: str,
-    engine: str,
+    engine: str | None,
     dp_size: int = 1,
     dp_rank: int | None = None,
     bootstrap_port: int | None = None,

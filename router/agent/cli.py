@@ -1,7 +1,9 @@
 """`router agent`: register an engine in etcd, keep it registered, drain it on SIGTERM.
 
-Runs beside the engine (same machine or Pod). It waits for the engine's `/health`, then
-registers; on SIGTERM or SIGINT it announces DRAINING, waits until the engine's own
+Runs beside the engine (same machine or Pod). It waits for the engine's `/health`, learns
+the engine's kind from its answers unless `--engine` names it (the rule is
+`router.discovery.engine_facts.engine_kind`; the kind picks the `/metrics` names a drain
+reads), then registers; on SIGTERM or SIGINT it announces DRAINING, waits until the engine's own
 `/metrics` show no work, deregisters and exits 0. A second signal cuts the wait short
 (the worker still deregisters). It never stops the engine: that is the caller's job.
 
@@ -14,7 +16,7 @@ import argparse
 import logging
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from urllib.parse import urlsplit
 
@@ -28,18 +30,23 @@ from router.agent.advertise import (
     worker_record,
 )
 from router.agent.drain import DrainSettings, read_engine_load
-from router.agent.engine_metrics import ENGINES
+from router.agent.engine_metrics import ENGINES, UNREADABLE, EngineLoad
 from router.agent.registration import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, run_registered
+from router.discovery.engine_facts import FactsUnavailable, detect_engine
 from router.fleet.records import Role, WorkerRecord
 
 log = logging.getLogger("router.agent")
 ENGINE_TIMEOUT_S = 5.0
+KIND_ATTEMPTS = 10
+"""Questions about the engine's kind before the agent registers it as unknown: a healthy
+engine that cannot say in that many tries is not going to."""
 
 
 @dataclass(frozen=True, slots=True)
 class AgentOptions:
     engine_url: str
-    engine: str
+    engine: str | None
+    """None: learned from the engine before registering (`--engine` not given)."""
     etcd_endpoint: str
     etcd_prefix: str
     advertise_host: str
@@ -64,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--engine",
         choices=sorted(ENGINES),
-        default="sglang",
-        help="engine kind: its /metrics names (default sglang)",
+        default=None,
+        help="engine kind: its /metrics names (default: learned from what the engine serves)",
     )
     engine.add_argument(
         "--role", choices=[r.value for r in Role], default="mixed", help="PD role (default mixed)"
@@ -205,17 +212,62 @@ async def wait_engine_healthy(http: httpx.AsyncClient, health_url: str, poll_s: 
         await trio.sleep(poll_s)
 
 
-async def prepare_engine(http: httpx.AsyncClient, options: AgentOptions) -> None:
-    """Wait for the engine's health, then read its load once, so an engine whose work
-    cannot be read is reported at start rather than discovered at the first SIGTERM."""
+@dataclass(slots=True)
+class EngineView:
+    """The engine as the agent knows it: where its metrics are and its kind (None while
+    unknown: its load cannot be read then, and a drain stops waiting, loudly)."""
+
+    http: httpx.AsyncClient
+    metrics_url: str
+    engine: str | None
+
+    async def read_load(self) -> EngineLoad:
+        if self.engine is None:
+            return UNREADABLE
+        return await read_engine_load(self.http, self.metrics_url, self.engine)
+
+
+async def learn_engine_kind(http: httpx.AsyncClient, engine_url: str, poll_s: float) -> str | None:
+    """The engine's kind from its answers (`detect_engine`), asking again every `poll_s`
+    while it is not ready to say, at most KIND_ATTEMPTS times; None when it fits no kind."""
+    for attempt in range(1, KIND_ATTEMPTS + 1):
+        try:
+            return await detect_engine(http, engine_url, ENGINE_TIMEOUT_S)
+        except FactsUnavailable as exc:
+            if attempt == KIND_ATTEMPTS:
+                log.warning("the engine's kind cannot be learned: %s", exc)
+                return None
+            log.info("the engine's kind is not known yet (%s); asking again", exc)
+            await trio.sleep(poll_s)
+    return None
+
+
+async def prepare_engine(
+    http: httpx.AsyncClient, options: AgentOptions, view: EngineView
+) -> WorkerRecord:
+    """Wait for the engine's health, learn its kind unless `--engine` named it, then read
+    its load once, so an engine whose work cannot be read is reported at start rather than
+    discovered at the first SIGTERM. The record to register, with the kind."""
     await wait_engine_healthy(http, options.engine_url + "/health", options.health_poll_s)
-    load = await read_engine_load(http, options.engine_url + "/metrics", options.engine)
+    if view.engine is None:
+        view.engine = await learn_engine_kind(http, options.engine_url, options.health_poll_s)
+        if view.engine is None:
+            log.warning(
+                "the engine at %s answers as neither SGLang nor vLLM: its /metrics names are "
+                "unknown, so a drain will not be able to wait for its in-flight requests "
+                "(pass --engine)",
+                options.engine_url,
+            )
+            return options.record
+        log.info("the engine at %s runs %s (as it answers)", options.engine_url, view.engine)
+    load = await view.read_load()
     if load.total is None:
         log.warning(
             "the engine's /metrics do not show its %s load: a drain will not be able to wait "
             "for its in-flight requests (SGLang exports them only with --enable-metrics)",
-            options.engine,
+            view.engine,
         )
+    return replace(options.record, engine=view.engine)
 
 
 async def run_agent(options: AgentOptions) -> int:
@@ -223,15 +275,16 @@ async def run_agent(options: AgentOptions) -> int:
     engine_url = options.engine_url
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with httpx.AsyncClient(timeout=ENGINE_TIMEOUT_S) as http:
+            view = EngineView(http, engine_url + "/metrics", options.engine)
             await run_registered(
                 options.etcd_endpoint,
                 options.etcd_prefix,
                 options.record,
                 lease_ttl_s=options.lease_ttl_s,
-                read_load=partial(read_engine_load, http, engine_url + "/metrics", options.engine),
+                read_load=view.read_load,
                 drain_settings=options.drain,
                 signals=signals,
-                before_registering=partial(prepare_engine, http, options),
+                before_registering=partial(prepare_engine, http, options, view),
             )
     log.info("agent stopped")
     return 0
@@ -256,7 +309,7 @@ def main(argv: Sequence[str]) -> int:
         "agent for %s (%s, %s) registering at %s%s",
         options.record.url,
         options.record.role.value,
-        options.engine,
+        options.engine or "engine kind to learn",
         options.etcd_endpoint,
         options.etcd_prefix,
     )

@@ -353,10 +353,11 @@ async def run_registered(
     read_load: ReadLoad,
     drain_settings: DrainSettings,
     signals: AsyncIterator[int],
-    before_registering: Callable[[], Awaitable[None]] | None = None,
+    before_registering: Callable[[], Awaitable[WorkerRecord | None]] | None = None,
 ) -> DrainOutcome | None:
-    """Register `record` (after `before_registering`, e.g. the engine's health), keep it
-    registered, and on the first signal from `signals` drain and deregister it.
+    """Register `record` (after `before_registering`, e.g. the engine's health, which may
+    return the record to register instead: say, with the engine's kind it learned), keep
+    it registered, and on the first signal from `signals` drain and deregister it.
 
     Returns the drain's outcome, or None when it did not complete: a signal arrived before
     the worker was registered (nothing to drain), or a second signal cut the drain's wait
@@ -384,7 +385,7 @@ async def run_registered(
         with trio.CancelScope() as registering:
             nursery.start_soon(_cancel_when_set, signalled, registering)
             if before_registering is not None:
-                await before_registering()
+                record = await before_registering() or record
             registration = await nursery.start(
                 partial(serve_registration, etcd_endpoint, prefix, record, lease_ttl_s=lease_ttl_s)
             )

@@ -1,20 +1,38 @@
 """Fleet facts from the engine: what a worker record leaves open, the engine states.
 
 A prefill named without a bootstrap port (a `--worker` flag, an etcd record or a Pod
-without the annotation) learns it from SGLang's `GET /get_server_info`
-(`disaggregation_bootstrap_port`, with `disaggregation_transfer_backend` and `dp_size`);
-a record without models learns them from `GET /v1/models`. An explicit value always
-wins: only the facts in `WorkerRecord.unknown_facts` are asked for.
+without the annotation) learns it from SGLang's server info (`GET /get_server_info`, or
+`/server_info` where that is 404: `disaggregation_bootstrap_port`, with
+`disaggregation_transfer_backend` and `dp_size`); a record without models learns them from
+`GET /v1/models`. Until those facts are learned a worker waits in `Fleet.pending`, out of
+routing, and `/v1/workers` lists it with the reason; the engine is asked again with
+backoff.
 
-Until its facts are learned a worker waits in `Fleet.pending`, out of routing, and
-`/v1/workers` lists it with the reason; the engine is asked again with backoff.
+The engine's kind is learned the same way when the record names none, but the worker
+routes meanwhile (the kind is not needed to route), and unknown stays unknown (`None`)
+when the engine's answers fit neither kind. The rule (`engine_kind`), from the answers
+only, never from the port or the name:
+
+- `sglang`: the server info (`/get_server_info`, else `/server_info`) answers 200 with a
+  JSON object holding SGLang's server arguments: a string `model_path`, an integer
+  `tp_size` and a string `version`.
+- `vllm`: both server-info paths answer 404 (vLLM serves neither) and `GET /version`
+  answers 200 with exactly vLLM's object, `{"version": "<string>"}`; or `/server_info`
+  answers vLLM's development-mode object (it holds `vllm_config`).
+- otherwise unknown. A 5xx, 429, transport error or timeout on the way decides nothing:
+  the engine is asked again with backoff.
+
+What a kind states of itself is learned with it: for vLLM, `max_model_len` per model from
+`/v1/models`, and its KV-event publishers from `/kv_event_sources` (kept on the record as
+data; a `*` host, where the engine binds, becomes the worker's own host). An explicit value
+always wins: only the facts in `WorkerRecord.unknown_facts` are asked for.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,14 +41,25 @@ import trio
 
 from router.discovery.backoff import Backoff
 from router.discovery.static import fetch_models
-from router.discovery.streams import close_stream
-from router.fleet.records import Role, WorkerRecord, disagg_meta
+from router.discovery.streams import StreamTooLarge, read_capped
+from router.fleet.records import (
+    BLOCKING_FACTS,
+    DESCRIPTIVE_FACTS,
+    KvEventEndpoint,
+    Role,
+    WorkerRecord,
+    disagg_meta,
+)
 from router.fleet.registry import Fleet
 
 log = logging.getLogger("router.engine_facts")
 
 MAX_SERVER_INFO_BYTES = 1024 * 1024
 """SGLang's answer is a few KiB; a worker that sends more is not read further."""
+
+SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
+"""Every SGLang release serves the first; newer ones also the second (and deprecate the
+first). The second is asked only when the first is 404."""
 
 
 class FactsUnavailable(Exception):
@@ -42,6 +71,21 @@ class FactsSettings:
     timeout_s: float = 5.0
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
+    worker_api_key: str = field(default="", repr=False)
+    """The key the engines are asked with when a record carries none of its own
+    (`--worker-api-key`): engines that guard their routes guard these too."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One engine answer: its status, and its JSON (`NOT_JSON` when the body is not)."""
+
+    path: str
+    status: int
+    body: Any
+
+
+NOT_JSON: Final = object()
 
 
 def complete_record(record: WorkerRecord, server_info: Any) -> WorkerRecord:
@@ -79,54 +123,266 @@ def complete_record(record: WorkerRecord, server_info: Any) -> WorkerRecord:
     return replace(record, **changes)
 
 
-async def fetch_server_info(http: httpx.AsyncClient, url: str, timeout_s: float) -> Any:
-    """The JSON of `GET url/get_server_info`, read up to MAX_SERVER_INFO_BYTES.
+async def ask(
+    http: httpx.AsyncClient, url: str, path: str, timeout_s: float, api_key: str | None = None
+) -> Answer:
+    """`GET url+path`, its body read up to MAX_SERVER_INFO_BYTES and parsed as JSON.
 
-    Raises FactsUnavailable for a transport error, a non-200 answer, an oversize or
-    non-JSON body.
+    Raises FactsUnavailable for a transport error, a timeout or an oversize body; any
+    status is an answer.
     """
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     try:
         with trio.fail_after(timeout_s):
-            async with http.stream("GET", url + "/get_server_info", timeout=timeout_s) as response:
-                if response.status_code != 200:
-                    raise FactsUnavailable(f"{url}/get_server_info answered {response.status_code}")
-                body = bytearray()
-                chunks = response.aiter_bytes()
-                try:
-                    async for chunk in chunks:
-                        body += chunk
-                        if len(body) > MAX_SERVER_INFO_BYTES:
-                            raise FactsUnavailable(
-                                f"{url}/get_server_info is larger than {MAX_SERVER_INFO_BYTES} bytes"
-                            )
-                finally:
-                    await close_stream(response, chunks)
+            async with http.stream(
+                "GET", url + path, timeout=timeout_s, headers=headers
+            ) as response:
+                body = await read_capped(response, MAX_SERVER_INFO_BYTES)
     except trio.TooSlowError:
+        raise FactsUnavailable(f"{url}{path} did not answer within {timeout_s:g}s") from None
+    except StreamTooLarge:
         raise FactsUnavailable(
-            f"{url}/get_server_info did not answer within {timeout_s:g}s"
+            f"{url}{path} is larger than {MAX_SERVER_INFO_BYTES} bytes"
         ) from None
     except httpx.HTTPError as exc:
-        raise FactsUnavailable(f"{url}/get_server_info failed: {exc!r}") from None
+        raise FactsUnavailable(f"{url}{path} failed: {exc!r}") from None
     try:
-        return orjson.loads(body)
+        parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise FactsUnavailable(f"{url}/get_server_info is not JSON") from None
+        parsed = NOT_JSON
+    return Answer(path, response.status_code, parsed)
+
+
+async def ask_server_info(
+    http: httpx.AsyncClient, url: str, timeout_s: float, api_key: str | None = None
+) -> Answer:
+    """The engine's server info: `/get_server_info`, or `/server_info` when that is 404.
+    Raises FactsUnavailable as `ask` does."""
+    answer = await ask(http, url, SERVER_INFO_PATHS[0], timeout_s, api_key)
+    if answer.status == 404:
+        answer = await ask(http, url, SERVER_INFO_PATHS[1], timeout_s, api_key)
+    return answer
+
+
+def _settles(url: str, answer: Answer) -> None:
+    """Raise FactsUnavailable for an answer that says the engine is not ready (5xx, 429):
+    it decides nothing yet."""
+    if answer.status >= 500 or answer.status == 429:
+        raise FactsUnavailable(f"{url}{answer.path} answered {answer.status}")
+
+
+def is_sglang_server_info(body: Any) -> bool:
+    """SGLang's server info: its server arguments (`model_path`, `tp_size`) and `version`."""
+    return (
+        isinstance(body, dict)
+        and isinstance(body.get("model_path"), str)
+        and isinstance(body.get("tp_size"), int)
+        and isinstance(body.get("version"), str)
+    )
+
+
+def is_vllm_version(body: Any) -> bool:
+    """vLLM's `/version`: an object with one key, `version`, a string."""
+    return (
+        isinstance(body, dict) and body.keys() == {"version"} and isinstance(body["version"], str)
+    )
+
+
+def engine_kind(server_info: Answer, version: Answer | None) -> str | None:
+    """The engine's kind from its answers (the rule in this module's docstring); None when
+    they fit neither kind. `version` may be None when `server_info` decides alone.
+
+    Raises FactsUnavailable for an answer that decides nothing yet (5xx, 429).
+    """
+    _settles("", server_info)
+    if server_info.status == 200:
+        if is_sglang_server_info(server_info.body):
+            return "sglang"
+        if isinstance(server_info.body, dict) and "vllm_config" in server_info.body:
+            return "vllm"  # vLLM's development-mode /server_info
+        return None  # a server info of some other engine
+    if server_info.status != 404 or version is None:
+        return None
+    _settles("", version)
+    if version.status == 200 and is_vllm_version(version.body):
+        return "vllm"
+    return None
+
+
+async def detect_engine(
+    http: httpx.AsyncClient,
+    url: str,
+    timeout_s: float,
+    *,
+    api_key: str | None = None,
+    server_info: Answer | None = None,
+) -> str | None:
+    """The kind of the engine at `url` (`engine_kind`), asking what it has not answered
+    yet (`server_info` when already asked). Raises FactsUnavailable when the engine cannot
+    be asked or is not ready to say."""
+    if server_info is None:
+        server_info = await ask_server_info(http, url, timeout_s, api_key)
+    version = None
+    if server_info.status == 404:
+        version = await ask(http, url, "/version", timeout_s, api_key)
+    try:
+        return engine_kind(server_info, version)
+    except FactsUnavailable as exc:
+        raise FactsUnavailable(f"{url}{exc}") from None
+
+
+def max_model_lens(body: Any) -> dict[str, int]:
+    """`max_model_len` per model id from a `/v1/models` answer (models without one left out)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    lengths: dict[str, int] = {}
+    for entry in data if isinstance(data, list) else ():
+        if not isinstance(entry, dict):
+            continue
+        model, length = entry.get("id"), entry.get("max_model_len")
+        if isinstance(model, str) and isinstance(length, int) and not isinstance(length, bool):
+            if length > 0:
+                lengths[model] = length
+    return lengths
+
+
+def kv_event_endpoints(body: Any, worker_url: str) -> tuple[KvEventEndpoint, ...]:
+    """The KV-event publishers in a `/kv_event_sources` answer, one per DP rank.
+
+    vLLM 0.32 answers an object keyed by DP rank whose values are its events config
+    (`endpoint`, `replay_endpoint`, `topic`, `publisher`); other releases answer a list,
+    or `{"sources": [...]}`, of objects carrying `data_parallel_rank`. An entry without a
+    string `endpoint`, or with a publisher other than ZMQ, is left out. A `*` host (the
+    engine binds on every interface) becomes `worker_url`'s host.
+    """
+    if isinstance(body, dict) and isinstance(body.get("sources"), list):
+        body = body["sources"]
+    entries: list[tuple[Any, Any]] = []
+    if isinstance(body, list):
+        entries = [
+            (entry.get("data_parallel_rank", 0) if isinstance(entry, dict) else None, entry)
+            for entry in body
+        ]
+    elif isinstance(body, dict):
+        entries = list(body.items())
+    host = urlsplit(worker_url).hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    found: dict[int, KvEventEndpoint] = {}
+    for raw_rank, entry in entries:
+        try:
+            rank = int(raw_rank)
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(entry, dict) or rank < 0:
+            continue
+        endpoint, replay = entry.get("endpoint"), entry.get("replay_endpoint")
+        if not isinstance(endpoint, str) or entry.get("publisher", "zmq") != "zmq":
+            continue
+        topic = entry.get("topic")
+        found[rank] = KvEventEndpoint(
+            dp_rank=rank,
+            endpoint=_own_host(endpoint, host),
+            replay_endpoint=_own_host(replay, host) if isinstance(replay, str) else None,
+            topic=topic if isinstance(topic, str) else "",
+        )
+    return tuple(found[rank] for rank in sorted(found))
+
+
+def _own_host(endpoint: str, host: str) -> str:
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and rest.startswith("*:"):
+        return f"{scheme}://{host}{rest[1:]}"
+    return endpoint
+
+
+async def describe_engine(
+    http: httpx.AsyncClient,
+    record: WorkerRecord,
+    timeout_s: float,
+    server_info: Answer | None = None,
+    api_key: str | None = None,
+) -> WorkerRecord:
+    """`record` with its descriptive facts learned: the engine's kind when the record names
+    none, then what that kind states of itself (vLLM: `max_model_len`, KV-event sources),
+    asked with `api_key` (default: the record's). Raises FactsUnavailable when the engine
+    cannot be asked or is not ready to say."""
+    api_key = api_key or record.api_key
+    unknown = record.unknown_facts
+    if not unknown & DESCRIPTIVE_FACTS:
+        return record
+    changes: dict[str, Any] = {}
+    engine = record.engine
+    if "engine" in unknown:
+        engine = await detect_engine(
+            http, record.url, timeout_s, api_key=api_key, server_info=server_info
+        )
+        changes["engine"] = engine
+        if engine is not None:
+            log.info("worker %s runs %s (as its engine answers)", record.id, engine)
+    if engine == "vllm":
+        if "max_model_len" in unknown:
+            models = await ask(http, record.url, "/v1/models", timeout_s, api_key)
+            _settles(record.url, models)
+            changes["max_model_len"] = max_model_lens(models.body)
+        if "kv_event_sources" in unknown:
+            # 404 from releases without the route; `{}` while events are off.
+            sources = await ask(http, record.url, "/kv_event_sources", timeout_s, api_key)
+            _settles(record.url, sources)
+            if sources.status == 200:
+                changes["kv_event_sources"] = kv_event_endpoints(sources.body, record.url)
+    return replace(record, unknown_facts=unknown - DESCRIPTIVE_FACTS, **changes)
+
+
+def _server_info_body(url: str, answer: Answer) -> Any:
+    if answer.status != 200:
+        raise FactsUnavailable(f"{url}{answer.path} answered {answer.status}")
+    if answer.body is NOT_JSON:
+        raise FactsUnavailable(f"{url}{answer.path} is not JSON")
+    return answer.body
 
 
 async def learn_facts(
-    http: httpx.AsyncClient, record: WorkerRecord, timeout_s: float
+    http: httpx.AsyncClient, record: WorkerRecord, timeout_s: float, worker_api_key: str = ""
 ) -> WorkerRecord:
-    """A complete record of `record`'s worker (its `unknown_facts` answered by the engine).
-    Raises FactsUnavailable."""
+    """A record of `record`'s worker with its `unknown_facts` answered by the engine, asked
+    with the record's key, else `worker_api_key` (when either is set).
+
+    Raises FactsUnavailable when a fact routing needs (`BLOCKING_FACTS`) cannot be
+    learned, or, when the record needs none, when the descriptive ones cannot; when it
+    needs both, descriptive facts not learned yet stay in `unknown_facts` of the answer,
+    so the worker routes while they are asked again.
+    """
     learned = record
+    api_key = record.api_key or worker_api_key or None
+    server_info: Answer | None = None
     if {"bootstrap_port", "dp_size"} & record.unknown_facts:
-        learned = complete_record(learned, await fetch_server_info(http, record.url, timeout_s))
+        server_info = await ask_server_info(http, record.url, timeout_s, api_key)
+        if (
+            server_info.status == 404
+            and "bootstrap_port" not in record.unknown_facts
+            and record.engine != "sglang"
+        ):
+            # Not SGLang's server: an engine that states no DP size serves all ranks
+            # behind its one URL, so the router picks none.
+            learned = replace(learned, dp_size=1)
+        else:
+            learned = complete_record(learned, _server_info_body(record.url, server_info))
     if "models" in record.unknown_facts:
         try:
-            learned = replace(learned, models=await fetch_models(http, record.url, timeout_s))
+            learned = replace(
+                learned, models=await fetch_models(http, record.url, timeout_s, api_key=api_key)
+            )
         except (httpx.HTTPError, ValueError) as exc:
             raise FactsUnavailable(f"{record.url}/v1/models: {exc}") from None
-    return replace(learned, unknown_facts=frozenset())
+    blocking = record.unknown_facts & BLOCKING_FACTS
+    learned = replace(learned, unknown_facts=record.unknown_facts - BLOCKING_FACTS)
+    try:
+        return await describe_engine(http, learned, timeout_s, server_info, api_key)
+    except FactsUnavailable as exc:
+        if not blocking:
+            raise
+        log.info("worker %s: %s; its engine kind is asked again while it routes", record.id, exc)
+        return learned
 
 
 @dataclass(slots=True)
@@ -150,48 +406,76 @@ class _Learner:
 
     async def attempt(self, record: WorkerRecord) -> None:
         try:
-            learned = await learn_facts(self.http, record, self.settings.timeout_s)
-        except FactsUnavailable as exc:
-            retries = self.retries.setdefault(
-                record.id,
-                _Retries(Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)),
+            learned = await learn_facts(
+                self.http, record, self.settings.timeout_s, self.settings.worker_api_key
             )
-            delay = retries.backoff.failure()
-            retries.next_at = trio.current_time() + delay
-            if retries.last_reason != str(exc):
-                retries.last_reason = str(exc)
-                log.warning(
-                    "worker %s is not admitted: %s; asking again with backoff", record.id, exc
-                )
+        except FactsUnavailable as exc:
+            self._failed(record, str(exc))
+        else:
             pending = self.fleet.pending.get(record.id)
             if pending is not None and pending.record == record:
-                pending.reason = f"{exc}; next try in {delay:g}s"
-        else:
-            self.retries.pop(record.id, None)
-            if self.fleet.admit(record, learned) is not None:
-                log.info(
-                    "worker %s admitted with facts from its engine: dp_size %d, bootstrap %s, models %s",
-                    record.id,
-                    learned.dp_size,
-                    learned.bootstrap_addr,
-                    "+".join(learned.models),
-                )
+                worker = self.fleet.admit(record, learned)
+                if worker is not None:
+                    log.info(
+                        "worker %s admitted with facts from its engine: dp_size %d, "
+                        "bootstrap %s, models %s",
+                        record.id,
+                        learned.dp_size,
+                        learned.bootstrap_addr,
+                        "+".join(learned.models),
+                    )
+            else:
+                self.fleet.describe(record, learned)
+            if learned.unknown_facts:
+                # Admitted, but the engine's kind is still to be learned: ask again later.
+                self._failed(record, "its engine did not say what it runs yet")
+            else:
+                self.retries.pop(record.id, None)
         finally:
             self.in_flight.discard(record.id)
             self.poke()
 
+    def _failed(self, record: WorkerRecord, reason: str) -> None:
+        retries = self.retries.setdefault(
+            record.id,
+            _Retries(Backoff(self.settings.retry_initial_s, self.settings.retry_max_s)),
+        )
+        delay = retries.backoff.failure()
+        retries.next_at = trio.current_time() + delay
+        pending = self.fleet.pending.get(record.id)
+        if retries.last_reason != reason:
+            retries.last_reason = reason
+            if pending is not None:
+                log.warning(
+                    "worker %s is not admitted: %s; asking again with backoff", record.id, reason
+                )
+            else:
+                log.info(
+                    "worker %s routes, its engine's kind not known yet: %s; asking again",
+                    record.id,
+                    reason,
+                )
+        if pending is not None and pending.record == record:
+            pending.reason = f"{reason}; next try in {delay:g}s"
+
     def due(self, now: float) -> tuple[list[WorkerRecord], float]:
-        """Pending records to ask now, and when the next one falls due."""
-        for worker_id in [wid for wid in self.retries if wid not in self.fleet.pending]:
+        """Records to ask now (pending, then routing ones still to describe), and when the
+        next one falls due."""
+        fleet = self.fleet
+        waiting = [(wid, pending.record) for wid, pending in fleet.pending.items()]
+        waiting += list(fleet.describing.items())
+        for worker_id in [
+            wid for wid in self.retries if wid not in fleet.pending and wid not in fleet.describing
+        ]:
             del self.retries[worker_id]
         ready, soonest = [], float("inf")
-        for worker_id, pending in self.fleet.pending.items():
+        for worker_id, record in waiting:
             if worker_id in self.in_flight:
                 continue
             retries = self.retries.get(worker_id)
             at = retries.next_at if retries is not None else now
             if at <= now:
-                ready.append(pending.record)
+                ready.append(record)
             else:
                 soonest = min(soonest, at)
         return ready, soonest
@@ -204,11 +488,13 @@ async def serve_engine_facts(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Learn the facts of every pending worker as soon as discovery names it, until
-    cancelled. At most one question per worker is in flight; a worker whose engine does
-    not answer is asked again with backoff (`settings`), its reason kept in `pending`.
+    """Learn the facts of every pending worker as soon as discovery names it, and the
+    descriptive facts of every routing one (`Fleet.describing`), until cancelled. At most
+    one question per worker is in flight; a worker whose engine does not answer is asked
+    again with backoff (`settings`), its reason kept in `pending`.
 
-    Cancellation: questions in flight are abandoned; pending workers stay pending.
+    Cancellation: questions in flight are abandoned; pending workers stay pending, workers
+    still to describe keep routing with their kind unknown.
     """
     learner = _Learner(fleet, http, settings)
     fleet.on_pending = learner.poke

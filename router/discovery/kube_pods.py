@@ -164,8 +164,9 @@ def pod_record(facts: PodFacts, role: Role, default_port: int) -> WorkerRecord:
     data: dict[str, Any] = {"id": facts.worker_id, "url": f"http://{host}:{port}"}
     unknown: set[str] = set()
     data["role"] = facts.annotations.get(ROLE_ANNOTATION, role.value)
-    engine = str(facts.annotations.get(ENGINE_ANNOTATION, "sglang"))
-    data["engine"] = engine
+    engine = facts.annotations.get(ENGINE_ANNOTATION)
+    if engine:
+        data["engine"] = str(engine)  # else the engine's answers tell (engine_facts)
     models = facts.annotations.get(MODEL_ANNOTATION)
     if models:
         data["model"] = [m.strip() for m in str(models).replace(",", "+").split("+") if m.strip()]
@@ -174,8 +175,9 @@ def pod_record(facts: PodFacts, role: Role, default_port: int) -> WorkerRecord:
     dp_size = _annotation_int(facts, DP_SIZE_ANNOTATION, 1, 1024)
     if dp_size is not None:
         data["dp_size"] = dp_size
-    elif engine == "sglang":
-        unknown.add("dp_size")  # SGLang states it in /get_server_info; other engines: 1
+    elif engine in (None, "sglang"):
+        # SGLang states it in its server info; an engine that serves none has 1.
+        unknown.add("dp_size")
     bootstrap_port = _annotation_int(facts, BOOTSTRAP_PORT_ANNOTATION, 1, 65535)
     if bootstrap_port is not None:
         protocol = str(facts.annotations.get(PD_PROTOCOL_ANNOTATION, "mooncake"))

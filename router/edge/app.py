@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import trio
 
@@ -12,6 +14,7 @@ from router.discovery import DiscoveryHealth
 from router.edge.admin import AdminApi, is_admin_route
 from router.edge.admission import AdmissionGate, AdmissionSettings
 from router.edge.auth import ClientKeys
+from router.fleet.records import WorkerRecord
 from router.fleet.registry import Worker
 from router.http.server.messages import Request, ResponseWriter
 from router.observability.metrics import CONTENT_TYPE, RouterMetrics
@@ -185,6 +188,7 @@ class RouterApp:
         listing = []
         for worker in self.fleet.workers():
             entry = worker.record.to_json()
+            entry.update(_engine_facts(worker.record))
             entry.update(
                 status=worker.record.status.value,
                 healthy=worker.healthy,
@@ -208,6 +212,17 @@ class RouterApp:
         for pending in self.fleet.pending.values():
             # Named by discovery, not admitted: its engine has not stated what it needs.
             entry = pending.record.to_json()
+            entry.update(_engine_facts(pending.record))
             entry.update(status="PENDING", admitted=False, reason=pending.reason)
             listing.append(entry)
         return 200, b"application/json", orjson.dumps({"workers": listing})
+
+
+def _engine_facts(record: WorkerRecord) -> dict[str, Any]:
+    """What the engine stated of itself, for `/v1/workers`: `engine` is None (null) while
+    its kind is unknown, `max_model_len` None while no limit is known."""
+    return {
+        "engine": record.engine,
+        "max_model_len": record.max_model_len or None,
+        "kv_event_sources": [source.to_json() for source in record.kv_event_sources],
+    }

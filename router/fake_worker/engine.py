@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 import trio
 
+import router.fake_worker.info as info
 from router.api.errors import answer_refusal
-from router.fake_worker import info
 from router.fake_worker.apis import (
     GENERATION_PATHS,
     REQUEST_ID_PREFIX,
@@ -35,6 +36,7 @@ from router.fake_worker.failures import (
     error_body,
     error_body_for,
     serve_failure,
+    vllm_error_body,
 )
 from router.fake_worker.formats import Api, BadGenerationRequest, Generation
 from router.fake_worker.metrics import render_metrics
@@ -64,6 +66,40 @@ async def _bad_request(writer: ResponseWriter, message: str, path: str = "") -> 
     )
 
 
+def _vllm_models(listing: dict[str, Any], max_model_len: int) -> dict[str, Any]:
+    """`GET /v1/models` as vLLM lists a model: its `max_model_len`, `parent` (null: no
+    LoRA adapter) and one permission object."""
+    data = []
+    for model in listing["data"]:
+        permission = {
+            "id": f"modelperm-{model['id']}",
+            "object": "model_permission",
+            "created": model["created"],
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        data.append(
+            {**model, "parent": None, "max_model_len": max_model_len, "permission": [permission]}
+        )
+    return {**listing, "data": data}
+
+
+def _json_error_position(raw: bytes) -> int:
+    """Where a body that is not JSON stops being JSON (vLLM names it in `param`)."""
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return exc.pos
+    return 0
+
+
 class FakeWorker:
     """One fake engine: its settings, live behaviour, counters and HTTP handler.
 
@@ -84,7 +120,11 @@ class FakeWorker:
         self.prefix_cache = (
             PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
         )
-        self._models_body = orjson.dumps(info.models(settings))
+        self._vllm = settings.engine == "vllm"
+        listing = info.models(settings)
+        self._models_body = orjson.dumps(
+            _vllm_models(listing, settings.max_model_len) if self._vllm else listing
+        )
         self._model_info_body = orjson.dumps(info.model_info(settings))
         self._routes: dict[str, tuple[frozenset[str], Route]] = {}
         get, post = frozenset({"GET", "HEAD"}), frozenset({"POST", "PUT"})
@@ -99,8 +139,6 @@ class FakeWorker:
             ("/v1/models", self._models),
             ("/get_model_info", self._model_info),
             ("/model_info", self._model_info),
-            ("/get_server_info", self._server_info),
-            ("/server_info", self._server_info),
             ("/version", self._version),
             ("/v1/loads", self._loads),
             ("/loads", self._loads),
@@ -109,6 +147,13 @@ class FakeWorker:
             ("/debug/routing", self._debug_routing),
         ):
             self._routes[path] = (get, route)
+        # What tells the engines apart (router.discovery.engine_facts): SGLang serves its
+        # server info; vLLM serves neither path, and lists its KV-event publishers.
+        if settings.engine == "sglang":
+            self._routes["/get_server_info"] = (get, self._server_info)
+            self._routes["/server_info"] = (get, self._server_info)
+        else:
+            self._routes["/kv_event_sources"] = (get, self._kv_event_sources)
         self._routes["/debug/behaviour"] = (get | post, self._debug_behaviour)
         self._routes["/debug/reset"] = (post, self._debug_reset)
         self._routes["/flush_cache"] = (get | post, self._flush_cache)
@@ -181,8 +226,20 @@ class FakeWorker:
             streaming = isinstance(body, dict) and body.get("stream") is True
             await self._fail(request, writer, streaming)
             return
+        vllm = self.settings.engine == "vllm" and request.path != "/v1/messages"
         if body is None:
-            await _bad_request(writer, "the request body is not valid JSON", request.path)
+            if vllm:
+                position = _json_error_position(request.body)
+                await self._refuse(
+                    writer,
+                    request.path,
+                    BadGenerationRequest(
+                        f"the request body is not valid JSON (at {position})",
+                        param=f"body.{position}",
+                    ),
+                )
+            else:
+                await _bad_request(writer, "the request body is not valid JSON", request.path)
             return
         rank = self._rank(rank_text)
         if rank is None:
@@ -194,10 +251,24 @@ class FakeWorker:
             )
             return
         api = GENERATION_PATHS[request.path]
+        # vLLM's order: its request schema first, then the model, then the sampling checks.
+        unknown_model = self._unknown_model(body) if vllm else None
         try:
-            gen = parse_request(api, body, behaviour.tokens, self.settings.model)
+            gen = parse_request(
+                api,
+                body,
+                behaviour.tokens,
+                self.settings.model,
+                max_model_len=self.settings.max_model_len if vllm else None,
+            )
         except BadGenerationRequest as exc:
-            await _bad_request(writer, str(exc), request.path)
+            if unknown_model is not None and exc.refused:
+                await writer.respond(404, JSON_HEADERS, unknown_model)
+            else:
+                await self._refuse(writer, request.path, exc)
+            return
+        if unknown_model is not None:
+            await writer.respond(404, JSON_HEADERS, unknown_model)
             return
         gen = self._prefill(api, body, gen)
         load = self.routing.loads[rank]
@@ -233,6 +304,26 @@ class FakeWorker:
             gen, prompt_tokens=tokens, cached_tokens=cached, prefill_s=prefill_s
         )
 
+    def _unknown_model(self, body: object) -> bytes | None:
+        """vLLM's 404 for a model it does not serve (none named: the served one); else None."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model or model == self.settings.model:
+            return None
+        return vllm_error_body(
+            f"The model `{model}` does not exist. Valid aliases: {self.settings.model}.",
+            "NotFoundError",
+            404,
+            "model",
+        )
+
+    async def _refuse(self, writer: ResponseWriter, path: str, exc: BadGenerationRequest) -> None:
+        """A 400 in the engine's error shape for a request it cannot serve."""
+        if self.settings.engine != "vllm" or path == "/v1/messages":
+            await _bad_request(writer, str(exc), path)
+            return
+        type_ = "BadRequestError" if exc.refused else "Bad Request"
+        await writer.respond(400, JSON_HEADERS, vllm_error_body(str(exc), type_, 400, exc.param))
+
     def _rank(self, rank_text: str | None) -> int | None:
         """The DP rank a request runs on: its header, else 0; None when the header is bad."""
         if rank_text is None:
@@ -257,7 +348,7 @@ class FakeWorker:
         if delay_ms > 0:
             await trio.sleep(delay_ms / 1000)
         body = render_unary(
-            gen, self._request_id(gen.api), int(time.time())
+            gen, self._request_id(gen.api), int(time.time()), vllm=self._vllm
         )  # wall-clock: OpenAI `created`
         load.generation_tokens += gen.completion_tokens
         await writer.respond(200, JSON_HEADERS, body)
@@ -266,7 +357,7 @@ class FakeWorker:
         """Stream the events, sleeping between tokens; events between two sleeps go out in
         one write. Cancellation: stops at once; nothing is left behind."""
         frames = stream_frames(
-            gen, self._request_id(gen.api), int(time.time())
+            gen, self._request_id(gen.api), int(time.time()), vllm=self._vllm
         )  # wall-clock: OpenAI `created`
         await writer.start(200, SSE_HEADERS)
         pending: list[bytes] = []
@@ -302,17 +393,19 @@ class FakeWorker:
         )
         request_id, created = self._request_id(gen.api), int(time.time())  # wall-clock: `created`
         if streaming:
-            frames = stream_frames(gen, request_id, created)
+            frames = stream_frames(gen, request_id, created, vllm=self._vllm)
             events = paced_events(frames, behaviour, RankLoad())
             await break_stream(request, writer, events, behaviour.fail_after_chunks)
         else:
-            await break_unary(request, writer, render_unary(gen, request_id, created))
+            body = render_unary(gen, request_id, created, vllm=self._vllm)
+            await break_unary(request, writer, body)
 
     # -- engine info --------------------------------------------------------------------
 
     async def _health(self, request: Request, writer: ResponseWriter) -> None:
         status = 200 if self.ready(trio.current_time()) else 503
-        await writer.respond(status, TEXT_HEADERS, b"")
+        # vLLM answers an empty body with no content type; SGLang's is text.
+        await writer.respond(status, () if self._vllm else TEXT_HEADERS, b"")
 
     async def _models(self, request: Request, writer: ResponseWriter) -> None:
         await writer.respond(200, JSON_HEADERS, self._models_body)
@@ -326,7 +419,10 @@ class FakeWorker:
         )
 
     async def _version(self, request: Request, writer: ResponseWriter) -> None:
-        await _respond_json(writer, 200, {"version": info.FAKE_VERSION})
+        await _respond_json(writer, 200, info.version())
+
+    async def _kv_event_sources(self, request: Request, writer: ResponseWriter) -> None:
+        await _respond_json(writer, 200, info.kv_event_sources())
 
     async def _loads(self, request: Request, writer: ResponseWriter) -> None:
         await _respond_json(writer, 200, info.loads(self.settings, self.routing.loads))

@@ -1,9 +1,14 @@
-"""The read-only engine endpoints a gateway calls when it admits a worker, shaped like SGLang's.
+"""The read-only engine endpoints a gateway calls when it admits a worker.
 
 The SGLang Model Gateway, on `--worker-urls`, waits for `/health` 200, reads `/v1/models`
 (its `owned_by` names the engine: "sglang" or "vllm"), then `/server_info` (falling back to
 `/get_server_info` on 404) for `dp_size`, the model and `max_running_requests`, and
 `/model_info` (or `/get_model_info`). For load it tries `/v1/loads` first, then `/metrics`.
+
+What tells the engines apart is served as each engine serves it: `--engine sglang` answers
+both server-info paths (SGLang's server arguments and `version`); `--engine vllm` answers
+neither (404), `/version` as vLLM does (`{"version": ...}` and nothing else) and
+`/kv_event_sources` as vLLM 0.32 does while it publishes no events (`{}`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,17 @@ def models(settings: FakeWorkerSettings) -> dict[str, Any]:
             }
         ],
     }
+
+
+def version() -> dict[str, Any]:
+    """`GET /version`, in vLLM's shape (an object with `version` only)."""
+    return {"version": FAKE_VERSION}
+
+
+def kv_event_sources() -> dict[str, Any]:
+    """`GET /kv_event_sources` (vLLM only): its publishers by DP rank; the fake publishes
+    no KV-cache events, and vLLM answers an empty object then."""
+    return {}
 
 
 def model_info(settings: FakeWorkerSettings) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 A `WorkerRecord` comes from static flags, a fleet file, an etcd key or a Pod. It is
 validated here (URL, role, DP size, handoff address), so nothing downstream meets a record
 the pool or the PD pairing cannot use. Facts a record leaves to the engine are listed in
-`unknown_facts` and filled in by `router.discovery.engine_facts`; until then the worker is pending.
+`unknown_facts` and filled in by `router.discovery.engine_facts`: until the facts routing
+needs are known (`BLOCKING_FACTS`) the worker is pending; the ones that only describe it
+(`DESCRIPTIVE_FACTS`: the engine's kind and what that kind states of itself) are learned
+while it routes. Unknown stays unknown: a record that names no engine has `engine` None.
 Nothing in the router ever writes `status`: the worker's own registration does.
 """
 
@@ -52,12 +55,33 @@ def disagg_meta(host: str, bootstrap_port: int | str, protocol: str = "mooncake"
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventEndpoint:
+    """Where one DP rank of a worker publishes its KV-cache events (vLLM's
+    `/kv_event_sources`), as data for a policy that subscribes; a `*` host the engine
+    binds on is already replaced by the worker's own host."""
+
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dp_rank": self.dp_rank,
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerRecord:
     id: str
     url: str
     models: tuple[str, ...] = ()
     role: Role = Role.MIXED
-    engine: str = "sglang"
+    engine: str | None = None
+    """`sglang`, `vllm` or another name the record gives; None while unknown (never a guess)."""
     dp_size: int = 1
     dp_rank: int | None = None
     disagg_meta: dict[str, Any] | None = None
@@ -65,6 +89,12 @@ class WorkerRecord:
     unknown_facts: frozenset[str] = frozenset()
     """Facts the record leaves to the engine (`FACTS`): the worker joins the fleet once
     they are learned (router.discovery.engine_facts); until then it is pending."""
+    max_model_len: dict[str, int] = field(default_factory=dict)
+    """Per served model, the longest sequence the engine takes (vLLM's `/v1/models`); empty
+    while unknown."""
+    kv_event_sources: tuple[KvEventEndpoint, ...] = ()
+    """The engine's KV-event publishers, one per DP rank (vLLM's `/kv_event_sources`);
+    empty when the engine publishes none or has not said."""
     api_key: str | None = field(default=None, repr=False)
     """The key the router sends this worker (`Authorization: Bearer`); never listed back."""
 
@@ -111,9 +141,9 @@ class WorkerRecord:
             )
         role = _enum_field(Role, data.get("role", "mixed"), "role")
         status = _enum_field(Status, str(data.get("status", "ACTIVE")).upper(), "status")
-        engine = data.get("engine", "sglang")
-        if not isinstance(engine, str):
-            raise InvalidWorkerRecord(f"'engine' must be a string, got {engine!r}")
+        engine = data.get("engine")
+        if engine is not None and (not isinstance(engine, str) or not engine):
+            raise InvalidWorkerRecord(f"'engine' must be a non-empty string, got {engine!r}")
         dp_size = _int_field(data.get("dp_size", 1), "dp_size", minimum=1)
         if dp_size > MAX_DP_SIZE:
             raise InvalidWorkerRecord(f"'dp_size' must be at most {MAX_DP_SIZE}, got {dp_size}")
@@ -134,6 +164,7 @@ class WorkerRecord:
             unknown = frozenset(
                 {"bootstrap_port"} if "dp_size" in data else {"bootstrap_port", "dp_size"}
             )
+        unknown |= descriptive_facts(engine)
         api_key = data.get("api_key")
         if api_key is not None and (
             not isinstance(api_key, str) or not api_key.isprintable() or " " in api_key
@@ -174,22 +205,47 @@ class WorkerRecord:
         return data
 
 
-FACTS = ("bootstrap_port", "dp_size", "models")
-"""What a record may leave to the engine: a prefill's bootstrap port and the DP size
-(`/get_server_info`), the served models (`/v1/models`)."""
+BLOCKING_FACTS = frozenset({"bootstrap_port", "dp_size", "models"})
+"""Facts a record may leave to the engine that routing needs: a prefill's bootstrap port
+and the DP size (SGLang's server info), the served models (`/v1/models`). The worker is
+pending until they are learned."""
+
+DESCRIPTIVE_FACTS = frozenset({"engine", "max_model_len", "kv_event_sources"})
+"""Facts that describe a worker without deciding whether it can be routed to: the engine's
+kind, and what a vLLM engine states of itself. Learned while the worker routes."""
+
+FACTS = tuple(sorted(BLOCKING_FACTS | DESCRIPTIVE_FACTS))
+
+_LEARNED_FIELDS = {
+    "bootstrap_port": "disagg_meta",
+    "dp_size": "dp_size",
+    "models": "models",
+    "engine": "engine",
+    "max_model_len": "max_model_len",
+    "kv_event_sources": "kv_event_sources",
+}
+
+
+def descriptive_facts(engine: str | None) -> frozenset[str]:
+    """What is left to learn of a worker whose record names `engine` (None: not named):
+    the kind itself when unknown, and the facts only vLLM states (an SGLang engine's are
+    the blocking ones; an engine of another kind is not asked)."""
+    if engine is None:
+        return DESCRIPTIVE_FACTS
+    if engine == "vllm":
+        return frozenset({"max_model_len", "kv_event_sources"})
+    return frozenset()
 
 
 def fill_facts(record: WorkerRecord, learned: WorkerRecord) -> WorkerRecord:
-    """`record` with each fact it leaves open taken from `learned` (a complete record of
-    the same worker); every value `record` gives explicitly stays."""
-    changes: dict[str, Any] = {}
-    if "bootstrap_port" in record.unknown_facts:
-        changes["disagg_meta"] = learned.disagg_meta
-    if "dp_size" in record.unknown_facts:
-        changes["dp_size"] = learned.dp_size
-    if "models" in record.unknown_facts:
-        changes["models"] = learned.models
-    return dataclasses.replace(record, unknown_facts=frozenset(), **changes)
+    """`record` with each fact it leaves open taken from `learned` (a record of the same
+    worker), where `learned` settled it; every value `record` gives explicitly stays. What
+    `learned` still leaves open stays in `unknown_facts`."""
+    settled = record.unknown_facts - learned.unknown_facts
+    changes: dict[str, Any] = {
+        _LEARNED_FIELDS[fact]: getattr(learned, _LEARNED_FIELDS[fact]) for fact in settled
+    }
+    return dataclasses.replace(record, unknown_facts=record.unknown_facts - settled, **changes)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from router.fleet.records import PendingWorker, Role, Status, WorkerRecord, fill_facts
+from router.fleet.records import (
+    BLOCKING_FACTS,
+    PendingWorker,
+    Role,
+    Status,
+    WorkerRecord,
+    fill_facts,
+)
 
 if TYPE_CHECKING:
     from router.fleet.breaker import CircuitBreaker
@@ -48,6 +55,12 @@ class Worker:
     @property
     def role(self) -> Role:
         return self.record.role
+
+    @property
+    def engine(self) -> str | None:
+        """The engine's kind: as the record names it, or as the engine showed it; None
+        while unknown."""
+        return self.record.engine
 
     @property
     def draining(self) -> bool:
@@ -123,8 +136,12 @@ class Fleet:
         """Bumped on every change, so caches keyed on the fleet know when to refresh."""
         self.pending: dict[str, PendingWorker] = {}
         """Workers held out of the fleet until their facts are learned, by id."""
+        self.describing: dict[str, WorkerRecord] = {}
+        """Workers in routing whose descriptive facts (engine kind, ...) are still to be
+        asked, by id: the record as discovery gave it, facts learned so far filled in."""
         self.on_pending: Callable[[], None] | None = None
-        """Called when a worker starts waiting for its facts (the facts service listens)."""
+        """Called when a worker starts waiting for its facts, or routes while its
+        descriptive facts are asked (the facts service listens)."""
         self._learned: dict[str, WorkerRecord] = {}
 
     def __len__(self) -> int:
@@ -160,16 +177,25 @@ class Fleet:
         """Add a worker or replace its record, keeping live state (load, breaker, health).
 
         A record that leaves facts to the engine takes those learned for the same worker
-        at the same URL; when there are none yet, the worker waits in `pending` (out of
-        routing) and None is returned.
+        at the same URL; when a fact routing needs is still unknown, the worker waits in
+        `pending` (out of routing) and None is returned. A worker that only lacks
+        descriptive facts routes at once and waits in `describing` for them.
         """
         if record.unknown_facts:
             learned = self._learned.get(record.id)
-            if learned is None or learned.url != record.url:
+            if learned is not None and learned.url == record.url:
+                record = fill_facts(record, learned)
+            if record.unknown_facts & BLOCKING_FACTS:
                 self._hold(record)
                 return None
-            record = fill_facts(record, learned)
         self.pending.pop(record.id, None)
+        if record.unknown_facts:
+            asked_before = self.describing.get(record.id)
+            self.describing[record.id] = record
+            if asked_before is None and self.on_pending is not None:
+                self.on_pending()
+        else:
+            self.describing.pop(record.id, None)
         worker = self._workers.get(record.id)
         old_url: str | None = None
         if worker is None:
@@ -201,12 +227,22 @@ class Fleet:
         self._learned[offered.id] = learned
         return self.upsert(offered)
 
+    def describe(self, asked: WorkerRecord, learned: WorkerRecord) -> Worker | None:
+        """The facts service learned descriptive facts of `asked` (from `describing`): the
+        worker's record takes them, unless discovery replaced or removed it meanwhile."""
+        if self.describing.get(asked.id) != asked:
+            return None
+        # `asked` carries the blocking facts learned before, so `learned` does too.
+        self._learned[asked.id] = learned
+        return self.upsert(asked)
+
     def _hold(self, record: WorkerRecord) -> None:
         previous = self.pending.get(record.id)
         if previous is None or previous.record.url != record.url:
             self.pending[record.id] = PendingWorker(record)
         else:
             previous.record = record
+        self.describing.pop(record.id, None)
         held_back = self._workers.pop(record.id, None)
         if held_back is not None:
             # Out of routing until its new facts are known: what it left elsewhere goes.
@@ -217,6 +253,7 @@ class Fleet:
 
     def remove(self, worker_id: str) -> Worker | None:
         self.pending.pop(worker_id, None)
+        self.describing.pop(worker_id, None)
         self._learned.pop(worker_id, None)
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
@@ -231,7 +268,12 @@ class Fleet:
         gone = [worker for worker_id, worker in self._workers.items() if worker_id not in keep]
         for worker in gone:
             del self._workers[worker.id]
-        for table in (self.pending, self._learned):
+        tables: tuple[dict[str, PendingWorker] | dict[str, WorkerRecord], ...] = (
+            self.pending,
+            self.describing,
+            self._learned,
+        )
+        for table in tables:
             for worker_id in [wid for wid in table if wid not in keep]:
                 del table[worker_id]
         for record in records:

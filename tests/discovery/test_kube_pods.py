@@ -15,7 +15,7 @@ from router.discovery.kube_pods import (
     pod_record,
     pod_sources,
 )
-from router.fleet.records import InvalidWorkerRecord, Role
+from router.fleet.records import DESCRIPTIVE_FACTS, InvalidWorkerRecord, Role
 from router.fleet.registry import Fleet
 from tests.support.fake_kube_api import make_pod
 
@@ -101,17 +101,21 @@ def test_annotations_give_port_model_role_dp_size_and_the_bootstrap_port() -> No
         4,
         "10.1.2.3:9000",
     )
-    assert record.unknown_facts == frozenset()
+    assert record.unknown_facts == frozenset() and record.engine == "sglang"
 
 
 def test_what_the_annotations_leave_out_is_left_to_the_engine() -> None:
     record = pod_record(PodFacts.of(pod(annotations={})), Role.PREFILL, 8000)
     assert record.url == "http://10.1.2.3:8000"
-    assert record.unknown_facts == {"models", "dp_size", "bootstrap_port"}
+    assert record.unknown_facts == {"models", "dp_size", "bootstrap_port"} | DESCRIPTIVE_FACTS
+    assert record.engine is None  # no annotation: the engine's answers will tell, no guess
     decode = pod_record(
         PodFacts.of(pod(annotations={"trio-router/engine": "vllm"})), Role.DECODE, 8000
     )
-    assert decode.unknown_facts == {"models"} and decode.dp_size == 1  # vLLM states no DP size
+    assert decode.engine == "vllm"  # the annotation wins: the kind is not asked
+    # vLLM states no DP size; it is asked only what vLLM states of itself.
+    assert decode.unknown_facts == {"models", "max_model_len", "kv_event_sources"}
+    assert decode.dp_size == 1
     v6 = pod_record(PodFacts.of(pod(ip="fd00::5")), Role.MIXED, 8000)
     assert v6.url == "http://[fd00::5]:8000"
 

@@ -10,6 +10,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.discovery.engine_facts import is_sglang_server_info, is_vllm_version
 from router.fake_worker.behaviour import Behaviour, FailMode, InvalidBehaviour
 from router.fake_worker.engine import FakeWorker
 from router.fake_worker.formats import expected_text
@@ -323,6 +324,28 @@ async def test_unknown_path_is_404_and_wrong_method_is_405() -> None:
     assert worker.routing.dispatches == 0
 
 
+async def test_each_engine_answers_the_routes_that_tell_engines_apart_as_it_does() -> None:
+    sglang = FakeWorker(FakeWorkerSettings(engine="sglang"))
+    for path in ("/get_server_info", "/server_info"):
+        info = await call(sglang, "GET", path)
+        assert info.status == 200 and is_sglang_server_info(info.json())
+    assert (await call(sglang, "GET", "/kv_event_sources")).status == 404  # vLLM's only
+
+    vllm = FakeWorker(FakeWorkerSettings(engine="vllm"))
+    for path in ("/get_server_info", "/server_info"):
+        assert (await call(vllm, "GET", path)).status == 404  # vLLM serves neither
+    version = await call(vllm, "GET", "/version")
+    assert version.status == 200 and is_vllm_version(version.json())
+    # vLLM 0.32 with KV events off: the route answers, with no publisher
+    sources = await call(vllm, "GET", "/kv_event_sources")
+    assert sources.status == 200 and sources.json() == {}
+    models = (await call(vllm, "GET", "/v1/models")).json()
+    assert isinstance(models, dict)
+    assert [(m["id"], m["max_model_len"], m["owned_by"]) for m in models["data"]] == [
+        ("fake-model", vllm.settings.max_model_len, "vllm")
+    ]
+
+
 async def test_stream_pace_follows_ttft_and_token_latency(autojump_clock: object) -> None:
     worker = FakeWorker(FakeWorkerSettings(ttft_ms=100, token_latency_ms=10))
     start = trio.current_time()
@@ -579,3 +602,92 @@ async def test_engine_info_endpoints_describe_the_worker() -> None:
     assert (await call(worker, "GET", "/version")).status == 200
     legacy = (await call(worker, "GET", "/get_load")).json()
     assert isinstance(legacy, list) and len(legacy) == 4
+
+
+# -- vLLM's rules and shapes (tests/engine/test_fake_fidelity.py holds them to vLLM) -------
+
+
+async def test_a_stream_of_n_choices_sends_one_choice_per_event() -> None:
+    for engine in ("sglang", "vllm"):
+        worker = FakeWorker(FakeWorkerSettings(engine=engine))
+        reply = await call(
+            worker, "POST", "/v1/chat/completions", chat(max_tokens=2, n=2, stream=True)
+        )
+        chunks = [orjson.loads(e) for e in reply.events()[:-1]]
+        assert all(len(c["choices"]) == 1 for c in chunks)
+        choices = [c["choices"][0] for c in chunks]
+        kinds = [
+            (c["index"], "role" if "role" in c["delta"] else c["finish_reason"] or "token")
+            for c in choices
+        ]
+        tokens = [(0, "token"), (1, "token")] * 2
+        assert kinds == [(0, "role"), (1, "role"), *tokens, (0, "length"), (1, "length")]
+
+
+async def test_vllm_answers_404_for_a_model_it_does_not_serve_and_sglang_serves_it() -> None:
+    vllm = FakeWorker(FakeWorkerSettings(engine="vllm"))
+    reply = await call(vllm, "POST", "/v1/chat/completions", chat(model="other"))
+    assert reply.status == 404
+    assert reply.json() == {
+        "error": {
+            "message": "The model `other` does not exist. Valid aliases: fake-model.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    assert (await call(vllm, "POST", "/v1/completions", {"prompt": "a"})).status == 200
+    sglang = FakeWorker(FakeWorkerSettings(engine="sglang"))
+    assert (await call(sglang, "POST", "/v1/chat/completions", chat(model="other"))).status == 200
+
+
+@pytest.mark.parametrize(
+    ("limit", "message"),
+    [
+        (0, "max_tokens must be at least 1, got 0."),
+        (-1, "max_tokens must be at least 1, got -1."),
+        (9, "max_tokens=9 cannot be greater than max_model_len=8."),
+    ],
+)
+async def test_vllm_refuses_max_tokens_outside_one_to_max_model_len(
+    limit: int, message: str
+) -> None:
+    vllm = FakeWorker(FakeWorkerSettings(engine="vllm", max_model_len=8))
+    reply = await call(vllm, "POST", "/v1/completions", {"prompt": "a", "max_tokens": limit})
+    assert reply.status == 400
+    error = reply.json()["error"]  # type: ignore[call-overload, index]
+    assert error["message"].startswith(message)
+    assert (error["type"], error["param"], error["code"]) == ("BadRequestError", "max_tokens", 400)
+    ok = await call(vllm, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 8})
+    assert ok.status == 200
+    sglang = FakeWorker(FakeWorkerSettings(engine="sglang"))
+    assert (
+        await call(sglang, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 0})
+    ).status == 200
+
+
+async def test_vllm_schema_errors_are_bad_request_naming_the_body_field() -> None:
+    vllm = FakeWorker(FakeWorkerSettings(engine="vllm"))
+    not_json = (await call(vllm, "POST", "/v1/chat/completions", b"{not json")).json()
+    assert not_json["error"]["type"] == "Bad Request"  # type: ignore[call-overload, index]
+    assert not_json["error"]["param"] == "body.1"  # type: ignore[call-overload, index]
+    bad = (await call(vllm, "POST", "/v1/chat/completions", {"messages": "hi"})).json()
+    assert bad["error"]["param"] == "body.messages"  # type: ignore[call-overload, index]
+    sglang = FakeWorker(FakeWorkerSettings(engine="sglang"))
+    old = (await call(sglang, "POST", "/v1/chat/completions", b"{not json")).json()
+    assert old["error"]["type"] == "invalid_request_error"  # type: ignore[call-overload, index]
+
+
+async def test_vllm_info_routes_and_metrics_have_vllms_keys_and_labels() -> None:
+    vllm = FakeWorker(FakeWorkerSettings(engine="vllm", max_model_len=512))
+    health = await call(vllm, "GET", "/health")
+    assert (health.status, health.headers, health.body) == (200, {}, b"")
+    (model,) = (await call(vllm, "GET", "/v1/models")).json()["data"]  # type: ignore[call-overload, index]
+    assert model["parent"] is None and model["max_model_len"] == 512
+    assert [p["object"] for p in model["permission"]] == ["model_permission"]
+    tokens = (await call(vllm, "POST", "/tokenize", {"prompt": "a b"})).json()
+    assert tokens["max_model_len"] == 512 and tokens["token_strs"] is None  # type: ignore[call-overload, index]
+    metrics = (await call(vllm, "GET", "/metrics")).body.decode()
+    assert 'vllm:num_requests_running{engine="0",model_name="fake-model"} 0.0' in metrics
+    unary = (await call(vllm, "POST", "/v1/chat/completions", chat())).json()
+    assert unary["system_fingerprint"] and unary["choices"][0]["stop_reason"] is None  # type: ignore[call-overload, index]

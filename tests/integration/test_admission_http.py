@@ -39,6 +39,10 @@ class HeldWorker:
         if request.path == "/health":
             await writer.respond(200, [], b"")
             return
+        if request.method != "POST":
+            # What the router asks an engine of itself (its kind): nothing this worker serves.
+            await writer.respond(404, [], b"")
+            return
         self.received += 1
         self.holding += 1
         try:

@@ -1,5 +1,6 @@
 """An etcd record of a prefill without a bootstrap address learns it from the engine, as a
-static `--worker` does; until then the worker is pending, out of routing."""
+static `--worker` does; until then the worker is pending, out of routing. A record without
+`engine` learns the engine's kind while it routes; one that names it keeps it."""
 
 from __future__ import annotations
 
@@ -55,3 +56,34 @@ async def test_an_etcd_prefill_without_bootstrap_addr_learns_it_from_the_engine(
             nursery.cancel_scope.cancel()
     assert [h["bootstrap_port"] for h in decode.worker.routing.handoffs] == [9777] * 3
     assert prefill.worker.routing.paths.get("/get_server_info") == 1
+
+
+async def test_an_etcd_record_without_engine_learns_the_kind_and_an_explicit_one_wins(
+    etcd: EtcdServer,
+) -> None:
+    settings = [FakeWorkerSettings(engine="vllm"), FakeWorkerSettings(engine="sglang")]
+    with trio.fail_after(30):
+        async with open_fake_fleet(settings) as (vllm, sglang), trio.open_nursery() as nursery:
+            await register(nursery, etcd.url, WorkerRecord("v", vllm.url, (MODEL,)), lease_ttl_s=5)
+            # The record names its engine (wrongly, even): the record wins, nothing is asked.
+            await register(
+                nursery,
+                etcd.url,
+                WorkerRecord("s", sglang.url, (MODEL,), engine="vllm"),
+                lease_ttl_s=5,
+            )
+            async with open_router(
+                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
+            ) as router:
+                await wait_until(lambda: len(router.fleet) == 2 and not router.fleet.describing)
+                async with httpx.AsyncClient(base_url=router.url) as client:
+                    listing = (await client.get("/v1/workers")).json()["workers"]
+            nursery.cancel_scope.cancel()
+    engines = {entry["id"]: entry["engine"] for entry in listing}
+    assert engines == {"v": "vllm", "s": "vllm"}
+    assert next(e for e in listing if e["id"] == "v")["max_model_len"] == {
+        MODEL: vllm.worker.settings.max_model_len
+    }
+    assert vllm.worker.routing.paths.get("/version") == 1
+    assert "/get_server_info" not in sglang.worker.routing.paths
+    assert "/version" not in sglang.worker.routing.paths

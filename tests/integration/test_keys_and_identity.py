@@ -316,6 +316,8 @@ async def test_a_worker_that_guards_its_models_list_is_asked_with_the_worker_key
                 [f"http://127.0.0.1:{port}"], api_key=CLIENT_KEY, worker_api_key=WORKER_KEY
             ) as router:
                 assert router.fleet.models() == ["guarded"]
+                # the engine's kind is asked too (its server info), with the same key
+                await wait_until(lambda: not router.fleet.describing)
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     response = await client.post(
                         "/v1/chat/completions",
@@ -324,4 +326,4 @@ async def test_a_worker_that_guards_its_models_list_is_asked_with_the_worker_key
                     )
                     assert response.status_code == 200
             nursery.cancel_scope.cancel()
-    assert asked_with == [f"Bearer {WORKER_KEY}".encode()] * 2
+    assert asked_with == [f"Bearer {WORKER_KEY}".encode()] * 3

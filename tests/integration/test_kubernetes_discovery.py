@@ -1,6 +1,7 @@
 """The router following Pods on a fake Kubernetes API server, with fake workers standing
 in for the Pods: Ready, graceful deletion with a stream in flight, 410 relists, the API
-server going away, PD pools from two selectors, a rotated token.
+server going away, PD pools from two selectors, a rotated token, the engine's kind learned
+unless annotated.
 
 Timings printed here ("... within N ms") are functional bounds on event handling; the
 asserted bounds are loose so a loaded 2-core machine passes; the medians over 20 runs are
@@ -19,6 +20,7 @@ import pytest
 import trio
 
 from router.cli.serve import RunningRouter
+from router.discovery.kube_pods import ENGINE_ANNOTATION
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fleet.records import Status
@@ -357,3 +359,30 @@ async def test_a_rotated_token_file_is_read_again(tmp_path: Path) -> None:
                 sum(1 for method, _ in api.requests if method == "GET") >= 3
             )  # list, watch, watch
             nursery.cancel_scope.cancel()
+
+
+async def test_a_pod_without_the_engine_annotation_learns_the_kind_and_the_annotation_wins(
+    tmp_path: Path,
+) -> None:
+    api = FakeKubeApi()
+    settings = [FakeWorkerSettings(engine="vllm"), FakeWorkerSettings(engine="sglang")]
+    with trio.fail_after(30):
+        async with open_fake_fleet(settings) as (vllm, sglang):
+            # Model and DP size annotated; the engine's kind left to its answers.
+            learned = worker_pod(vllm, "v-0", APP)
+            del learned["metadata"]["annotations"][ENGINE_ANNOTATION]
+            api.add_pod(learned)
+            # Annotated (wrongly, even): the annotation wins and the kind is not asked.
+            api.add_pod(worker_pod(sglang, "s-0", APP, **{ENGINE_ANNOTATION: "vllm"}))
+            async with (
+                open_kube(tmp_path, api) as router,
+                httpx.AsyncClient(base_url=router.url) as client,
+            ):
+                await wait_until(lambda: len(router.fleet) == 2 and not router.fleet.describing)
+                listing = (await client.get("/v1/workers")).json()["workers"]
+                served = {await chat(client) for _ in range(4)}
+    engines = {entry["id"]: entry["engine"] for entry in listing}
+    assert engines == {pod_id("v-0"): "vllm", pod_id("s-0"): "vllm"}
+    assert served == {pod_id("v-0"), pod_id("s-0")}
+    assert vllm.worker.routing.paths.get("/version") == 1
+    assert "/get_server_info" not in sglang.worker.routing.paths

@@ -11,7 +11,12 @@ from typing import Any
 
 import yaml
 
-from router.discovery.kube_pods import DP_SIZE_ANNOTATION, MODEL_ANNOTATION, PORT_ANNOTATION
+from router.discovery.kube_pods import (
+    DP_SIZE_ANNOTATION,
+    ENGINE_ANNOTATION,
+    MODEL_ANNOTATION,
+    PORT_ANNOTATION,
+)
 from tests.support.fake_fleet import FakeWorkerHandle
 from tests.support.fake_kube_api import FakeKubeApi, make_pod
 
@@ -47,10 +52,11 @@ def worker_pod(
     facts_in_annotations: bool = True,
     **annotations: str,
 ) -> dict[str, Any]:
-    """A Pod for `handle`; with `facts_in_annotations` its model and DP size are annotated
-    (so the router needs no question to the engine), else left to the engine."""
+    """A Pod for `handle`; with `facts_in_annotations` its model, DP size and engine kind
+    are annotated (so the router needs no question to the engine), else left to the engine."""
     notes = {PORT_ANNOTATION: str(handle.port), **annotations}
     if facts_in_annotations:
         notes.setdefault(MODEL_ANNOTATION, handle.settings.model)
         notes.setdefault(DP_SIZE_ANNOTATION, str(handle.settings.dp_size))
+        notes.setdefault(ENGINE_ANNOTATION, handle.settings.engine)
     return make_pod(name, labels=labels, annotations=notes, ready=ready)
