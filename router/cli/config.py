@@ -98,6 +98,10 @@ class Settings:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
+    kv_overlap_weight: float = 1.0
+    kv_tokenizer: str = ""
     api_key: str = ""
     api_keys_file: str = ""
     protect_metrics: bool = False

@@ -42,6 +42,7 @@ from router.http.server.load import ServerLoad
 from router.http.server.loop import serve_http
 from router.http.server.settings import ServerSettings
 from router.http.upstream.pool import PoolSettings, open_upstream_pool
+from router.kv_events.fleet_views import KvEvents, KvEventsSettings, KvIndexes, serve_kv_events
 from router.observability.metrics import RouterMetrics
 from router.observability.request_id import current_request_id
 from router.observability.runtime_metrics import TaskCollector
@@ -50,6 +51,13 @@ from router.pipeline.dispatch import Timeouts
 from router.pipeline.service import FailoverSettings, GenerationService
 from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
 from router.policies.cache_aware import CacheAwareSettings
+from router.policies.kv_aware import (
+    HfTokenizer,
+    KvAware,
+    KvAwareCollector,
+    KvAwareSettings,
+    KvPolicyInputs,
+)
 
 log = logging.getLogger("router")
 EXIT_BAD_SETTINGS = 2
@@ -119,6 +127,16 @@ def client_keys(settings: Settings) -> ClientKeys:
         return ClientKeys(settings.api_key, settings.api_keys_file)
     except KeysFileError as error:
         raise ConfigError(str(error)) from None
+
+
+def kv_tokenizer(settings: Settings) -> HfTokenizer | None:
+    """The `--kv-tokenizer` file, loaded; ConfigError when it cannot be used."""
+    if not settings.kv_tokenizer:
+        return None
+    try:
+        return HfTokenizer(settings.kv_tokenizer)
+    except ValueError as error:
+        raise ConfigError(f"--kv-tokenizer: {error}") from None
 
 
 def failover_settings(settings: Settings) -> FailoverSettings:
@@ -239,7 +257,12 @@ async def run_router(
         # Before discovery, so a worker named without its facts is asked at once.
         await nursery.start(
             partial(
-                serve_engine_facts, fleet, http, FactsSettings(timeout_s=settings.health_timeout_s)
+                serve_engine_facts,
+                fleet,
+                http,
+                FactsSettings(
+                    timeout_s=settings.health_timeout_s, worker_api_key=settings.worker_api_key
+                ),
             )
         )
         discovery: DiscoveryHealth = await nursery.start(
@@ -269,7 +292,41 @@ async def run_router(
                 discovery_owns_fleet=settings.discovery != "static",
                 drain_timeout_s=settings.shutdown_grace_s,
             )
-        generation = GenerationService(failover_settings(settings), fleet, pool, metrics)
+        kv_indexes = KvIndexes()
+        kv_events: KvEvents | None = None
+        failover = failover_settings(settings)
+        if "kv_aware" in (settings.policy, settings.prefill_policy, settings.decode_policy):
+            # The engines' own cache views: subscriptions follow the fleet.
+            kv_events = KvEvents(
+                fleet,
+                kv_indexes,
+                KvEventsSettings(
+                    port=settings.kv_events_port, replay_port=settings.kv_events_replay_port
+                ),
+            )
+            await nursery.start(serve_kv_events, kv_events)
+            failover = dataclasses.replace(
+                failover,
+                kv=KvPolicyInputs(
+                    KvAwareSettings(overlap_weight=settings.kv_overlap_weight),
+                    kv_indexes,
+                    trio.current_time,
+                    kv_tokenizer(settings),
+                ),
+            )
+        generation = GenerationService(failover, fleet, pool, metrics)
+        # Registered under every policy, so the families exist (empty) whatever is chosen.
+        metrics.registry.register(
+            KvAwareCollector(
+                {
+                    role: policy
+                    for role, policy in generation.policies.items()
+                    if isinstance(policy, KvAware)
+                },
+                kv_events.statistics if kv_events is not None else None,
+                kv_indexes,
+            )
+        )
         await nursery.start(generation.runner.stalls.serve)
         app = RouterApp(
             generation,
@@ -402,6 +459,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         settings = load_settings(args)
         client_keys(settings)  # a bad keys file stops the start, like any bad setting
+        kv_tokenizer(settings)  # and so does a tokenizer file that cannot be loaded
     except ConfigError as error:
         print(f"router serve: {error}", file=sys.stderr)
         return EXIT_BAD_SETTINGS

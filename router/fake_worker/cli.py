@@ -13,7 +13,12 @@ import sys
 import trio
 
 from router.fake_worker.behaviour import FailMode
-from router.fake_worker.engine import serve_fake_worker
+from router.fake_worker.engine import FakeWorker, serve_fake_worker
+from router.fake_worker.kv_publisher import (
+    KvEventPublisher,
+    publisher_settings,
+    serve_kv_publisher,
+)
 from router.fake_worker.registration import (
     FakeRegistration,
     add_registration_arguments,
@@ -40,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--pd-protocol", choices=PD_PROTOCOLS, default="mooncake")
     where.add_argument(
         "--bootstrap-port", type=int, default=8998, help="advertised only; nothing listens there"
+    )
+    where.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="vLLM's context length: the bound on max_tokens (--engine vllm; default 2048)",
     )
     where.add_argument(
         "--max-concurrency", type=int, default=0, help="running requests at most; 0 = unlimited"
@@ -74,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="time to first token grows by this per prompt token not found in the cache",
+    )
+    pace.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help="publish the prefix cache's KV events as vLLM does (ZMQ PUB on this port, replay on port + 1); 0 = off",
     )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
@@ -138,7 +155,16 @@ async def _serve(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve, then end the command once the server returned after a graceful shutdown."""
-    await serve_fake_worker(settings, shutdown=shutdown, task_status=task_status)
+    worker = FakeWorker(settings)
+    async with trio.open_nursery() as nursery:
+        if settings.kv_events_port and worker.prefix_cache is not None:
+            await nursery.start(
+                serve_kv_publisher,
+                worker.prefix_cache,
+                KvEventPublisher(publisher_settings(settings)),
+            )
+        await serve_fake_worker(settings, worker=worker, shutdown=shutdown, task_status=task_status)
+        nursery.cancel_scope.cancel()
     done.cancel()
 
 

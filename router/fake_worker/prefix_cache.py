@@ -14,13 +14,19 @@ prefix up to it is the same. Only full blocks are cached, and at least the last 
 token is always computed, as in the engines. Least recently used blocks go first once
 the cache holds more than its capacity in tokens; a prompt's blocks are touched from its
 end back to its start, so a shared prefix outlives the tails that hang off it.
+
+What the cache stores, evicts and clears it tells its `listener` (`CacheListener`), in
+the order it happens: the fake's KV-event publisher (`router.fake_worker.kv_publisher`)
+turns that into vLLM's events. A block's token ids are its ids as given, or for text one
+id per 4 bytes, the bytes read as a little-endian integer (`block_token_ids`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 BLOCK_TOKENS = 16
 BYTES_PER_TOKEN = 4
@@ -84,12 +90,36 @@ def _text_prompt(text: str) -> Prompt:
     return Prompt(blocks, -(-len(data) // BYTES_PER_TOKEN))
 
 
+def block_token_ids(block: object) -> list[int]:
+    """The token ids of one cached block (see the module docstring)."""
+    if isinstance(block, bytes):
+        return [
+            int.from_bytes(block[i : i + BYTES_PER_TOKEN], "little")
+            for i in range(0, len(block), BYTES_PER_TOKEN)
+        ]
+    assert isinstance(block, tuple)
+    return list(block)
+
+
+class CacheListener(Protocol):
+    """Told of every change to a `PrefixCache`, synchronously, in order."""
+
+    def stored(self, parent: int | None, keys: Sequence[int], blocks: Sequence[object]) -> None:
+        """`keys` (a chain, each the child of the one before; the first the child of
+        `parent`, None for the prompt's start) were stored, holding `blocks`."""
+
+    def removed(self, keys: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class PrefixCache:
     """An LRU of prompt blocks bounded to `capacity_tokens` (whole blocks)."""
 
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_blocks = capacity_tokens // BLOCK_TOKENS
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.listener: CacheListener | None = None
 
     def __len__(self) -> int:
         """Tokens held now."""
@@ -97,6 +127,8 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._blocks.clear()
+        if self.listener is not None:
+            self.listener.cleared()
 
     def serve(self, prompt: Prompt) -> int:
         """Prefill `prompt`: how many of its tokens were cached; its blocks are cached after."""
@@ -111,9 +143,30 @@ class PrefixCache:
             if key not in blocks:
                 break
             hits += 1
+        listener = self.listener
+        if listener is not None:
+            self._report_stored(listener, keys, prompt.blocks)
         for key in reversed(keys):
             blocks[key] = None
             blocks.move_to_end(key)
+        evicted: list[int] = []
         while len(blocks) > self.capacity_blocks:
-            blocks.popitem(last=False)
+            evicted.append(blocks.popitem(last=False)[0])
+        if listener is not None and evicted:
+            listener.removed(evicted)
         return max(0, min(hits * BLOCK_TOKENS, prompt.tokens - 1))
+
+    def _report_stored(
+        self, listener: CacheListener, keys: list[int], prompt_blocks: tuple[object, ...]
+    ) -> None:
+        # One report per run of blocks not held yet, each chained to the block before it.
+        start: int | None = None
+        for i, key in enumerate([*keys, None]):
+            new = key is not None and key not in self._blocks
+            if new and start is None:
+                start = i
+            elif not new and start is not None:
+                listener.stored(
+                    keys[start - 1] if start > 0 else None, keys[start:i], prompt_blocks[start:i]
+                )
+                start = None

@@ -43,6 +43,13 @@ class FakeWorkerSettings:
     embedding_dim: int = 16
     cache_tokens: int = 0
     prefill_us_per_token: float = 0.0
+    max_model_len: int = 2048
+    """vLLM's context length (`--engine vllm`): what `/v1/models` and `/tokenize` report and
+    the bound on `max_tokens`. 2048 is the tiny model's of the engine tests
+    (docs/real-engines.md); `--engine sglang` keeps its own `context_length`."""
+    kv_events_port: int = 0
+    """The KV-event PUB port (replay ROUTER at port + 1); 0: no events
+    (`router.fake_worker.kv_publisher`). Needs the prefix cache (`cache_tokens`)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -65,6 +72,14 @@ class FakeWorkerSettings:
             raise ValueError(f"embedding_dim must be between 1 and 65536, got {self.embedding_dim}")
         if self.cache_tokens < 0:
             raise ValueError(f"cache_tokens must be >= 0, got {self.cache_tokens}")
+        if not 0 <= self.kv_events_port <= 65534:
+            raise ValueError(
+                f"kv_events_port must be between 0 and 65534, got {self.kv_events_port}"
+            )
+        if self.kv_events_port and not self.cache_tokens:
+            raise ValueError("kv_events_port needs a prefix cache: set cache_tokens")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not self.prefill_us_per_token >= 0:
             raise ValueError(f"prefill_us_per_token must be >= 0, got {self.prefill_us_per_token}")
         if not self.model:

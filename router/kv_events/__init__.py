@@ -3,8 +3,10 @@
 Owns the decoding of the engines' ZMQ event messages (`decode`), the per-model index of
 which worker and DP rank holds which block under keys the router computes itself
 (`index`), and the subscription task that keeps one worker rank's view in step,
-repairing gaps from the engine's replay socket (`subscription`). It imports nothing
-else of `router`: the fleet starts and stops subscriptions, the policy reads the index.
+repairing gaps from the engine's replay socket (`subscription`), and the service that
+runs one subscription per worker rank while the worker is in the fleet
+(`fleet_views`, the only module here that reads `router.fleet`). The policy
+(`router.policies.kv_aware`) reads the indexes.
 """
 
 from router.kv_events.decode import (
@@ -18,6 +20,14 @@ from router.kv_events.decode import (
     KvEvent,
     decode_batch,
     decode_message,
+)
+from router.kv_events.fleet_views import (
+    KvEvents,
+    KvEventsSettings,
+    KvEventsStatistics,
+    KvIndexes,
+    serve_kv_events,
+    worker_sources,
 )
 from router.kv_events.index import (
     IndexSettings,
@@ -50,7 +60,11 @@ __all__ = [
     "Key",
     "KvEvent",
     "KvEventSource",
+    "KvEvents",
+    "KvEventsSettings",
+    "KvEventsStatistics",
     "KvIndex",
+    "KvIndexes",
     "KvSubscription",
     "MatchResult",
     "SubscriptionSettings",
@@ -60,5 +74,7 @@ __all__ = [
     "chain_key",
     "decode_batch",
     "decode_message",
+    "serve_kv_events",
     "serve_kv_subscription",
+    "worker_sources",
 ]

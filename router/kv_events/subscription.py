@@ -30,6 +30,9 @@ Sequence rules (per subscription):
   PUB dropped before; a batch still lost in the remaining window (after the catch-up
   replay was answered, before the subscription took effect) shows as a gap at the next
   batch and is replayed then.
+- a lost connection (the SUB socket's monitor reports it): the view is unknown from
+  then on, since the publisher's cache may change unseen; the reconnect's replay makes
+  it known again (a publisher that never comes back leaves it unknown).
 - an undecodable batch whose seq can be read: counted, logged once, and the view is
   unknown (its events are lost; replaying the same bytes would not help).
 
@@ -72,9 +75,12 @@ logger = logging.getLogger("router.kv_events")
 REASON_REPLAYING = "replaying the engine's event buffer"
 REASON_REPLAY_FAILED = "replay socket did not answer: gap not repaired yet"
 REASON_NO_REPLAY = "no replay endpoint: a gap cannot be repaired"
+REASON_DISCONNECTED = "publisher disconnected: its cache may change unseen"
 # What a successful replay repairs. Any other reason (a lost batch, an event the index
 # could not apply) waits for an AllBlocksCleared or a full rebuild from seq 0.
-_REPAIRABLE = (REASON_REPLAYING, REASON_REPLAY_FAILED)
+_REPAIRABLE = (REASON_REPLAYING, REASON_REPLAY_FAILED, REASON_DISCONNECTED)
+# What the monitor pump sends for a lost connection (None: a connection made).
+_DISCONNECTED: list[bytes] = []
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,9 @@ class SubscriptionStatistics:
     connects: int
     """SUB connections made (each followed by a catch-up replay)."""
     reconnects: int
+    disconnects: int
+    """Connections to the publisher lost (the view is unknown until the reconnect's
+    replay)."""
     unknown_views: int
     """Times this subscription found its view could not be kept whole."""
     rank_mismatches: int
@@ -140,6 +149,7 @@ class _Counters:
     restarts: int = 0
     connects: int = 0
     reconnects: int = 0
+    disconnects: int = 0
     unknown_views: int = 0
     rank_mismatches: int = 0
 
@@ -190,6 +200,7 @@ class KvSubscription:
             restarts=c.restarts,
             connects=c.connects,
             reconnects=c.reconnects,
+            disconnects=c.disconnects,
             unknown_views=c.unknown_views,
             rank_mismatches=c.rank_mismatches,
             last_seq=self._last_applied,
@@ -216,7 +227,7 @@ class KvSubscription:
             sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.reconnect_max_s * 1000))
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic)
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             monitor.setsockopt(zmq.LINGER, 0)
             try:
                 sub.connect(self.source.endpoint)
@@ -264,6 +275,8 @@ class KvSubscription:
                 item = await receive.receive()
             if item is None:
                 await self._on_connected()
+            elif item is _DISCONNECTED:
+                self._on_disconnected()
             else:
                 await self._on_message(item)
             self._notify()
@@ -281,6 +294,18 @@ class KvSubscription:
         if self._repair_from is None:
             await self._replay(self._last_applied + 1)
         self._counters.connects += 1
+
+    def _on_disconnected(self) -> None:
+        # The publisher is gone (an engine killed, a network cut): whatever its cache does
+        # now is not seen, so the view is not read until the reconnect's replay repairs it.
+        self._counters.disconnects += 1
+        logger.warning(
+            "kv events: lost the publisher of worker %s rank %s (%s); its view is unknown",
+            self.source.worker_id,
+            self.source.dp_rank,
+            self.source.endpoint,
+        )
+        self._unknown(REASON_DISCONNECTED)
 
     async def _on_message(self, frames: list[bytes]) -> None:
         seq: int | None = None
@@ -409,7 +434,9 @@ class KvSubscription:
         self._retry_delay = self.settings.retry_initial_s
         # Known again only if nothing else went wrong meanwhile.
         reason = self.index.view_reason(self.view)
-        if reason == REASON_REPLAY_FAILED or (rebuild and reason == REASON_REPLAYING):
+        if reason in (REASON_REPLAY_FAILED, REASON_DISCONNECTED) or (
+            rebuild and reason == REASON_REPLAYING
+        ):
             self.index.mark_known(self.view)
 
     # -- applying ----------------------------------------------------------------------
@@ -524,8 +551,11 @@ async def _pump_connects(
     async with send:
         while True:
             frames = await _recv_multipart(monitor, fd)
-            if parse_monitor_message(frames)["event"] == zmq.EVENT_CONNECTED:
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_CONNECTED:
                 await send.send(None)
+            elif event == zmq.EVENT_DISCONNECTED:
+                await send.send(_DISCONNECTED)
 
 
 def _close(sock: zmq.Socket[bytes]) -> None:

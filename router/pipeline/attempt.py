@@ -191,7 +191,9 @@ class AttemptRunner:
     def pick(self, plan: Plan, role: Role, ctx: RequestContext) -> Worker | None:
         """The role's policy pick among the plan's candidates the request has not tried."""
         generation = ctx.generation
-        key = PolicyKey(generation.model, role, ctx.key_bytes, generation.routing_text)
+        key = PolicyKey(
+            generation.model, role, ctx.key_bytes, generation.routing_text, generation.body
+        )
         return pick_excluding(
             self.policies[role], key, plan.legs[role].candidates, ctx.log.tried[role]
         )

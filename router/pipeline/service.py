@@ -35,6 +35,7 @@ from router.pipeline.resolve import GenerationRequest, parse_generation_request
 from router.pipeline.wait import WorkerWait, WorkerWaitSettings
 from router.policies.by_name import make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
+from router.policies.kv_aware import KvPolicyInputs
 from router.policies.routing_keys import routing_key, routing_text
 
 log = logging.getLogger("router.failover")
@@ -58,6 +59,7 @@ class FailoverSettings:
     retry_after_s: float
     model_memory_s: float
     worker_api_key: str
+    kv: KvPolicyInputs | None = None
 
 
 class GenerationService:
@@ -72,9 +74,11 @@ class GenerationService:
         self.pool = pool
         self.metrics = metrics
         self.policies = {
-            Role.MIXED: make_policy(settings.policy, cache=settings.cache),
-            Role.PREFILL: make_policy(settings.prefill_policy, cache=settings.cache),
-            Role.DECODE: make_policy(settings.decode_policy, cache=settings.cache),
+            Role.MIXED: make_policy(settings.policy, cache=settings.cache, kv=settings.kv),
+            Role.PREFILL: make_policy(
+                settings.prefill_policy, cache=settings.cache, kv=settings.kv
+            ),
+            Role.DECODE: make_policy(settings.decode_policy, cache=settings.cache, kv=settings.kv),
         }
         cache_aware = {
             role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)

@@ -2,6 +2,7 @@
 
 from router.policies.by_name import POLICY_NAMES, make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
+from router.policies.kv_aware import KvAware, KvAwareCollector, KvAwareSettings, KvPolicyInputs
 from router.policies.policy import Policy, PolicyKey, pick_excluding
 from router.policies.routing_keys import routing_key, routing_text
 
@@ -10,6 +11,10 @@ __all__ = [
     "CacheAware",
     "CacheAwareCollector",
     "CacheAwareSettings",
+    "KvAware",
+    "KvAwareCollector",
+    "KvAwareSettings",
+    "KvPolicyInputs",
     "Policy",
     "PolicyKey",
     "make_policy",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+from router.kv_events.fleet_views import KvIndexes
 from router.policies.cache_aware import CacheAware, CacheAwareSettings
 from router.policies.consistent_hash import ConsistentHash
+from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs
 from router.policies.load import LeastLoad, PowerOfTwo
 from router.policies.policy import Policy
 from router.policies.simple import RandomChoice, RoundRobin
@@ -17,13 +19,19 @@ POLICY_NAMES = (
     "power_of_two",
     "consistent_hash",
     "cache_aware",
+    "kv_aware",
 )
 
 
 def make_policy(
-    name: str, *, rng: random.Random | None = None, cache: CacheAwareSettings | None = None
+    name: str,
+    *,
+    rng: random.Random | None = None,
+    cache: CacheAwareSettings | None = None,
+    kv: KvPolicyInputs | None = None,
 ) -> Policy:
-    """A fresh policy (with its own state) by its configuration name."""
+    """A fresh policy (with its own state) by its configuration name. `kv_aware` reads
+    the indexes of `kv` (without them, an empty index of its own: load only)."""
     chooser = rng if rng is not None else random.Random()
     if name == "round_robin":
         return RoundRobin()
@@ -37,4 +45,8 @@ def make_policy(
         return ConsistentHash()
     if name == "cache_aware":
         return CacheAware(cache if cache is not None else CacheAwareSettings())
+    if name == "kv_aware":
+        if kv is None:
+            kv = KvPolicyInputs(KvAwareSettings(), KvIndexes(), lambda: 0.0)
+        return KvAware(kv.settings, kv.indexes, kv.clock, kv.tokenizer)
     raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")

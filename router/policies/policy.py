@@ -4,9 +4,9 @@ role.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from router.fleet.records import Role
 from router.fleet.registry import Worker
@@ -21,6 +21,8 @@ class PolicyKey:
     routing_key: bytes | None = None
     text: str | None = None
     """The whole prompt (`router.policies.routing_keys`), given only to policies that read it."""
+    body: Mapping[str, Any] | None = None
+    """The parsed request body (`kv_aware` reads its token ids)."""
 
 
 class Policy(Protocol):

@@ -20,8 +20,7 @@ from router.cli.config import (
 )
 from router.cli.options import OPTIONS
 from router.discovery.static import parse_worker_spec, read_workers_file
-from router.fleet.records import InvalidWorkerRecord
-from router.fleet.registry import Role, Status
+from router.fleet.records import DESCRIPTIVE_FACTS, InvalidWorkerRecord, Role, Status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,7 +87,7 @@ def test_choices_match_without_regard_to_case() -> None:
         (
             ["--policy", "fastest"],
             {},
-            "--policy must be one of round_robin, random, least_load, power_of_two, consistent_hash, cache_aware, got 'fastest'",
+            "--policy must be one of round_robin, random, least_load, power_of_two, consistent_hash, cache_aware, kv_aware, got 'fastest'",
         ),
         ([], {"ROUTER_MAX_ATTEMPTS": "0"}, "ROUTER_MAX_ATTEMPTS must be >= 1, got 0"),
         (
@@ -200,14 +199,16 @@ def test_bad_specs_name_the_spec_and_the_problem(spec: str, message: str) -> Non
 
 def test_a_prefill_without_bootstrap_port_is_accepted_and_leaves_it_to_its_engine() -> None:
     # `router serve --worker http://p:30000,role=prefill` used to refuse to start.
+    # (Without engine= the engine's kind is left to the engine too: DESCRIPTIVE_FACTS.)
     record = parse_worker_spec("http://p:30000,role=prefill")
     assert record.bootstrap_addr is None
-    assert record.unknown_facts == {"bootstrap_port", "dp_size"}
-    explicit = parse_worker_spec("http://p:30000,role=prefill,dp_size=2")
+    assert record.unknown_facts == {"bootstrap_port", "dp_size"} | DESCRIPTIVE_FACTS
+    explicit = parse_worker_spec("http://p:30000,role=prefill,dp_size=2,engine=sglang")
     assert (explicit.unknown_facts, explicit.dp_size) == ({"bootstrap_port"}, 2)
-    given = parse_worker_spec("http://p:30000,role=prefill,bootstrap_port=8998")
+    given = parse_worker_spec("http://p:30000,role=prefill,bootstrap_port=8998,engine=sglang")
     assert given.unknown_facts == frozenset() and given.bootstrap_addr == "p:8998"
-    assert parse_worker_spec("http://d:30000,role=decode").unknown_facts == frozenset()
+    decode = parse_worker_spec("http://d:30000,role=decode")
+    assert decode.unknown_facts == DESCRIPTIVE_FACTS and decode.engine is None
 
 
 def test_worker_flags_beat_the_workers_env() -> None:

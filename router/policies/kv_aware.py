@@ -1,0 +1,366 @@
+"""`kv_aware`: send a request to the worker (and DP rank) whose engine reports holding the
+longest run of its prompt's KV blocks, unless its load costs more than the blocks save.
+
+The holdings are the engines' own (`router.kv_events`: their `BlockStored` /
+`BlockRemoved` / `AllBlocksCleared` events, indexed per model under keys the router
+computes itself). Per request:
+
+1. The token ids the engine will compute (`request_tokens`): `/generate`'s `input_ids`
+   and a completions prompt of token ids are their own tokens; a completions prompt
+   string and `/generate`'s `text` are encoded with the model's tokenizer when one is
+   given (`--kv-tokenizer`, a `tokenizer.json` for the `tokenizers` library, special
+   tokens added as vLLM and SGLang add them). Chat needs the model's chat template
+   rendered as the engine renders it, which the router does not do yet: such a request
+   (and text without a tokenizer) gets no prediction and is placed by load alone,
+   counted by reason.
+2. Its full blocks' keys are matched against the model's index: per known view (worker,
+   rank), the consecutive blocks held from the first.
+3. Each candidate costs `overlap_weight x uncached blocks + in-flight requests` (the
+   router's own accounting; for a rank-multiplexed worker its best rank's run with that
+   rank's load); the lowest cost wins, ties to the lower load, then in turn (the
+   scan starts one candidate further on each pick, as `least_load`'s does). A candidate whose views are all unknown (a gap the replay could not
+   repair, a publisher that is gone) or absent (no subscription) is scored as holding
+   nothing and counted, never read as a hit.
+4. The chosen view's blocks count as held for a short time (`KvIndex.note_routed`), so a
+   burst of one new prefix does not spread before the engine's events arrive.
+
+Pure and synchronous: `clock` (the caller's, trio's in the router) is read once per pick.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.fleet.records import Role
+from router.fleet.registry import Worker
+from router.kv_events.fleet_views import KvEventsStatistics, KvIndexes
+from router.kv_events.index import MatchResult, ViewId
+
+
+@dataclass(frozen=True, slots=True)
+class KvAwareSettings:
+    overlap_weight: float = 1.0
+    """Cost of one uncached block in units of one request in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvPolicyInputs:
+    """What a `kv_aware` policy is built from: its settings, the indexes the fleet's
+    subscriptions keep, and the clock it reads once per pick."""
+
+    settings: KvAwareSettings
+    indexes: KvIndexes
+    clock: Callable[[], float]
+    tokenizer: TextTokenizer | None = None
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """The token ids an engine computes for a completions prompt `text`."""
+        ...
+
+
+class HfTokenizer:
+    """A `tokenizer.json` through the `tokenizers` library (an optional dependency),
+    special tokens added: what vLLM's completions and SGLang's `/generate` compute."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            module = importlib.import_module("tokenizers")
+        except ModuleNotFoundError:
+            raise ValueError("needs the `tokenizers` package (pip install tokenizers)") from None
+        try:
+            self._tokenizer = module.Tokenizer.from_file(path)
+        except Exception as exc:  # the library raises its own Exception types
+            raise ValueError(f"cannot load {path}: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=True).ids
+        return ids
+
+
+class RequestKey(Protocol):
+    """What the policy reads of a request's `PolicyKey`."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def body(self) -> Mapping[str, Any] | None: ...
+
+
+# Why a request got no prediction (the `reason` label of the counter).
+NO_TOKENS = "no_tokens"
+"""The router cannot compute the engine's tokens (text without a tokenizer, batches)."""
+CHAT = "chat_template"
+"""Chat, Responses and Messages: the engine renders a chat template the router does not."""
+NO_INDEX = "no_index"
+"""No event of the model has arrived yet (no index, or its block size unknown)."""
+SHORT_PROMPT = "short_prompt"
+"""Fewer tokens than one block: nothing can be cached."""
+NO_PREDICTION_REASONS = (NO_TOKENS, CHAT, NO_INDEX, SHORT_PROMPT)
+PICK_REASONS = ("match", "load", "no_prediction")
+
+
+def is_chat(body: Mapping[str, Any] | None) -> bool:
+    return body is not None and ("messages" in body or "input" in body)
+
+
+def request_tokens(
+    body: Mapping[str, Any] | None, tokenizer: TextTokenizer | None = None
+) -> list[int] | None:
+    """The token ids the engine computes for `body`: `input_ids` of `/generate`, a
+    completions prompt of ids, and with a tokenizer a completions prompt string or
+    `/generate`'s `text`. None otherwise (chat, a batch of prompts, text without a
+    tokenizer)."""
+    if body is None or is_chat(body):
+        return None
+    for field in ("input_ids", "prompt", "text"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, list) and value and _is_ids(value):
+            return value
+        if isinstance(value, str) and tokenizer is not None and field != "input_ids":
+            return tokenizer.encode(value)
+        return None
+    return None
+
+
+def _is_ids(value: list[Any]) -> bool:
+    return all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+
+
+class KvAware:
+    """The kv-aware policy; `statistics()` reports its predictions and picks."""
+
+    __slots__ = (
+        "_clock",
+        "_start",
+        "indexes",
+        "no_prediction",
+        "picks",
+        "predictions",
+        "settings",
+        "tokenizer",
+        "unknown_candidates",
+    )
+
+    def __init__(
+        self,
+        settings: KvAwareSettings,
+        indexes: KvIndexes,
+        clock: Callable[[], float],
+        tokenizer: TextTokenizer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.indexes = indexes
+        self._clock = clock
+        # Where the scan starts, per (model, role): equal costs (an idle fleet, prompts
+        # nobody holds) take turns instead of all going to the first candidate.
+        self._start: dict[tuple[str, Role], int] = {}
+        self.predictions = 0
+        self.no_prediction: dict[str, int] = dict.fromkeys(NO_PREDICTION_REASONS, 0)
+        self.picks: dict[str, int] = dict.fromkeys(PICK_REASONS, 0)
+        self.unknown_candidates = 0
+        """Candidates scored as holding nothing because their views are unknown."""
+
+    def pick(self, key: RequestKey, candidates: Sequence[Worker]) -> Worker:
+        tokens = request_tokens(key.body, self.tokenizer)
+        index = self.indexes.get(key.model)
+        reason: str | None = None
+        if tokens is None:
+            reason = CHAT if is_chat(key.body) else NO_TOKENS
+        elif index is None or index.block_size is None:
+            reason = NO_INDEX
+        elif len(tokens) < index.block_size:
+            reason = SHORT_PROMPT
+        count = len(candidates)
+        state_key = (key.model, key.role)
+        start = self._start.get(state_key, 0) % count
+        self._start[state_key] = (start + 1) % count
+        if reason is not None or index is None or tokens is None:
+            self.no_prediction[reason or NO_INDEX] += 1
+            self.picks["no_prediction"] += 1
+            best_idle = candidates[start]
+            for offset in range(1, count):
+                worker = candidates[(start + offset) % count]
+                if worker.inflight < best_idle.inflight:
+                    best_idle = worker
+            return best_idle
+        now = self._clock()
+        keys = index.block_keys(tokens)
+        result = index.match(keys, now)
+        self.predictions += 1
+        weight = self.settings.overlap_weight
+        best: Worker | None = None
+        best_score: tuple[float, int] = (0.0, 0)
+        best_view: ViewId | None = None
+        best_held = 0
+        for offset in range(count):
+            worker = candidates[(start + offset) % count]
+            held, load, view = self._held(worker, result)
+            score = (weight * (result.blocks - held) + load, load)
+            if best is None or score < best_score:
+                best, best_score, best_view, best_held = worker, score, view, held
+        assert best is not None
+        self.picks["match" if best_held > 0 else "load"] += 1
+        if best_view is not None:
+            index.note_routed(keys, best_view[0], best_view[1], now)
+        return best
+
+    def _held(self, worker: Worker, result: MatchResult) -> tuple[int, int, ViewId | None]:
+        """The worker's longest held run over its views, that view's load, and the view
+        (None when none is known)."""
+        record = worker.record
+        views: list[tuple[ViewId, int]]
+        if record.rank_multiplexed:
+            views = [((worker.id, rank), load) for rank, load in enumerate(worker.rank_inflight)]
+        else:
+            views = [((worker.id, record.dp_rank), worker.inflight)]
+        best_held = -1
+        best_load = worker.inflight
+        best_view: ViewId | None = None
+        for view, load in views:
+            held = result.runs.get(view)
+            if held is None:
+                continue  # unknown, or never subscribed
+            if held > best_held or (held == best_held and load < best_load):
+                best_held, best_load, best_view = held, load, view
+        if best_view is None:
+            self.unknown_candidates += 1
+            return 0, worker.inflight, None
+        return best_held, best_load, best_view
+
+    def statistics(self) -> dict[str, int]:
+        stats = {
+            "predictions": self.predictions,
+            "unknown_candidates": self.unknown_candidates,
+        }
+        for reason, count in self.no_prediction.items():
+            stats[f"no_prediction_{reason}"] = count
+        for reason, count in self.picks.items():
+            stats[f"picks_by_{reason}"] = count
+        return stats
+
+
+_NO_STREAMS = KvEventsStatistics(
+    subscriptions=0,
+    events={},
+    batches=0,
+    decode_errors=0,
+    unknown_event_types=0,
+    replays=0,
+    replay_failures=0,
+    gaps=0,
+    restarts=0,
+    reconnects=0,
+    disconnects=0,
+    unknown_views=0,
+)
+
+
+class KvAwareCollector(Collector):
+    """The kv_aware policies' decisions, one series per role whose policy it is, and the
+    event streams and indexes behind them (read at scrape time)."""
+
+    def __init__(
+        self,
+        policies: Mapping[Role, KvAware],
+        events: Callable[[], KvEventsStatistics] | None = None,
+        indexes: KvIndexes | None = None,
+    ) -> None:
+        self._policies = policies
+        self._events = events
+        self._indexes = indexes
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        predictions = CounterMetricFamily(
+            "router_kv_aware_predictions",
+            "kv_aware requests whose blocks were looked up in the engines' own KV index",
+            labels=["role"],
+        )
+        missing = CounterMetricFamily(
+            "router_kv_aware_no_prediction",
+            "kv_aware requests placed by load alone, by why: no_tokens (text without --kv-tokenizer, batches), chat_template (chat: the engine's template is not rendered here), no_index (no event of the model yet), short_prompt (under one block)",
+            labels=["role", "reason"],
+        )
+        picks = CounterMetricFamily(
+            "router_kv_aware_picks",
+            "kv_aware picks by reason: match (the winner holds blocks), load (no candidate's held blocks outweighed its load), no_prediction",
+            labels=["role", "reason"],
+        )
+        unknown = CounterMetricFamily(
+            "router_kv_aware_unknown_candidates",
+            "Candidates scored as holding nothing because their engine's view is unknown or not subscribed",
+            labels=["role"],
+        )
+        for role, policy in self._policies.items():
+            stats = policy.statistics()
+            predictions.add_metric([role.value], stats["predictions"])
+            unknown.add_metric([role.value], stats["unknown_candidates"])
+            for reason in NO_PREDICTION_REASONS:
+                missing.add_metric([role.value, reason], stats[f"no_prediction_{reason}"])
+            for reason in PICK_REASONS:
+                picks.add_metric([role.value, reason], stats[f"picks_by_{reason}"])
+        yield predictions
+        yield missing
+        yield picks
+        yield unknown
+        streams = self._events() if self._events is not None else _NO_STREAMS
+        subscriptions = GaugeMetricFamily(
+            "router_kv_events_subscriptions", "KV event subscriptions running (worker ranks)"
+        )
+        subscriptions.add_metric([], streams.subscriptions)
+        yield subscriptions
+        events = CounterMetricFamily(
+            "router_kv_events_received",
+            "KV-cache events applied to the index, by type",
+            labels=["type"],
+        )
+        for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            events.add_metric([kind], streams.events.get(kind, 0))
+        yield events
+        for name, help_text in (
+            ("batches", "KV event batches applied"),
+            ("decode_errors", "KV event messages that could not be decoded"),
+            ("unknown_event_types", "KV events of a type the router does not know (ignored)"),
+            ("replays", "Replays asked of the engines' replay sockets"),
+            ("replay_failures", "Replays that got no answer in time"),
+            ("gaps", "Sequence gaps seen on the live streams"),
+            ("restarts", "Engine restarts seen (sequence back to 0)"),
+            ("reconnects", "Reconnects of a subscription to its publisher"),
+            ("disconnects", "Connections to a publisher lost (the view unknown until replayed)"),
+            ("unknown_views", "Times a worker rank's view became unknown"),
+        ):
+            family = CounterMetricFamily(f"router_kv_events_{name}", help_text)
+            family.add_metric([], getattr(streams, name))
+            yield family
+        if self._indexes is not None:
+            entries = GaugeMetricFamily(
+                "router_kv_index_entries",
+                "(worker rank, block) entries held by the KV index, per model",
+                labels=["model"],
+            )
+            views = GaugeMetricFamily(
+                "router_kv_index_views",
+                "Worker-rank views of the KV index, per model and state",
+                labels=["model", "state"],
+            )
+            for model, index in self._indexes.items():
+                held = index.statistics()
+                entries.add_metric([model], held.entries)
+                views.add_metric([model, "known"], held.views_known)
+                views.add_metric([model, "unknown"], held.views_unknown)
+            yield entries
+            yield views

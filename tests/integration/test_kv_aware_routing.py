@@ -1,0 +1,228 @@
+"""`kv_aware` through a real router in front of three fake workers that publish their
+prefix caches' KV events over ZMQ: the engines' own view routes, survives a router
+restart through the replay sockets, and a publisher that dies stops counting as a hit."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.cli.serve import RunningRouter
+from router.fake_worker.kv_publisher import (
+    KvEventPublisher,
+    KvPublisherSettings,
+    serve_kv_publisher,
+)
+from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache
+from router.fleet.records import KvEventEndpoint
+from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
+from tests.support.router_instance import open_router
+
+GUARD_S = 30
+MODEL = "fake-model"
+
+
+def prompt(first: int, blocks: int, tail: int = 0) -> list[int]:
+    """Token ids: `blocks` full blocks from `first`, then `tail` ids of a tail of its own."""
+    return list(range(first, first + blocks * BLOCK_TOKENS)) + [7] * tail
+
+
+@asynccontextmanager
+async def open_publishers(
+    fleet: list[FakeWorkerHandle],
+) -> AsyncIterator[tuple[list[KvEventPublisher], list[trio.CancelScope]]]:
+    """A real ZMQ publisher (PUB + replay ROUTER on loopback) on every worker's cache;
+    a publisher's scope cancelled is an engine whose publisher died."""
+    publishers: list[KvEventPublisher] = []
+    scopes: list[trio.CancelScope] = []
+    async with trio.open_nursery() as nursery:
+        for handle in fleet:
+            cache = handle.worker.prefix_cache
+            assert cache is not None
+            publisher = KvEventPublisher(
+                KvPublisherSettings("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+            )
+            scope = trio.CancelScope()
+
+            async def run(
+                publisher: KvEventPublisher = publisher,
+                scope: trio.CancelScope = scope,
+                cache: PrefixCache = cache,
+                *,
+                task_status: trio.TaskStatus[KvEventPublisher] = trio.TASK_STATUS_IGNORED,
+            ) -> None:
+                with scope:
+                    await serve_kv_publisher(cache, publisher, task_status=task_status)
+
+            await nursery.start(run)
+            publishers.append(publisher)
+            scopes.append(scope)
+        yield publishers, scopes
+        nursery.cancel_scope.cancel()
+
+
+def announce(
+    router: RunningRouter, fleet: list[FakeWorkerHandle], pubs: list[KvEventPublisher]
+) -> None:
+    """What engine facts learn from vLLM's `/kv_event_sources`: each worker's publisher
+    on its record."""
+    for handle, publisher in zip(fleet, pubs, strict=True):
+        worker = next(w for w in router.fleet.workers() if w.url == handle.url)
+        endpoint = KvEventEndpoint(0, publisher.endpoint, publisher.replay_endpoint)
+        router.fleet.upsert(dataclasses.replace(worker.record, kv_event_sources=(endpoint,)))
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = (await client.get("/metrics")).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+async def wait_views(client: httpx.AsyncClient, known: int, unknown: int = 0) -> None:
+    async def views() -> tuple[float, float]:
+        samples = await scrape(client)
+        return (
+            samples.get(("router_kv_index_views", (("model", MODEL), ("state", "known"))), 0),
+            samples.get(("router_kv_index_views", (("model", MODEL), ("state", "unknown"))), 0),
+        )
+
+    while await views() != (known, unknown):  # noqa: ASYNC110 - a scrape, not an event
+        await trio.sleep(0.02)
+
+
+async def send(client: httpx.AsyncClient, ids: list[int]) -> httpx.Response:
+    response = await client.post(
+        "/generate",
+        json={"model": MODEL, "input_ids": ids, "sampling_params": {"max_new_tokens": 2}},
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+async def generate(client: httpx.AsyncClient, ids: list[int]) -> str:
+    """Through the router: the worker that served it."""
+    return (await send(client, ids)).headers["x-router-worker"]
+
+
+def dispatches(fleet: list[FakeWorkerHandle]) -> list[int]:
+    return [handle.worker.routing.dispatches for handle in fleet]
+
+
+async def wait_applied(client: httpx.AsyncClient, pubs: list[KvEventPublisher]) -> None:
+    """Until the router applied as many batches as the publishers sent."""
+    sent = sum(p.published for p in pubs)
+
+    async def applied() -> float:
+        return (await scrape(client)).get(("router_kv_events_batches_total", ()), 0)
+
+    while await applied() < sent:  # noqa: ASYNC110 - a scrape, not an event
+        await trio.sleep(0.02)
+
+
+async def test_the_engines_events_route_survive_a_router_restart_and_a_dead_publisher() -> None:
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet(3, cache_tokens=100_000) as fleet,
+            open_publishers(fleet) as (pubs, scopes),
+        ):
+            urls = [handle.url for handle in fleet]
+            # The third worker already holds a prefix the router never sent it (sent to
+            # the worker directly, as another router would): only its events say so.
+            warm = prompt(10_000, 8)
+            async with open_router(urls, policy="kv_aware") as router:
+                async with httpx.AsyncClient(base_url=router.url) as client:
+                    announce(router, fleet, pubs)
+                    await wait_views(client, known=3)
+                    async with httpx.AsyncClient(base_url=fleet[2].url) as elsewhere:
+                        await send(elsewhere, warm)
+                    fleet[2].worker.routing.reset()
+                    await wait_applied(client, pubs)
+                    served = [await generate(client, warm + [n] * 5) for n in range(4)]
+                    assert set(served) == {router_id(router, fleet[2])}
+                    assert dispatches(fleet) == [0, 0, 4]
+
+                    # A new conversation lands somewhere, then follows its own blocks:
+                    # as a completions prompt of token ids too.
+                    convo = prompt(20_000, 10)
+                    first = await generate(client, convo)
+                    holder = next(h for h in fleet if router_id(router, h) == first)
+                    await wait_applied(client, pubs)
+                    for turn in range(3):
+                        response = await client.post(
+                            "/v1/completions",
+                            json={"model": MODEL, "prompt": convo + [turn] * 20, "max_tokens": 2},
+                        )
+                        assert response.status_code == 200
+                        assert response.headers["x-router-worker"] == first
+                    samples = await scrape(client)
+                    assert (
+                        samples[
+                            (
+                                "router_kv_aware_picks_total",
+                                (("reason", "match"), ("role", "mixed")),
+                            )
+                        ]
+                        >= 7
+                    )
+                    # Chat: the router does not render the engine's chat template: load places it.
+                    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                    assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+                    samples = await scrape(client)
+                    assert (
+                        samples[
+                            (
+                                "router_kv_aware_no_prediction_total",
+                                (("reason", "chat_template"), ("role", "mixed")),
+                            )
+                        ]
+                        == 1
+                    )
+            before = dispatches(fleet)
+
+            # A new router process: empty index, no pending blocks. The replay sockets
+            # rebuild every view, so the old conversation's next turn goes to its holder.
+            async with open_router(urls, policy="kv_aware") as router:
+                async with httpx.AsyncClient(base_url=router.url) as client:
+                    announce(router, fleet, pubs)
+                    await wait_views(client, known=3)
+                    assert await generate(client, convo + [99] * 20) == router_id(router, holder)
+                    after = dispatches(fleet)
+                    assert [a - b for a, b in zip(after, before, strict=True)] == [
+                        1 if h is holder else 0 for h in fleet
+                    ]
+                    samples = await scrape(client)
+                    assert samples[("router_kv_events_replays_total", ())] >= 3
+
+                    # The holder's publisher dies: its view is unknown, never a hit.
+                    scopes[fleet.index(holder)].cancel()
+                    await wait_views(client, known=2, unknown=1)
+                    again = await generate(client, convo + [98] * 20)
+                    samples = await scrape(client)
+                    assert (
+                        samples[("router_kv_aware_unknown_candidates_total", (("role", "mixed"),))]
+                        >= 1
+                    )
+                    assert samples[("router_kv_events_disconnects_total", ())] >= 1
+                    # Placed by load: the only match of this router is the turn before.
+                    assert again in {router_id(router, h) for h in fleet}
+                    assert (
+                        samples[
+                            (
+                                "router_kv_aware_picks_total",
+                                (("reason", "match"), ("role", "mixed")),
+                            )
+                        ]
+                        == 1
+                    )
+
+
+def router_id(router: RunningRouter, handle: FakeWorkerHandle) -> str:
+    return next(w.id for w in router.fleet.workers() if w.url == handle.url)

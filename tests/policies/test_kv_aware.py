@@ -1,0 +1,233 @@
+"""The kv_aware policy over an index fed the engines' events: the longest held run wins
+unless its load costs more; unknown views are never a hit; requests without tokens are
+placed by load and counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tokenizers
+
+from router.fleet.records import Role, WorkerRecord
+from router.fleet.registry import Worker
+from router.kv_events import AllBlocksCleared, BlockStored
+from router.kv_events.fleet_views import KvIndexes
+from router.policies.by_name import POLICY_NAMES, make_policy
+from router.policies.kv_aware import HfTokenizer, KvAware, KvAwareSettings, request_tokens
+from router.policies.policy import PolicyKey
+
+BS = 4
+MODEL = "m"
+
+
+def tokens(first: int, blocks: int) -> list[int]:
+    return list(range(first, first + blocks * BS))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(
+    *loads: int, weight: float = 1.0, known: bool = True
+) -> tuple[KvAware, KvIndexes, list[Worker], Clock]:
+    indexes = KvIndexes()
+    index = indexes.for_model(MODEL)
+    fleet = [
+        Worker(
+            record=WorkerRecord(id=f"w{i}", url=f"http://w{i}.test:8000", models=(MODEL,)),
+            inflight=load,
+        )
+        for i, load in enumerate(loads)
+    ]
+    if known:
+        for worker in fleet:
+            index.apply_cleared((worker.id, None))  # an empty cache, known
+    clock = Clock()
+    return KvAware(KvAwareSettings(overlap_weight=weight), indexes, clock), indexes, fleet, clock
+
+
+def store(indexes: KvIndexes, worker: str, ids: list[int], rank: int | None = None) -> None:
+    count = len(ids) // BS
+    indexes.for_model(MODEL).apply(
+        (worker, rank),
+        [BlockStored(list(range(1000, 1000 + count)), None, ids[: count * BS], BS)],
+    )
+
+
+def ids_key(ids: list[int], model: str = MODEL, role: Role = Role.MIXED) -> PolicyKey:
+    return PolicyKey(model=model, role=role, body={"model": model, "input_ids": ids})
+
+
+def test_the_worker_holding_the_prefix_wins_and_the_pick_is_counted_as_a_match() -> None:
+    policy, indexes, fleet, _ = setup(0, 0, 0)
+    store(indexes, "w1", tokens(0, 8))
+    # The prompt extends the held prefix: 8 of its 10 blocks are on w1.
+    assert policy.pick(ids_key(tokens(0, 10)), fleet).id == "w1"
+    stats = policy.statistics()
+    assert stats["picks_by_match"] == 1 and stats["predictions"] == 1
+
+
+def test_load_beyond_the_blocks_saved_goes_elsewhere() -> None:
+    policy, indexes, fleet, _ = setup(0, 5, weight=1.0)
+    store(indexes, "w1", tokens(0, 4))
+    # w1 saves 4 blocks but carries 5 requests: cost 0 + 5 > 4 + 0.
+    assert policy.pick(ids_key(tokens(0, 4)), fleet).id == "w0"
+    # At weight 2 the same blocks are worth 8: w1 again.
+    heavy, indexes2, fleet2, _ = setup(0, 5, weight=2.0)
+    store(indexes2, "w1", tokens(0, 4))
+    assert heavy.pick(ids_key(tokens(0, 4)), fleet2).id == "w1"
+
+
+def test_ties_go_to_the_lower_load() -> None:
+    policy, indexes, fleet, _ = setup(3, 1, 2)
+    for worker in ("w0", "w1", "w2"):
+        store(indexes, worker, tokens(0, 4))
+    assert policy.pick(ids_key(tokens(0, 4)), fleet).id == "w1"
+
+
+def test_an_unknown_view_is_never_read_as_a_hit_and_is_counted() -> None:
+    policy, indexes, fleet, _ = setup(0, 1)
+    store(indexes, "w0", tokens(0, 8))
+    indexes.for_model(MODEL).mark_unknown(("w0", None), "replay lost the gap")
+    # w0's entries are still in the index, but its view cannot be trusted: load decides.
+    assert policy.pick(ids_key(tokens(0, 8)), fleet).id == "w0"  # lower load, not a hit
+    stats = policy.statistics()
+    assert stats["unknown_candidates"] == 1
+    assert stats["picks_by_load"] == 1 and stats["picks_by_match"] == 0
+    fleet[0].inflight = 2
+    assert policy.pick(ids_key(tokens(0, 8)), fleet).id == "w1"
+
+
+def test_requests_without_computable_tokens_are_placed_by_load_and_counted() -> None:
+    policy, indexes, fleet, _ = setup(2, 0)
+    store(indexes, "w0", tokens(0, 8))
+    chat = PolicyKey(MODEL, Role.MIXED, body={"messages": [{"role": "user", "content": "hi"}]})
+    assert policy.pick(chat, fleet).id == "w1"
+    assert policy.pick(ids_key(tokens(0, 8), model="other"), fleet).id == "w1"
+    assert policy.pick(ids_key([1, 2]), fleet).id == "w1"
+    text = PolicyKey(MODEL, Role.MIXED, body={"prompt": "no tokenizer for this"})
+    assert policy.pick(text, fleet).id == "w1"
+    stats = policy.statistics()
+    assert stats["no_prediction_chat_template"] == 1
+    assert stats["no_prediction_no_tokens"] == 1
+    assert stats["no_prediction_no_index"] == 1
+    assert stats["no_prediction_short_prompt"] == 1
+    assert stats["picks_by_no_prediction"] == 4 and stats["predictions"] == 0
+
+
+def test_a_burst_of_a_new_prefix_follows_the_first_pick_until_the_ttl_ends() -> None:
+    policy, indexes, fleet, clock = setup(0, 0, 0)
+    store(indexes, "w2", tokens(500, 1))  # another prefix: the block size is known
+    first = policy.pick(ids_key(tokens(0, 6)), fleet)
+    assert first.id == "w0"
+    first.inflight += 1  # the router's accounting, as at dispatch
+    again = [policy.pick(ids_key([*tokens(0, 6), 9, 9]), fleet).id for _ in range(3)]
+    assert again == [first.id] * 3
+    clock.now = indexes.settings.pending_ttl_s + 0.001
+    # No event confirmed the blocks: after the TTL the load decides again.
+    assert policy.pick(ids_key(tokens(0, 6)), fleet).id != first.id
+
+
+def test_the_rank_holding_the_blocks_scores_a_rank_multiplexed_worker() -> None:
+    indexes = KvIndexes()
+    index = indexes.for_model(MODEL)
+    dp = Worker(
+        record=WorkerRecord(id="dp", url="http://dp.test:8000", models=(MODEL,), dp_size=2),
+        inflight=1,
+        rank_inflight=[1, 0],
+    )
+    single = Worker(record=WorkerRecord(id="one", url="http://one.test:8000", models=(MODEL,)))
+    for view in (("dp", 0), ("dp", 1), ("one", None)):
+        index.apply_cleared(view)
+    store(indexes, "dp", tokens(0, 6), rank=1)
+    policy = KvAware(KvAwareSettings(), indexes, lambda: 0.0)
+    assert policy.pick(ids_key(tokens(0, 6)), [single, dp]).id == "dp"
+    # The blocks are noted under the rank that holds them, not rank 0.
+    assert index.match(index.block_keys(tokens(0, 6)), 0.0).runs[("dp", 1)] == 6
+
+
+def test_a_cleared_cache_stops_the_match() -> None:
+    policy, indexes, fleet, _ = setup(0, 1)
+    store(indexes, "w1", tokens(0, 8))
+    assert policy.pick(ids_key(tokens(0, 8)), fleet).id == "w1"
+    indexes.for_model(MODEL).apply(("w1", None), [AllBlocksCleared()])
+    assert policy.pick(ids_key(tokens(0, 8)), fleet).id == "w0"
+
+
+def test_request_tokens_reads_only_what_the_engine_computes_as_given() -> None:
+    ids = [5, 6, 7]
+    cases: list[tuple[dict[str, Any] | None, list[int] | None]] = [
+        ({"input_ids": ids}, ids),
+        ({"prompt": ids}, ids),
+        ({"prompt": "text"}, None),
+        ({"prompt": [ids, ids]}, None),  # a batch: several prompts, several placements
+        ({"text": "hello"}, None),
+        ({"messages": [], "input_ids": ids}, None),
+        ({"prompt": [True, 2]}, None),
+        (None, None),
+    ]
+    for body, expected in cases:
+        assert request_tokens(body) == expected, body
+
+
+def test_kv_aware_is_a_policy_by_name() -> None:
+    assert "kv_aware" in POLICY_NAMES
+    policy = make_policy("kv_aware")
+    worker = Worker(record=WorkerRecord(id="w", url="http://w.test:8000", models=(MODEL,)))
+    assert isinstance(policy, KvAware)
+    assert policy.pick(ids_key(tokens(0, 4)), [worker]) is worker
+
+
+def test_on_an_idle_fleet_new_prefixes_and_unpredicted_requests_take_turns() -> None:
+    policy, indexes, fleet, _ = setup(0, 0, 0)
+    store(indexes, "w2", tokens(500, 1))  # the block size is known; nobody holds these
+    fresh = [policy.pick(ids_key(tokens(1000 * n, 4)), fleet).id for n in range(1, 4)]
+    assert sorted(fresh) == ["w0", "w1", "w2"]
+    chat = PolicyKey(MODEL, Role.MIXED, body={"messages": [{"role": "user", "content": "hi"}]})
+    assert sorted(policy.pick(chat, fleet).id for _ in range(3)) == ["w0", "w1", "w2"]
+
+
+def test_with_a_tokenizer_text_prompts_are_predicted_and_chat_is_counted_apart(
+    tmp_path: Path,
+) -> None:
+    words = [f"w{n}" for n in range(40)]
+    vocab = {"[UNK]": 0, "<s>": 1, **{word: n + 2 for n, word in enumerate(words)}}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    # A BOS token, added as the engines add special tokens to a completions prompt.
+    model.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    path = tmp_path / "tokenizer.json"
+    model.save(str(path))
+    tokenizer = HfTokenizer(str(path))
+    text = " ".join(words[:16])
+    ids = tokenizer.encode(text)
+    assert ids == [1, *range(2, 18)]
+
+    policy, indexes, fleet, _ = setup(0, 1)
+    policy.tokenizer = tokenizer
+    store(indexes, "w1", ids)
+    completion = PolicyKey(MODEL, Role.MIXED, body={"model": MODEL, "prompt": text})
+    assert policy.pick(completion, fleet).id == "w1"
+    generate = PolicyKey(MODEL, Role.MIXED, body={"model": MODEL, "text": text})
+    assert policy.pick(generate, fleet).id == "w1"
+    chat = PolicyKey(MODEL, Role.MIXED, body={"messages": [{"role": "user", "content": text}]})
+    assert policy.pick(chat, fleet).id == "w0"
+    stats = policy.statistics()
+    assert stats["picks_by_match"] == 2
+    assert stats["no_prediction_chat_template"] == 1 and stats["no_prediction_no_tokens"] == 0
+
+
+def test_a_tokenizer_file_that_cannot_be_loaded_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load"):
+        HfTokenizer(str(bad))
