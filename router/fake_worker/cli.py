@@ -156,16 +156,34 @@ async def _serve(
 ) -> None:
     """Serve, then end the command once the server returned after a graceful shutdown."""
     worker = FakeWorker(settings)
-    async with trio.open_nursery() as nursery:
-        if settings.kv_events_port and worker.prefix_cache is not None:
-            await nursery.start(
-                serve_kv_publisher,
-                worker.prefix_cache,
-                KvEventPublisher(publisher_settings(settings)),
+    try:
+        async with trio.open_nursery() as nursery:
+            if settings.kv_events_port and worker.prefix_cache is not None:
+                await nursery.start(
+                    serve_kv_publisher,
+                    worker.prefix_cache,
+                    KvEventPublisher(publisher_settings(settings)),
+                )
+            await serve_fake_worker(
+                settings, worker=worker, shutdown=shutdown, task_status=task_status
             )
-        await serve_fake_worker(settings, worker=worker, shutdown=shutdown, task_status=task_status)
-        nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # A port that cannot be bound (the server's or the publisher's) is the command's
+        # own clear error, as it is without the publisher's nursery around the server.
+        bind_failures, rest = group.split(OSError)
+        if bind_failures is not None and rest is None:
+            raise _first_leaf(bind_failures) from None
+        raise
     done.cancel()
+
+
+def _first_leaf(group: BaseExceptionGroup[OSError]) -> OSError:
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert isinstance(leaf, OSError)
+    return leaf
 
 
 def main(argv: list[str]) -> int:
