@@ -45,29 +45,39 @@ class Frames(Protocol):
     def tail(self) -> list[bytes]: ...
 
 
-def parse_request(api: Api, body: Any, default_tokens: int, default_model: str) -> Generation:
-    """Raises `BadGenerationRequest` for what the engine of `api` rejects."""
+def parse_request(
+    api: Api,
+    body: Any,
+    default_tokens: int,
+    default_model: str,
+    *,
+    max_model_len: int | None = None,
+) -> Generation:
+    """Raises `BadGenerationRequest` for what the engine of `api` rejects; `max_model_len`
+    applies vLLM's token-limit rules to chat and completions (see `parse_generation`)."""
     if api is Api.RESPONSES:
         return parse_response_request(body, default_tokens, default_model)
     if api is Api.MESSAGES:
         return parse_message_request(body, default_model)
-    return parse_generation(api, body, default_tokens, default_model)
+    return parse_generation(api, body, default_tokens, default_model, max_model_len=max_model_len)
 
 
-def render_unary(gen: Generation, request_id: str, created: int) -> bytes:
+def render_unary(gen: Generation, request_id: str, created: int, *, vllm: bool = False) -> bytes:
+    """`vllm`: chat and completions carry vLLM's own keys too."""
     if gen.api is Api.RESPONSES:
         return response_body(gen, request_id, created)
     if gen.api is Api.MESSAGES:
         return message_body(gen, request_id)
-    return unary_body(gen, request_id, created)
+    return unary_body(gen, request_id, created, vllm=vllm)
 
 
-def stream_frames(gen: Generation, request_id: str, created: int) -> Frames:
+def stream_frames(gen: Generation, request_id: str, created: int, *, vllm: bool = False) -> Frames:
+    """`vllm`: chat and completions events carry vLLM's own keys too."""
     if gen.api is Api.RESPONSES:
         return ResponseFrames(gen, request_id, created)
     if gen.api is Api.MESSAGES:
         return MessageFrames(gen, request_id)
-    return StreamFrames(gen, request_id, created)
+    return StreamFrames(gen, request_id, created, vllm=vllm)
 
 
 def paced_events(frames: Frames, behaviour: Behaviour, load: RankLoad) -> Iterator[bytes | float]:

@@ -23,6 +23,18 @@ def error_body(message: str, type_: str, code: str | int) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "code": code}})
 
 
+def vllm_error_body(message: str, type_: str, status: int, param: str | None) -> bytes:
+    """vLLM's error: {"error": {"message", "type", "param", "code"}}, `code` the status.
+
+    `type` is "Bad Request" for a body its request schema rejects (`param`: `body.<field>`),
+    "BadRequestError" for a value it refuses (`param`: the field), "NotFoundError" for an
+    unknown model (`param`: "model").
+    """
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    )
+
+
 def error_body_for(path: str, message: str, type_: str, status: int) -> bytes:
     """An error in the shape of the API at `path`: Anthropic's on `/v1/messages`, else OpenAI's."""
     if path == "/v1/messages":

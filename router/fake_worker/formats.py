@@ -17,6 +17,42 @@ import orjson
 from router.fake_worker.behaviour import MAX_TOKENS
 
 MAX_CHOICES = 128
+SYSTEM_FINGERPRINT = "vllm-0.0.0+fake"
+
+# vLLM's extensions of the OpenAI answers, null unless a request asks for them (token ids,
+# prompt logprobs, PD transfer parameters, ...): the fake never has anything to put there.
+_VLLM_CHAT_TOP = {
+    "service_tier": None,
+    "system_fingerprint": SYSTEM_FINGERPRINT,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+    "prompt_text": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "metrics": None,
+}
+_VLLM_COMPLETION_TOP = {
+    "service_tier": None,
+    "system_fingerprint": SYSTEM_FINGERPRINT,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "metrics": None,
+}
+_VLLM_CHAT_CHOICE = {"stop_reason": None, "token_ids": None, "routed_experts": None}
+_VLLM_COMPLETION_CHOICE = {
+    "stop_reason": None,
+    "token_ids": None,
+    "prompt_logprobs": None,
+    "prompt_token_ids": None,
+    "routed_experts": None,
+}
+_VLLM_MESSAGE = {
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "reasoning": None,
+}
 
 _TOKEN_TABLE = [f"tok{i} ".encode() for i in range(4096)]
 
@@ -61,7 +97,18 @@ class Api(enum.Enum):
 
 
 class BadGenerationRequest(ValueError):
-    """The request body cannot be served; the message says which field and why."""
+    """The request body cannot be served; the message says which field and why.
+
+    `param` names the field (`body.<field>` when the body's shape is wrong, the field
+    itself when its value is refused), and `refused` tells the two apart: vLLM answers a
+    shape its request schema rejects with `type: "Bad Request"`, a value its sampling
+    checks refuse with `type: "BadRequestError"`.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, refused: bool = False) -> None:
+        super().__init__(message)
+        self.param = param
+        self.refused = refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,25 +135,43 @@ class Generation:
         return self.tokens * self.n
 
 
-def parse_generation(api: Api, body: Any, default_tokens: int, default_model: str) -> Generation:
-    """Validate a decoded JSON body; raise `BadGenerationRequest` for what an engine rejects."""
+def parse_generation(
+    api: Api,
+    body: Any,
+    default_tokens: int,
+    default_model: str,
+    *,
+    max_model_len: int | None = None,
+) -> Generation:
+    """Validate a decoded JSON body; raise `BadGenerationRequest` for what an engine rejects.
+
+    With `max_model_len` (vLLM's rules) a token limit must lie in `[1, max_model_len]`,
+    as vLLM's sampling checks demand; without it (SGLang) any limit up to `MAX_TOKENS`,
+    0 included, is served.
+    """
     if not isinstance(body, dict):
-        raise BadGenerationRequest("the request body must be a JSON object")
+        raise BadGenerationRequest("the request body must be a JSON object", param="body")
     model = body.get("model", default_model)
     if not isinstance(model, str):
         model = default_model
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise BadGenerationRequest("'stream' must be true or false")
+        raise BadGenerationRequest("'stream' must be true or false", param="body.stream")
+    limit_field = "max_tokens"
     if api is Api.GENERATE:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
-            raise BadGenerationRequest("'sampling_params' must be an object")
-        limit = params.get("max_new_tokens")
+            raise BadGenerationRequest(
+                "'sampling_params' must be an object", param="body.sampling_params"
+            )
+        limit_field = "max_new_tokens"
+        limit = params.get(limit_field)
         prompt = _generate_prompt_tokens(body)
         n = 1
     else:
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if body.get("max_completion_tokens") is not None:
+            limit_field = "max_completion_tokens"
+        limit = body.get(limit_field)
         if api is Api.CHAT:
             prompt = _chat_prompt_tokens(body.get("messages"))
         else:
@@ -115,11 +180,11 @@ def parse_generation(api: Api, body: Any, default_tokens: int, default_model: st
         if n is None:
             n = 1
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-            raise BadGenerationRequest(f"'n' must be an integer between 1 and {MAX_CHOICES}")
-    if limit is not None and (
-        isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MAX_TOKENS
-    ):
-        raise BadGenerationRequest(f"the token limit must be an integer between 0 and {MAX_TOKENS}")
+            raise BadGenerationRequest(
+                f"'n' must be an integer between 1 and {MAX_CHOICES}", param="body.n"
+            )
+    if limit is not None:
+        _check_limit(limit_field, limit, max_model_len)
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     return Generation(
@@ -134,13 +199,38 @@ def parse_generation(api: Api, body: Any, default_tokens: int, default_model: st
     )
 
 
+def _check_limit(field: str, limit: Any, max_model_len: int | None) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise BadGenerationRequest(f"'{field}' must be an integer", param=f"body.{field}")
+    if max_model_len is None:
+        if not 0 <= limit <= MAX_TOKENS:
+            raise BadGenerationRequest(
+                f"the token limit must be an integer between 0 and {MAX_TOKENS}",
+                param=f"body.{field}",
+            )
+        return
+    # vLLM's own words (its SamplingParams and tokenization checks).
+    if limit < 1:
+        message = f"{field} must be at least 1, got {limit}."
+    elif limit > max_model_len:
+        message = (
+            f"{field}={limit} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens."
+        )
+    else:
+        return
+    raise BadGenerationRequest(
+        f"{message} (parameter={field}, value={limit})", param=field, refused=True
+    )
+
+
 def _chat_prompt_tokens(messages: Any) -> int:
     if not isinstance(messages, list) or not messages:
-        raise BadGenerationRequest("'messages' must be a non-empty list")
+        raise BadGenerationRequest("'messages' must be a non-empty list", param="body.messages")
     total = 0
     for message in messages:
         if not isinstance(message, dict):
-            raise BadGenerationRequest("each message must be an object")
+            raise BadGenerationRequest("each message must be an object", param="body.messages")
         total += content_words(message.get("content"))
     return total
 
@@ -154,7 +244,7 @@ def _completion_prompt_tokens(prompt: Any) -> int:
         if all(isinstance(item, str) for item in prompt):
             return sum(count_words(item) for item in prompt)
     raise BadGenerationRequest(
-        "'prompt' must be a string, a list of strings or a list of token ids"
+        "'prompt' must be a string, a list of strings or a list of token ids", param="body.prompt"
     )
 
 
@@ -165,10 +255,14 @@ def _generate_prompt_tokens(body: dict[str, Any]) -> int:
     ids = body.get("input_ids")
     if isinstance(ids, list) and all(isinstance(item, int) for item in ids):
         return len(ids)
-    raise BadGenerationRequest("/generate needs 'text' (a string) or 'input_ids' (token ids)")
+    raise BadGenerationRequest(
+        "/generate needs 'text' (a string) or 'input_ids' (token ids)", param="body.text"
+    )
 
 
-def usage(gen: Generation) -> dict[str, Any]:
+def usage(gen: Generation, *, details: bool = False) -> dict[str, Any]:
+    """The token counts; `details` (vLLM's unary answers) adds both `*_details`, null when
+    there is nothing to say."""
     counts: dict[str, Any] = {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": gen.completion_tokens,
@@ -176,31 +270,45 @@ def usage(gen: Generation) -> dict[str, Any]:
     }
     if gen.cached_tokens is not None:
         counts["prompt_tokens_details"] = {"cached_tokens": gen.cached_tokens}
+    elif details:
+        counts["prompt_tokens_details"] = None
+    if details:
+        counts["completion_tokens_details"] = None
     return counts
 
 
-def unary_body(gen: Generation, request_id: str, created: int) -> bytes:
-    """The whole answer of a non-streaming request."""
+def unary_body(gen: Generation, request_id: str, created: int, *, vllm: bool = False) -> bytes:
+    """The whole answer of a non-streaming request; `vllm` adds vLLM's own keys."""
     text = expected_text(gen.tokens)
     if gen.api is Api.GENERATE:
         return orjson.dumps({"text": text, "meta_info": _meta_info(gen, request_id, gen.tokens)})
     if gen.api is Api.CHAT:
         obj = "chat.completion"
+        message = {"role": "assistant", "content": text, **(_VLLM_MESSAGE if vllm else {})}
         choices: list[dict[str, Any]] = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": gen.finish_reason,
+                **(_VLLM_CHAT_CHOICE if vllm else {}),
             }
             for i in range(gen.n)
         ]
+        extra = _VLLM_CHAT_TOP
     else:
         obj = "text_completion"
         choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
+            {
+                "index": i,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+                **(_VLLM_COMPLETION_CHOICE if vllm else {}),
+            }
             for i in range(gen.n)
         ]
+        extra = _VLLM_COMPLETION_TOP
     return orjson.dumps(
         {
             "id": request_id,
@@ -208,7 +316,8 @@ def unary_body(gen: Generation, request_id: str, created: int) -> bytes:
             "created": created,
             "model": gen.model,
             "choices": choices,
-            "usage": usage(gen),
+            "usage": usage(gen, details=vllm),
+            **(extra if vllm else {}),
         }
     )
 
@@ -235,12 +344,21 @@ DONE = b"data: [DONE]\n\n"
 
 class StreamFrames:
     """The SSE events of one streaming answer, in order: `head()`, `token(i, choice)` for
-    each token, then `tail()`. Per-token events are byte templates filled with the token."""
+    each token, then `tail()`. Per-token events are byte templates filled with the token.
 
-    def __init__(self, gen: Generation, request_id: str, created: int) -> None:
+    Each event carries one choice, as both engines send them: with `n` above 1 a role
+    event per choice, the choices' tokens interleaved, a finish event per choice.
+    `vllm` adds vLLM's own keys (null) and its `system_fingerprint` on the last event
+    before `[DONE]`.
+    """
+
+    def __init__(
+        self, gen: Generation, request_id: str, created: int, *, vllm: bool = False
+    ) -> None:
         self.gen = gen
         self.request_id = request_id
         self.created = created
+        self.vllm = vllm
         if gen.api is Api.GENERATE:
             self._prefix = b""
             self._infix = b""
@@ -258,17 +376,23 @@ class StreamFrames:
             + orjson.dumps(gen.model)
             + b',"choices":[{"index":'
         )
+        extra = b""
         if gen.api is Api.CHAT:
+            if vllm:
+                extra = b',"token_ids":null'
             self._infix = b',"delta":{"content":"'
-            self._suffix = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+            self._suffix = b'"},"logprobs":null,"finish_reason":null' + extra + b"}]}\n\n"
         else:
+            if vllm:
+                extra = b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null'
             self._infix = b',"text":"'
-            self._suffix = b'","logprobs":null,"finish_reason":null}]}\n\n'
+            self._suffix = b'","logprobs":null,"finish_reason":null' + extra + b"}]}\n\n"
 
     def head(self) -> list[bytes]:
         """Events before the first token: the assistant role, for chat."""
         if self.gen.api is not Api.CHAT:
             return []
+        extra = {"prompt_token_ids": None, "prompt_text": None} if self.vllm else None
         return [
             self._event(
                 [
@@ -278,9 +402,10 @@ class StreamFrames:
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    for i in range(self.gen.n)
-                ]
+                ],
+                extra=extra,
             )
+            for i in range(self.gen.n)
         ]
 
     def token(self, i: int, choice: int = 0) -> bytes:
@@ -300,24 +425,54 @@ class StreamFrames:
                 meta = _meta_info(gen, self.request_id, 0)
                 frames.append(b"data: " + orjson.dumps({"text": "", "meta_info": meta}) + b"\n\n")
             return [*frames, DONE]
+        vllm = self.vllm
         finals: list[dict[str, Any]]
         if gen.api is Api.CHAT:
             finals = [
-                {"index": i, "delta": {}, "logprobs": None, "finish_reason": gen.finish_reason}
+                {
+                    "index": i,
+                    "delta": {"content": ""} if vllm else {},
+                    "logprobs": None,
+                    "finish_reason": gen.finish_reason,
+                    **({"stop_reason": None, "token_ids": None} if vllm else {}),
+                }
                 for i in range(gen.n)
             ]
         else:
             finals = [
-                {"index": i, "text": "", "logprobs": None, "finish_reason": gen.finish_reason}
+                {
+                    "index": i,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": gen.finish_reason,
+                    **(
+                        {"stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+                        if vllm
+                        else {}
+                    ),
+                }
                 for i in range(gen.n)
             ]
-        frames = [self._event(finals)]
+        fingerprint = {"system_fingerprint": SYSTEM_FINGERPRINT} if vllm else None
+        frames = [
+            self._event(
+                [final],
+                extra=fingerprint if i == gen.n - 1 and not gen.include_usage else None,
+            )
+            for i, final in enumerate(finals)
+        ]
         if gen.include_usage:
-            frames.append(self._event([], usage(gen)))
+            frames.append(self._event([], usage(gen), extra=fingerprint))
         frames.append(DONE)
         return frames
 
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+    def _event(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> bytes:
         chunk: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.gen.api is Api.CHAT else "text_completion",
@@ -327,4 +482,6 @@ class StreamFrames:
         }
         if usage is not None:
             chunk["usage"] = usage
+        if extra:
+            chunk.update(extra)
         return b"data: " + orjson.dumps(chunk) + b"\n\n"

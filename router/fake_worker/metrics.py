@@ -2,8 +2,9 @@
 
 Rendered straight from the live per-rank load (no registry: it is scraped rarely and the
 values already live in `RoutingStats`). Names and labels follow the real engines:
-SGLang labels each series with `model_name` and, under DP, `dp_rank`; vLLM labels them
-with `model_name` and, under DP, `engine` (vLLM's per-engine-core label).
+SGLang labels each series with `model_name` and, under DP, `dp_rank`; vLLM labels every
+series with `model_name` and `engine` (its engine core's index: `"0"` without DP, one
+value per DP rank with it).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def render_metrics(
             families += _SGLANG_DECODE
         rank_label = "dp_rank"
     base = f'model_name="{_escape(model)}"'
-    if len(loads) > 1:
+    if engine == "vllm":
+        labels = [f'{{{rank_label}="{rank}",{base}}}' for rank in range(len(loads))]
+    elif len(loads) > 1:
         labels = [f'{{{base},{rank_label}="{rank}"}}' for rank in range(len(loads))]
     else:
         labels = [f"{{{base}}}"]

@@ -30,6 +30,7 @@ class PoolingContext:
     embedding_dim: int
     request_id: str
     created: int
+    max_model_len: int = MAX_MODEL_LEN  # vLLM's, from `--max-model-len`; SGLang's is fixed
 
 
 def vector(text: str, dim: int) -> list[float]:
@@ -245,6 +246,15 @@ def tokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
     if not isinstance(prompt, str):
         raise BadGenerationRequest("'prompt' must be a string (or 'messages' a list of messages)")
     tokens = token_ids(prompt)
+    if ctx.engine == "vllm":
+        # `token_strs` is null unless the request sets `return_token_strs`.
+        strs = [f"tok{token}" for token in tokens] if body.get("return_token_strs") else None
+        return {
+            "count": len(tokens),
+            "max_model_len": ctx.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
     return {"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN}
 
 

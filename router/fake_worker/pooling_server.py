@@ -103,4 +103,5 @@ class PoolingService:
             embedding_dim=settings.embedding_dim,
             request_id=f"fake-{self._next_id}",
             created=int(time.time()),  # wall-clock: OpenAI `created`
+            max_model_len=settings.max_model_len,
         )

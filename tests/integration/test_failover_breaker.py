@@ -430,9 +430,7 @@ async def test_when_attempts_run_out_the_client_gets_the_last_workers_answer(
                 response = await client.post("/v1/chat/completions", json=CHAT)
                 retried = await retries(client)
     # The order the workers were tried in, from the router's one line per failed attempt.
-    tried = [
-        r.getMessage().split()[2] for r in caplog.records if r.name == "router.failover"
-    ]
+    tried = [r.getMessage().split()[2] for r in caplog.records if r.name == "router.failover"]
     assert sorted(tried) == sorted(w.url for w in fleet)
     last = tried[-1]
     expected = direct[last]
