@@ -112,7 +112,10 @@ async def test_a_worker_whose_last_request_fails_after_it_left_gets_no_series_ba
             trio.open_nursery() as nursery,
         ):
             mirror = FleetMirror(router.fleet, router.metrics)
-            mirror.apply(put("/w/0", {"id": "w0", "url": upstream.url, "model": "m"}, 2))
+            # The engine is named, so the router asks it nothing of itself: this upstream
+            # holds whatever reaches it, and only the chat request may.
+            record = {"id": "w0", "url": upstream.url, "model": "m", "engine": "sglang"}
+            mirror.apply(put("/w/0", record, 2))
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             statuses: list[int] = []
 
