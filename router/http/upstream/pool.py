@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -425,17 +424,46 @@ class UpstreamPool:
         await trio.lowlevel.checkpoint()
 
 
-@asynccontextmanager
-async def open_upstream_pool(
-    settings: PoolSettings = DEFAULT_POOL_SETTINGS,
-) -> AsyncIterator[UpstreamPool]:
+def open_upstream_pool(settings: PoolSettings = DEFAULT_POOL_SETTINGS) -> OpenUpstreamPool:
     """A pool with its sweeper running in a nursery owned here; on exit the sweeper stops
     and every connection is closed (those still in use when their request ends)."""
-    pool = UpstreamPool(settings)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.serve_sweeper)
+    return OpenUpstreamPool(settings)
+
+
+class OpenUpstreamPool:
+    """What `open_upstream_pool` returns: `async with trio.open_nursery()` around the
+    sweeper, written as a class because mypyc cannot compile the async generator that
+    `@asynccontextmanager` would take. The nursery sees exactly what `async with` would
+    show it."""
+
+    __slots__ = ("_nursery", "_nursery_manager", "_pool", "_settings")
+
+    def __init__(self, settings: PoolSettings) -> None:
+        self._settings = settings
+        self._pool: UpstreamPool | None = None
+        self._nursery_manager: AbstractAsyncContextManager[trio.Nursery] | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def __aenter__(self) -> UpstreamPool:
+        pool = self._pool = UpstreamPool(self._settings)
+        manager = self._nursery_manager = trio.open_nursery()
+        nursery = await manager.__aenter__()
         try:
-            yield pool
-        finally:
-            pool.close_idle()
-            nursery.cancel_scope.cancel()
+            await nursery.start(pool.serve_sweeper)
+        except BaseException as exc:
+            await manager.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._nursery = nursery
+        return pool
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        assert self._pool is not None and self._nursery is not None
+        assert self._nursery_manager is not None
+        self._pool.close_idle()
+        self._nursery.cancel_scope.cancel()
+        return bool(await self._nursery_manager.__aexit__(exc_type, exc, traceback))
