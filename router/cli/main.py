@@ -19,10 +19,18 @@ SUBCOMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: router <command> [options]", "", "commands:"]
+    lines = ["usage: router <command> [options]", "       router --version", "", "commands:"]
     lines += [f"  {name:<12} {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
     lines += ["", "`router <command> --help` describes each command's options."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The version and which build runs: the request path compiled with mypyc, or pure."""
+    from router import __version__
+    from router.observability.metrics import BUILD
+
+    return f"router {__version__} ({BUILD})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(version())
+        return 0
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
         print(f"router: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)

@@ -14,13 +14,21 @@ from typing import TypeVar
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+import router.http.upstream.pool
+from router import __version__
 from router.fleet.records import Mode, Role
 from router.fleet.registry import Fleet
 from router.http.upstream.pool import UpstreamPool
 
-_Family = TypeVar("_Family", Counter, Histogram)
+# Bound, not constrained: mypyc checks a generic body once, against the bound.
+_Family = TypeVar("_Family", bound=MetricWrapperBase)
+
+# Which build runs: "compiled" when the request path was built with mypyc (its modules
+# are C extensions, see setup.py), "pure" when it runs as Python source.
+BUILD = "compiled" if (router.http.upstream.pool.__file__ or "").endswith(".so") else "pure"
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (
@@ -114,6 +122,12 @@ class RouterMetrics:
             registry=r,
         )
         self.discovery_up.set(1)
+        Gauge(
+            "router_build_info",
+            "1, labelled with the router's version and build (compiled with mypyc, or pure)",
+            ["build", "version"],
+            registry=r,
+        ).labels(BUILD, __version__).set(1)
         # Children bound once, when first used (a series appears with its first event, as
         # before): `labels()` takes a lock and builds a tuple every call.
         self._duration: dict[str, Histogram] = {}
