@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import report
-from bench.plan import CASES, CONTENDERS, QUICK_CASES
+from bench.plan import CASES, CONTENDERS, PURE_ROUTER, QUICK_CASES
 from bench.procs import BenchError, raise_nofile_limit
 from bench.run import FLEET_SIZE, Bench, Log, Session, dump_json, machine, versions, wrk_version
 from bench.wrk import find_wrk
@@ -118,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "smg" in contenders and importlib.util.find_spec("smg") is None:
         contenders.remove("smg")
         notes.append("smg is not installed, so it was left out (pip install smg).")
+    if "ours-pure" in contenders and not PURE_ROUTER.exists():
+        contenders.remove("ours-pure")
+        notes.append("the pure build is not installed, so ours-pure was left out (make test-pure).")
     if "ours-hypercorn" in contenders and importlib.util.find_spec("hypercorn") is None:
         contenders.remove("ours-hypercorn")
         notes.append("hypercorn is not installed, so ours-hypercorn was left out.")

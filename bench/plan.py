@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
 
@@ -73,6 +74,13 @@ class Contender:
     description: str
     router_flags: tuple[str, ...] | None = None
     processes: int = 1
+    # Runs the pure-Python build (`PURE_ROUTER`) instead of this interpreter's, compiled one.
+    pure: bool = False
+
+
+# The pure build's entry point, which `make test-pure` installs (from a copy of the tree:
+# in this one the compiled extensions would be imported instead of the sources).
+PURE_ROUTER = Path(__file__).resolve().parents[1] / ".venv-pure" / "bin" / "router"
 
 
 CONTENDERS: dict[str, Contender] = {
@@ -80,6 +88,7 @@ CONTENDERS: dict[str, Contender] = {
     for c in (
         Contender("direct", "straight to one fake worker (its CPU is the worker's)"),
         Contender("ours", "router serve, native front (trio + llhttp)", ()),
+        Contender("ours-pure", "router serve, the pure-Python build (no mypyc)", (), pure=True),
         Contender(
             "ours-hypercorn",
             "router serve --server hypercorn (ASGI adapter)",

@@ -340,6 +340,8 @@ def _profile(profile: Profile) -> list[str]:
 def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list[str]) -> list[str]:
     pairs = [
         ("ours / smg", "ours", "smg"),
+        ("ours-pure / smg", "ours-pure", "smg"),
+        ("ours / ours-pure", "ours", "ours-pure"),
         ("ours / direct", "ours", "direct"),
         ("ours-hypercorn / ours", "ours-hypercorn", "ours"),
         ("ours-2proc / ours", "ours-2proc", "ours"),

@@ -20,7 +20,7 @@ import httpx
 import orjson
 
 from bench import idle, pyspy
-from bench.plan import CONTENDERS, Case, Contender, chat_body
+from bench.plan import CONTENDERS, PURE_ROUTER, Case, Contender, chat_body
 from bench.procs import BenchError, Proc, free_port, python_module, start
 from bench.wrk import WrkResult, run_wrk, write_script
 
@@ -153,8 +153,8 @@ class Bench:
                 continue
             port = free_port()
             if contender.router_flags is not None:
-                command = python_module(
-                    "router.cli",
+                command = [
+                    *([str(PURE_ROUTER)] if contender.pure else python_module("router.cli")),
                     "serve",
                     "--port",
                     str(port),
@@ -167,7 +167,7 @@ class Bench:
                     str(ROUTER_MAX_CONNECTIONS),
                     *(arg for url in self.fleet_urls for arg in ("--worker", url)),
                     *contender.router_flags,
-                )
+                ]
             else:
                 command = python_module(
                     "smg",
