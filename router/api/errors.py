@@ -20,6 +20,7 @@ onto this tree at the boundary (`answer_refusal`), so the server never speaks fo
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import orjson
 
@@ -45,9 +46,11 @@ def retry_after(seconds: float) -> tuple[bytes, bytes]:
 class RouterError(Exception):
     """An error the client is told about, OpenAI-shaped: {"error": {message, type, code}}."""
 
-    status = 500
-    type = "internal_error"
-    code = "internal_error"
+    # Class variables, so that each subclass's own values are read (mypyc would otherwise
+    # make them per-instance attributes that a subclass's class body does not set).
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    code: ClassVar[str] = "internal_error"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

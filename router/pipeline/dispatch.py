@@ -24,7 +24,7 @@ from router.http.upstream.pool import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
-    UpstreamPool,
+    UpstreamRequests,
     UpstreamResponse,
 )
 from router.pipeline.relay import EventCutter
@@ -120,7 +120,7 @@ def client_headers(worker_headers: Headers, worker_id: str) -> list[tuple[bytes,
 
 
 def open_upstream_response(
-    pool: UpstreamPool,
+    pool: UpstreamRequests,
     url: str,
     path: str,
     headers: list[tuple[bytes, bytes]],
@@ -161,21 +161,23 @@ class UpstreamAttempt:
         with trio.CancelScope(deadline=trio.current_time() + first_byte_s) as deadline:
             try:
                 return await self._request.__aenter__()
-            except UpstreamConnectTimeout as exc:
-                raise AttemptFailed("connect_timeout", str(exc), fault=True) from None
-            except UpstreamConnectError as exc:
+            # One name per clause: mypyc types a name shared by except clauses as the first
+            # clause's exception, and checks every later one against it.
+            except UpstreamConnectTimeout as timeout:
+                raise AttemptFailed("connect_timeout", str(timeout), fault=True) from None
+            except UpstreamConnectError as refused:
                 # The pool's message already names the URL.
-                raise AttemptFailed("connect_error", str(exc), fault=True) from None
-            except UpstreamError as exc:
+                raise AttemptFailed("connect_error", str(refused), fault=True) from None
+            except UpstreamError as broke:
                 raise AttemptFailed(
-                    "transport_error", f"{url} broke the connection: {exc}", fault=True
+                    "transport_error", f"{url} broke the connection: {broke}", fault=True
                 ) from None
-            except LocalShortage as exc:
+            except LocalShortage as shortage:
                 # The router's own trouble: no verdict on the worker, no other worker tried
                 # (it would meet the same shortage).
-                raise RouterOverloaded(str(exc), exc.kind) from None
-            except Exception as exc:
-                raise unexpected_failure(url, exc) from exc
+                raise RouterOverloaded(str(shortage), shortage.kind) from None
+            except Exception as error:
+                raise unexpected_failure(url, error) from error
         assert deadline.cancelled_caught
         raise AttemptFailed(
             "first_byte_timeout",
@@ -212,8 +214,8 @@ async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> An
             raise AttemptFailed(
                 "transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True
             ) from None
-        except Exception as exc:
-            raise unexpected_failure(url, exc) from exc
+        except Exception as error:  # not `exc`: see `UpstreamAttempt.__aenter__`
+            raise unexpected_failure(url, error) from error
     if idle.cancelled_caught:
         raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
     return Answer(
@@ -256,8 +258,8 @@ async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float
         raise AttemptFailed(
             "transport_error", f"{url} broke the stream before its first event: {exc}", fault=True
         ) from None
-    except Exception as exc:
-        raise unexpected_failure(url, exc) from exc
+    except Exception as error:  # not `exc`: see `UpstreamAttempt.__aenter__`
+        raise unexpected_failure(url, error) from error
     if idle.cancelled_caught:
         raise AttemptFailed(
             "first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True

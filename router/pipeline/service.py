@@ -22,7 +22,7 @@ from router.fleet.ranks import RankChooser
 from router.fleet.records import Mode, Role
 from router.fleet.registry import Fleet
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
-from router.http.upstream.pool import UpstreamPool
+from router.http.upstream.pool import UpstreamRequests
 from router.observability.metrics import RouterMetrics
 from router.observability.request_id import current_request_id
 from router.pipeline.attempt import AttemptRunner, RequestContext, Strategy, WorkerFailed
@@ -64,7 +64,11 @@ class GenerationService:
     fail over. Non-generation routes take the same path on a mixed worker."""
 
     def __init__(
-        self, settings: FailoverSettings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics
+        self,
+        settings: FailoverSettings,
+        fleet: Fleet,
+        pool: UpstreamRequests,
+        metrics: RouterMetrics,
     ) -> None:
         self.settings = settings
         self.fleet = fleet

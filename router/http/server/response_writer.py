@@ -202,9 +202,9 @@ class ResponseWriter:
         except SendStalled as exc:
             self._request.client_gone = True
             raise ClientDisconnected(f"the client stopped reading: {exc}") from exc
-        except trio.BrokenResourceError as exc:
+        except trio.BrokenResourceError as broken:  # not `exc`: mypyc types it as above
             self._request.client_gone = True
-            raise ClientDisconnected("the client closed the connection") from exc
+            raise ClientDisconnected("the client closed the connection") from broken
 
 
 @functools.cache

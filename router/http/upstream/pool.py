@@ -30,6 +30,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
+from typing import Protocol
 
 import trio
 
@@ -57,6 +58,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamPool",
     "UpstreamProtocolError",
+    "UpstreamRequests",
     "UpstreamResponse",
     "open_upstream_pool",
 ]
@@ -167,6 +169,23 @@ class PooledRequest:
         assert connection is not None and self.endpoint is not None
         self.connection = None
         self._pool._finish(self.endpoint, connection, failed=exc_type is not None)
+
+
+class UpstreamRequests(Protocol):
+    """What the request pipeline asks of the pool: one request to a worker. The pipeline
+    takes this, not `UpstreamPool`, so a test can hand it a scripted pool: compiled code
+    checks a class's type at every call that passes one, a Protocol's never."""
+
+    def request(
+        self,
+        base_url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        connect_timeout_s: float | None = None,
+    ) -> PooledRequest: ...
 
 
 class UpstreamPool:
