@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -20,7 +21,6 @@ from router.api.errors import RouterOverloaded, WorkerUnreachable
 from router.http.server.messages import Headers, ResponseWriter
 from router.http.upstream.pool import (
     LocalShortage,
-    PooledRequest,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
@@ -150,7 +150,9 @@ class UpstreamAttempt:
 
     __slots__ = ("_request", "_timeouts", "_url")
 
-    def __init__(self, request: PooledRequest, url: str, timeouts: Timeouts) -> None:
+    def __init__(
+        self, request: AbstractAsyncContextManager[UpstreamResponse], url: str, timeouts: Timeouts
+    ) -> None:
         self._request = request
         self._url = url
         self._timeouts = timeouts

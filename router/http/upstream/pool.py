@@ -185,7 +185,7 @@ class UpstreamRequests(Protocol):
         body: bytes,
         *,
         connect_timeout_s: float | None = None,
-    ) -> PooledRequest: ...
+    ) -> AbstractAsyncContextManager[UpstreamResponse]: ...
 
 
 class UpstreamPool:
