@@ -32,6 +32,7 @@ import zmq
 
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_token_ids
 from router.fake_worker.settings import FakeWorkerSettings
+from router.kv_events.zmq_trio import recv_multipart, socket_fd
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
@@ -144,7 +145,7 @@ class KvEventPublisher:
     def close(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None and not sock.closed:
-                trio.lowlevel.notify_closing(_fd(sock))
+                trio.lowlevel.notify_closing(socket_fd(sock))
                 sock.close(linger=0)
         self._pub = self._replay = None
 
@@ -153,9 +154,9 @@ class KvEventPublisher:
         if sock is None:
             await trio.sleep_forever()
             return
-        fd = _fd(sock)
+        fd = socket_fd(sock)
         while True:
-            frames = await _recv_multipart(sock, fd)
+            frames = await recv_multipart(sock, fd)
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 continue  # not a replay request: vLLM ignores it too
             identity, start = frames[0], int.from_bytes(frames[2], "big")
@@ -189,26 +190,6 @@ async def serve_kv_publisher(
 
 # pyzmq under trio, as in `router.kv_events.subscription`: ZMQ_FD is edge-triggered, so
 # ZMQ_EVENTS is checked (and every ready message taken) before each wait on it.
-
-
-def _fd(sock: zmq.Socket[bytes]) -> int:
-    fd = sock.getsockopt(zmq.FD)
-    assert isinstance(fd, int)
-    return fd
-
-
-async def _recv_multipart(sock: zmq.Socket[bytes], fd: int) -> list[bytes]:
-    while True:
-        events = sock.getsockopt(zmq.EVENTS)
-        assert isinstance(events, int)
-        if events & zmq.POLLIN:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            await trio.lowlevel.checkpoint()
-            return frames
-        await trio.lowlevel.wait_readable(fd)
 
 
 def _bound(sock: zmq.Socket[bytes]) -> str:

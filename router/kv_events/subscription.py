@@ -69,6 +69,7 @@ from router.kv_events.decode import (
     decode_seq,
 )
 from router.kv_events.index import KvIndex, ViewId
+from router.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
 
 logger = logging.getLogger("router.kv_events")
 
@@ -253,8 +254,8 @@ class KvSubscription:
         finally:
             if monitor is not None:
                 sub.disable_monitor()
-                _close(monitor)
-            _close(sub)
+                close_socket(monitor)
+            close_socket(sub)
 
     async def _process(self, receive: trio.MemoryReceiveChannel[list[bytes] | None]) -> None:
         # A router (re)start and a worker joining are the same case: all we know is in
@@ -373,11 +374,11 @@ class KvSubscription:
                 dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 raise _ReplayFailed(f"cannot send to {endpoint}: {exc}") from None
-            fd = _fd(dealer)
+            fd = socket_fd(dealer)
             while True:
                 frames: list[bytes] | None = None
                 with trio.move_on_after(self.settings.replay_timeout_s):
-                    frames = await _recv_multipart(dealer, fd)
+                    frames = await recv_multipart(dealer, fd)
                 if frames is None:
                     raise _ReplayFailed(f"no answer within {self.settings.replay_timeout_s:.1f}s")
                 if len(frames) != 3 or frames[0] != b"":
@@ -426,7 +427,7 @@ class KvSubscription:
             self._retry_delay = min(self._retry_delay * 2, self.settings.retry_max_s)
             return
         finally:
-            _close(dealer)
+            close_socket(dealer)
         if first and rebuild:
             # Nothing buffered: the engine has not published anything; its cache is empty.
             self.index.clear_view(self.view)
@@ -503,64 +504,24 @@ async def serve_kv_subscription(
     await subscription.serve(task_status=task_status)
 
 
-# -- pyzmq under trio ------------------------------------------------------------------
-#
-# No thread per socket: trio waits on the socket's ZMQ_FD. That descriptor is not the
-# TCP socket; it is ZMQ's internal signalling fd, and it is edge-triggered: it becomes
-# readable when the socket's state *changes* (something arrived), and reading
-# ZMQ_EVENTS (or a recv) consumes the signal. If several messages arrived under one
-# edge and we read only one, the fd stays quiet while messages wait. So: check
-# ZMQ_EVENTS for POLLIN first, and receive while it is set; only wait on the fd when it
-# is clear. Any send or recv on the socket can also consume an edge, which is why the
-# check comes before every wait, not only after a wakeup.
-
-
-def _fd(sock: zmq.Socket[bytes]) -> int:
-    fd = sock.getsockopt(zmq.FD)
-    assert isinstance(fd, int)
-    return fd
-
-
-async def _recv_multipart(sock: zmq.Socket[bytes], fd: int) -> list[bytes]:
-    while True:
-        events = sock.getsockopt(zmq.EVENTS)
-        assert isinstance(events, int)
-        if events & zmq.POLLIN:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            await trio.lowlevel.checkpoint()
-            return frames
-        await trio.lowlevel.wait_readable(fd)
-
-
 async def _pump_messages(
     sub: zmq.Socket[bytes], send: trio.MemorySendChannel[list[bytes] | None]
 ) -> None:
-    fd = _fd(sub)
+    fd = socket_fd(sub)
     async with send:
         while True:
-            await send.send(await _recv_multipart(sub, fd))
+            await send.send(await recv_multipart(sub, fd))
 
 
 async def _pump_connects(
     monitor: zmq.Socket[bytes], send: trio.MemorySendChannel[list[bytes] | None]
 ) -> None:
-    fd = _fd(monitor)
+    fd = socket_fd(monitor)
     async with send:
         while True:
-            frames = await _recv_multipart(monitor, fd)
+            frames = await recv_multipart(monitor, fd)
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_CONNECTED:
                 await send.send(None)
             elif event == zmq.EVENT_DISCONNECTED:
                 await send.send(_DISCONNECTED)
-
-
-def _close(sock: zmq.Socket[bytes]) -> None:
-    if sock.closed:
-        return
-    # Wake anything still waiting on the fd before it goes away (trio's rule).
-    trio.lowlevel.notify_closing(_fd(sock))
-    sock.close(linger=0)
