@@ -348,8 +348,11 @@ class FakeWorker:
         if delay_ms > 0:
             await trio.sleep(delay_ms / 1000)
         body = render_unary(
-            gen, self._request_id(gen.api), int(time.time()), vllm=self._vllm
-        )  # wall-clock: OpenAI `created`
+            gen,
+            self._request_id(gen.api),
+            int(time.time()),  # wall-clock: OpenAI `created` names a calendar second
+            vllm=self._vllm,
+        )
         load.generation_tokens += gen.completion_tokens
         await writer.respond(200, JSON_HEADERS, body)
 
@@ -357,8 +360,11 @@ class FakeWorker:
         """Stream the events, sleeping between tokens; events between two sleeps go out in
         one write. Cancellation: stops at once; nothing is left behind."""
         frames = stream_frames(
-            gen, self._request_id(gen.api), int(time.time()), vllm=self._vllm
-        )  # wall-clock: OpenAI `created`
+            gen,
+            self._request_id(gen.api),
+            int(time.time()),  # wall-clock: OpenAI `created` names a calendar second
+            vllm=self._vllm,
+        )
         await writer.start(200, SSE_HEADERS)
         pending: list[bytes] = []
         for item in paced_events(frames, self.behaviour, load):

@@ -106,7 +106,7 @@ class KvEventPublisher:
     def _publish(self, event: dict[str, Any]) -> None:
         payload = self._encoder.encode(
             {
-                "ts": time.time(),
+                "ts": time.time(),  # wall-clock: vLLM stamps a batch in epoch seconds
                 "events": [event],
                 "data_parallel_rank": self.settings.dp_rank,
             }
