@@ -31,9 +31,11 @@ from router.agent.advertise import (
 )
 from router.agent.drain import DrainSettings, read_engine_load
 from router.agent.engine_metrics import ENGINES, UNREADABLE, EngineLoad
-from router.agent.registration import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, run_registered
+from router.agent.flags import add_registration_flags, registration_flags
+from router.agent.registration import run_registered
 from router.discovery.engine_facts import FactsUnavailable, detect_engine
 from router.fleet.records import Role, WorkerRecord
+from router.observability.logs import configure_logging
 
 log = logging.getLogger("router.agent")
 ENGINE_TIMEOUT_S = 5.0
@@ -100,50 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="how often to ask the engine's /health before registering (default 1)",
     )
-    etcd = parser.add_argument_group("registration")
+    etcd = parser.add_argument_group("registration and drain on SIGTERM")
     etcd.add_argument(
         "--etcd-endpoint",
         default="http://127.0.0.1:2379",
-        help="etcd client URL (default http://127.0.0.1:2379)",
+        help="etcd client URL (default %(default)s)",
     )
-    etcd.add_argument(
-        "--etcd-prefix",
-        default=DEFAULT_PREFIX,
-        help=f"key prefix of worker records (default {DEFAULT_PREFIX})",
-    )
-    etcd.add_argument(
-        "--advertise-host",
-        default=None,
-        help="host routers reach the engine at (default: the --engine-url host)",
-    )
-    etcd.add_argument(
-        "--worker-id", default=None, help="worker id and key suffix (default: advertised host:port)"
-    )
-    etcd.add_argument(
-        "--lease-ttl-s",
-        type=int,
-        default=DEFAULT_LEASE_TTL_S,
-        help=f"lease TTL; heartbeats every third of it (default {DEFAULT_LEASE_TTL_S})",
-    )
-    drain = parser.add_argument_group("drain on SIGTERM")
-    drain.add_argument(
-        "--drain-settle-s",
-        type=float,
-        default=6.0,
-        help="zero load must hold this long (default 6)",
-    )
-    drain.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=300.0,
-        help="give up waiting after this long (default 300)",
-    )
-    drain.add_argument(
-        "--drain-poll-s",
-        type=float,
-        default=0.5,
-        help="seconds between /metrics readings (default 0.5)",
-    )
+    add_registration_flags(etcd, advertise_default="the --engine-url host")
     parser.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), default="info"
     )
@@ -152,20 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> AgentOptions:
     """Validated options; a ValueError names the flag that is wrong."""
+    flags = registration_flags(args)
     engine_url = args.engine_url.rstrip("/")
     engine_host = urlsplit(engine_url).hostname
     if urlsplit(engine_url).scheme not in ("http", "https") or not engine_host:
         raise ValueError(f"--engine-url must be http(s)://HOST:PORT, got {args.engine_url!r}")
-    advertise_host = args.advertise_host or engine_host
+    advertise_host = flags.advertise_host or engine_host
     url = advertised_url(engine_url, advertise_host)
     if args.role == "prefill" and args.bootstrap_port is None:
         raise ValueError("--role prefill needs --bootstrap-port (decodes pull KV from it)")
-    if args.lease_ttl_s < 1:
-        raise ValueError(f"--lease-ttl-s must be >= 1, got {args.lease_ttl_s}")
     if not args.health_poll_s > 0:
         raise ValueError(f"--health-poll-s must be > 0, got {args.health_poll_s}")
     record = worker_record(
-        worker_id=args.worker_id or url.split("://", 1)[1],
+        worker_id=flags.worker_id or url.split("://", 1)[1],
         url=url,
         model=args.model,
         role=args.role,
@@ -179,15 +143,11 @@ def options_from_args(args: argparse.Namespace) -> AgentOptions:
         engine_url=engine_url,
         engine=args.engine,
         etcd_endpoint=etcd_endpoint_url(args.etcd_endpoint),
-        etcd_prefix=args.etcd_prefix,
+        etcd_prefix=flags.etcd_prefix,
         advertise_host=advertise_host,
         record=record,
-        lease_ttl_s=args.lease_ttl_s,
-        drain=DrainSettings(
-            poll_interval_s=args.drain_poll_s,
-            settle_s=args.drain_settle_s,
-            timeout_s=args.drain_timeout_s,
-        ),
+        lease_ttl_s=flags.lease_ttl_s,
+        drain=flags.drain,
         health_poll_s=args.health_poll_s,
     )
 
@@ -297,11 +257,7 @@ def main(argv: Sequence[str]) -> int:
         options = options_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(args.log_level)
     warning = loopback_warning(options.advertise_host, options.etcd_endpoint)
     if warning:
         log.warning("%s", warning)

@@ -20,6 +20,7 @@ from router.cli.serve import RunningRouter, run_router
 from router.discovery.static import parse_worker_spec
 from router.fake_worker.engine import serve_fake_worker
 from router.fake_worker.settings import FakeWorkerSettings
+from router.observability.logs import configure_logging
 
 MODEL = "fake-model"
 
@@ -79,9 +80,7 @@ def main(argv: Sequence[str]) -> int:
         "--token-latency-ms", type=float, default=20.0, help="fake time between tokens"
     )
     args = parser.parse_args(list(argv))
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(logging.WARNING)
     exit_code = 0
     try:
         trio.run(run_demo, args.port, args.workers, args.token_latency_ms)

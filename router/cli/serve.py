@@ -43,6 +43,7 @@ from router.http.server.loop import serve_http
 from router.http.server.settings import ServerSettings
 from router.http.upstream.pool import PoolSettings, open_upstream_pool
 from router.kv_events.fleet_views import KvEvents, KvEventsSettings, KvIndexes, serve_kv_events
+from router.observability.logs import configure_logging
 from router.observability.metrics import RouterMetrics
 from router.observability.request_id import current_request_id
 from router.observability.runtime_metrics import TaskCollector
@@ -463,12 +464,7 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as error:
         print(f"router serve: {error}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    # httpx logs every health check and etcd call at INFO: decisions, not traffic, belong here.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(settings.log_level)
     if args.reuse_port:
         settings = dataclasses.replace(settings, reuse_port=True)
     if settings.server == "hypercorn" and importlib.util.find_spec("hypercorn") is None:

@@ -108,16 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_settings(argv: list[str]) -> FakeWorkerSettings:
-    """Flags to settings; exits with status 2 and a usage message on anything invalid."""
+def parse_command(argv: list[str]) -> tuple[FakeWorkerSettings, FakeRegistration | None]:
+    """Flags to settings and registration; exits with status 2 and a usage message on
+    anything invalid."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         # Every settings field has the flag of the same name (dashes for underscores).
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(FakeWorkerSettings)}
-        return FakeWorkerSettings(**values)
+        return FakeWorkerSettings(**values), registration_options(args)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def parse_settings(argv: list[str]) -> FakeWorkerSettings:
+    """The settings of `argv` (see `parse_command`)."""
+    return parse_command(argv)[0]
 
 
 async def run(settings: FakeWorkerSettings, registration: FakeRegistration | None = None) -> int:
@@ -187,5 +193,4 @@ def _first_leaf(group: BaseExceptionGroup[OSError]) -> OSError:
 
 
 def main(argv: list[str]) -> int:
-    settings = parse_settings(argv)
-    return trio.run(run, settings, registration_options(build_parser(), argv))
+    return trio.run(run, *parse_command(argv))

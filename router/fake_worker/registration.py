@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from urllib.parse import urlsplit
@@ -21,9 +21,11 @@ from router.agent.advertise import (
     loopback_warning,
     worker_record,
 )
-from router.agent.drain import DrainSettings, read_engine_load
-from router.agent.registration import DEFAULT_LEASE_TTL_S, DEFAULT_PREFIX, run_registered
+from router.agent.drain import read_engine_load
+from router.agent.flags import RegistrationFlags, add_registration_flags, registration_flags
+from router.agent.registration import run_registered
 from router.fake_worker.settings import FakeWorkerSettings
+from router.observability.logs import configure_logging
 
 log = logging.getLogger("router.fake_worker.registration")
 _UNSPECIFIED_HOSTS = ("", "0.0.0.0", "::")
@@ -32,11 +34,7 @@ _UNSPECIFIED_HOSTS = ("", "0.0.0.0", "::")
 @dataclass(frozen=True, slots=True)
 class FakeRegistration:
     etcd_endpoint: str
-    prefix: str
-    advertise_host: str | None
-    worker_id: str | None
-    lease_ttl_s: int
-    drain: DrainSettings
+    flags: RegistrationFlags
 
 
 def add_registration_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,66 +45,15 @@ def add_registration_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="register in this etcd; drain on SIGTERM",
     )
-    group.add_argument(
-        "--etcd-prefix", default=DEFAULT_PREFIX, help=f"key prefix (default {DEFAULT_PREFIX})"
-    )
-    group.add_argument(
-        "--advertise-host", default=None, help="host routers reach this worker at (default: --host)"
-    )
-    group.add_argument(
-        "--worker-id", default=None, help="worker id (default: advertised host:port)"
-    )
-    group.add_argument(
-        "--lease-ttl-s",
-        type=int,
-        default=DEFAULT_LEASE_TTL_S,
-        help=f"lease TTL (default {DEFAULT_LEASE_TTL_S})",
-    )
-    group.add_argument(
-        "--drain-settle-s",
-        type=float,
-        default=6.0,
-        help="zero load must hold this long (default 6)",
-    )
-    group.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=300.0,
-        help="drain gives up after this (default 300)",
-    )
-    group.add_argument(
-        "--drain-poll-s",
-        type=float,
-        default=0.5,
-        help="seconds between own /metrics readings (default 0.5)",
-    )
+    add_registration_flags(group, advertise_default="--host")
 
 
-def registration_options(
-    parser: argparse.ArgumentParser, argv: Sequence[str]
-) -> FakeRegistration | None:
-    """The registration flags of `argv` (None without `--register`); exits with status 2
-    and a usage message when one is invalid."""
-    args = parser.parse_args(list(argv))
+def registration_options(args: argparse.Namespace) -> FakeRegistration | None:
+    """The registration flags of `args` (None without `--register`), checked; a
+    ValueError names the flag that is wrong."""
     if args.register is None:
         return None
-    try:
-        if args.lease_ttl_s < 1:
-            raise ValueError(f"--lease-ttl-s must be >= 1, got {args.lease_ttl_s}")
-        return FakeRegistration(
-            etcd_endpoint=etcd_endpoint_url(args.register),
-            prefix=args.etcd_prefix,
-            advertise_host=args.advertise_host,
-            worker_id=args.worker_id,
-            lease_ttl_s=args.lease_ttl_s,
-            drain=DrainSettings(
-                poll_interval_s=args.drain_poll_s,
-                settle_s=args.drain_settle_s,
-                timeout_s=args.drain_timeout_s,
-            ),
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
+    return FakeRegistration(etcd_endpoint_url(args.register), registration_flags(args))
 
 
 async def register_and_drain(
@@ -122,17 +69,15 @@ async def register_and_drain(
     registered, and the caller then stops the server.
     """
     if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-        )
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per etcd call
+        configure_logging(logging.INFO)
     port = urlsplit(url).port
     assert port is not None, "the server reports its bound URL"
-    host = options.advertise_host or (
+    flags = options.flags
+    host = flags.advertise_host or (
         socket.gethostname() if settings.host in _UNSPECIFIED_HOSTS else settings.host
     )
     record = worker_record(
-        worker_id=options.worker_id or f"{host}:{port}",
+        worker_id=flags.worker_id or f"{host}:{port}",
         url=advertised_url(url, host),
         model=settings.model,
         role=settings.role,
@@ -153,10 +98,10 @@ async def register_and_drain(
     async with httpx.AsyncClient(timeout=5.0) as http:
         await run_registered(
             options.etcd_endpoint,
-            options.prefix,
+            flags.etcd_prefix,
             record,
-            lease_ttl_s=options.lease_ttl_s,
+            lease_ttl_s=flags.lease_ttl_s,
             read_load=partial(read_engine_load, http, metrics_url, settings.engine),
-            drain_settings=options.drain,
+            drain_settings=flags.drain,
             signals=signals,
         )
