@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test
+.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test engine-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -96,3 +96,7 @@ engine-env: $(ENGINE_VENV)/.installed $(ENGINE_MODEL)/.tiny-model-complete
 # passing tests measured (docs/real-engines.md quotes it).
 engine-test: setup engine-env
 	$(BIN)/pytest -p no:cacheprovider -o faulthandler_timeout=900 -rP tests/engine
+
+# direct, ours and smg in front of one real engine; its own block of docs/performance.md.
+engine-bench: setup system-deps engine-env
+	$(BIN)/python -m bench --engines

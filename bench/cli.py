@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the router's CPU per request stage by stage (bench/stages.py): micro-benchmarks, and the rest of one short unary c=32 run through ours",
     )
     parser.add_argument(
+        "--engines",
+        action="store_true",
+        help="run the real-engine benchmark instead (bench/engines.py): direct, ours and smg in front of one vLLM engine (make engine-env); writes its own block of --out; --duration defaults to 20 s",
+    )
+    parser.add_argument(
         "--cache",
         action="store_true",
         help="run the cache-aware benchmark instead (bench/cache.py): multi-turn conversations on fake workers with prefix caches; writes its own section of --out and of policies.md beside it",
@@ -111,6 +116,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out,
             args.quick,
             lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+        )
+    if args.engines:
+        from bench import engines
+
+        started = time.monotonic()
+        return engines.run(
+            args.out,
+            args.duration or engines.DEFAULT_DURATION_S,
+            args.rounds,
+            lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         )
     duration = args.duration if args.duration is not None else (1 if args.quick else 2)
     if args.stages:

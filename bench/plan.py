@@ -14,15 +14,17 @@ UNARY_TOKENS = 16
 PACED_TOKEN_MS = 1.0
 
 
-def chat_body(*, stream: bool, tokens: int) -> bytes:
-    return orjson.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Say something short."}],
-            "max_tokens": tokens,
-            "stream": stream,
-        }
-    )
+def chat_body(*, stream: bool, tokens: int, ignore_eos: bool = False) -> bytes:
+    body: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something short."}],
+        "max_tokens": tokens,
+        "stream": stream,
+    }
+    if ignore_eos:
+        # A real engine stops at its end-of-sequence token; this makes it generate them all.
+        body["ignore_eos"] = True
+    return orjson.dumps(body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,11 +36,12 @@ class Case:
     connections: int
     stream: bool
     token_latency_ms: float = 0.0
+    ignore_eos: bool = False
 
     @property
     def body(self) -> bytes:
         tokens = STREAM_TOKENS if self.stream else UNARY_TOKENS
-        return chat_body(stream=self.stream, tokens=tokens)
+        return chat_body(stream=self.stream, tokens=tokens, ignore_eos=self.ignore_eos)
 
     @property
     def events(self) -> int:

@@ -113,6 +113,8 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log_path: Path
     pids: list[int] = field(default_factory=list)
+    own_group: bool = False
+    """Started as the leader of a process group of its own, and stopped by that group."""
 
     @property
     def pid(self) -> int:
@@ -177,7 +179,11 @@ class Proc:
         return memory_kb(self.pids, "VmRSS")
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL to the whole tree after a short grace."""
+        """SIGTERM, then SIGKILL to the whole tree after a short grace (to the whole group,
+        for a process started in a group of its own)."""
+        if self.own_group:
+            self._stop_group()
+            return
         if self.popen.poll() is not None:
             return
         tree = process_tree(self.pid)
@@ -196,6 +202,22 @@ class Proc:
         except subprocess.TimeoutExpired:
             pass
 
+    def _stop_group(self) -> None:
+        # The group outlives a leader that died first, so it is signalled regardless.
+        try:
+            os.killpg(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=STOP_GRACE_S)
+
     def _check_alive(self, when: str) -> None:
         code = self.popen.poll()
         if code is not None:
@@ -207,10 +229,16 @@ class Proc:
 
 
 def start(
-    name: str, command: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+    name: str,
+    command: Sequence[str],
+    log_dir: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    own_group: bool = False,
 ) -> Proc:
     """Start `command` with stdout and stderr to `<log_dir>/<name>.log`, and `env` on top
-    of this process's environment."""
+    of this process's environment; with `own_group`, as the leader of a new process group
+    (`stop()` then signals the group)."""
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
         popen = subprocess.Popen(
@@ -219,8 +247,9 @@ def start(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
+            start_new_session=own_group,
         )
-    return Proc(name=name, popen=popen, log_path=log_path)
+    return Proc(name=name, popen=popen, log_path=log_path, own_group=own_group)
 
 
 def python_module(*args: str) -> list[str]:

@@ -382,14 +382,15 @@ def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list
     return lines
 
 
-def write_doc(path: Path, block: str) -> None:
-    """Replace the results block of `path`, keeping the text around it; a new file gets a
-    title and the block.
+def write_doc(path: Path, block: str, *, start: str = START, end: str = END) -> None:
+    """Replace the block of `path` between `start` and `end` (the results block unless
+    told), keeping the text around it; a file without it gets the block at its end, and a
+    new file a title too.
     """
     text = path.read_text() if path.exists() else ""
-    if START in text and END in text:
-        head, _, rest = text.partition(START)
-        _, _, tail = rest.partition(END)
+    if start in text and end in text:
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
         text = head + block.rstrip("\n") + tail
     else:
         text = (text.rstrip("\n") + "\n\n" if text else "# Performance\n\n") + block

@@ -91,6 +91,27 @@ class EngineEnvironment:
         return cls(python, model_dir)
 
 
+def engine_argv(environment: EngineEnvironment, settings: EngineSettings, port: int) -> list[str]:
+    """The command line of one engine on `port` (run it with ENGINE_ENV on top of the
+    environment and the settings' own `env`)."""
+    return [
+        str(environment.python),
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        str(environment.model_dir),
+        "--served-model-name",
+        settings.served_model_name,
+        *settings.aliases,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *BASE_ARGS,
+        *settings.extra_args,
+    ]
+
+
 class Engine:
     """A running engine and the faults a test may inflict on it.
 
@@ -139,22 +160,7 @@ class Engine:
         return self._child is None or self._child.exited
 
     def argv(self) -> list[str]:
-        return [
-            str(self.environment.python),
-            "-m",
-            SERVER_MODULE,
-            "--model",
-            str(self.environment.model_dir),
-            "--served-model-name",
-            self.settings.served_model_name,
-            *self.settings.aliases,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *BASE_ARGS,
-            *self.settings.extra_args,
-        ]
+        return engine_argv(self.environment, self.settings, self.port)
 
     def _signal(self, signum: int) -> None:
         if self._child is None:
