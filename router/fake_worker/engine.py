@@ -428,7 +428,7 @@ class FakeWorker:
         await _respond_json(writer, 200, info.version())
 
     async def _kv_event_sources(self, request: Request, writer: ResponseWriter) -> None:
-        await _respond_json(writer, 200, info.kv_event_sources())
+        await _respond_json(writer, 200, info.kv_event_sources(self.settings))
 
     async def _loads(self, request: Request, writer: ResponseWriter) -> None:
         await _respond_json(writer, 200, info.loads(self.settings, self.routing.loads))

@@ -8,7 +8,8 @@ The SGLang Model Gateway, on `--worker-urls`, waits for `/health` 200, reads `/v
 What tells the engines apart is served as each engine serves it: `--engine sglang` answers
 both server-info paths (SGLang's server arguments and `version`); `--engine vllm` answers
 neither (404), `/version` as vLLM does (`{"version": ...}` and nothing else) and
-`/kv_event_sources` as vLLM 0.32 does while it publishes no events (`{}`).
+`/kv_event_sources` as vLLM 0.32 does: its events config by DP rank while it publishes
+(`--kv-events-port` with a prefix cache), `{}` while it does not.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from router.fake_worker.kv_publisher import publisher_settings
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RankLoad
 
@@ -51,10 +53,30 @@ def version() -> dict[str, Any]:
     return {"version": FAKE_VERSION}
 
 
-def kv_event_sources() -> dict[str, Any]:
-    """`GET /kv_event_sources` (vLLM only): its publishers by DP rank; the fake publishes
-    no KV-cache events, and vLLM answers an empty object then."""
-    return {}
+def kv_event_sources(settings: FakeWorkerSettings) -> dict[str, Any]:
+    """`GET /kv_event_sources` (vLLM only): the publishers by DP rank, each as vLLM
+    serializes its `KVEventsConfig`; `{}` without `--kv-events-port`, as vLLM answers
+    without `--kv-events-config`. The fake's one publisher is rank 0's, whatever
+    `--dp-size` says. A worker bound on every interface lists a `*` host, as vLLM's
+    config says it; the reader puts the worker's own host in its place."""
+    if not settings.kv_events_port:
+        return {}
+    publisher = publisher_settings(settings)
+    endpoints = [publisher.endpoint, publisher.replay_endpoint or ""]
+    if settings.host in ("", "0.0.0.0", "::"):
+        endpoints = [f"tcp://*:{endpoint.rsplit(':', 1)[1]}" for endpoint in endpoints]
+    return {
+        str(publisher.dp_rank): {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoints[0],
+            "replay_endpoint": endpoints[1],
+            "buffer_steps": publisher.buffer_steps,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": publisher.topic.decode(),
+        }
+    }
 
 
 def model_info(settings: FakeWorkerSettings) -> dict[str, Any]:

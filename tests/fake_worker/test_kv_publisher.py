@@ -8,10 +8,13 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import trio
 import zmq
 
+from router.discovery.engine_facts import kv_event_endpoints
+from router.fake_worker.info import kv_event_sources
 from router.fake_worker.kv_publisher import (
     KvEventPublisher,
     KvPublisherSettings,
@@ -20,6 +23,7 @@ from router.fake_worker.kv_publisher import (
 )
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, tokenize
 from router.fake_worker.settings import FakeWorkerSettings
+from router.fleet.records import KvEventEndpoint
 from router.kv_events import (
     KvEventSource,
     KvIndex,
@@ -28,6 +32,7 @@ from router.kv_events import (
     ViewState,
     serve_kv_subscription,
 )
+from tests.support.fake_fleet import open_fake_fleet
 
 VIEW = ("fake", None)
 GUARD_S = 10
@@ -158,3 +163,30 @@ def test_the_flag_binds_pub_on_the_port_and_replay_beside_it_and_needs_the_cache
         FakeWorkerSettings(kv_events_port=5557)
     with pytest.raises(ValueError, match="kv_events_port"):
         FakeWorkerSettings(cache_tokens=1024, kv_events_port=65535)
+
+
+@pytest.mark.parametrize(
+    ("host", "listed_host"), [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "10.1.2.3")]
+)
+def test_the_fake_lists_its_publisher_as_vllm_does_and_the_router_reads_it(
+    host: str, listed_host: str
+) -> None:
+    settings = FakeWorkerSettings(engine="vllm", host=host, cache_tokens=1024, kv_events_port=5557)
+    # The router's own reader of `/kv_event_sources`, with the worker's URL as discovery
+    # gave it: a `*` host becomes that URL's host.
+    endpoints = kv_event_endpoints(kv_event_sources(settings), f"http://{listed_host}:8000")
+    assert endpoints == (
+        KvEventEndpoint(0, f"tcp://{listed_host}:5557", f"tcp://{listed_host}:5558", ""),
+    )
+    assert kv_event_sources(FakeWorkerSettings(engine="vllm")) == {}
+
+
+async def test_the_fake_serves_the_listing_on_its_http_port() -> None:
+    settings = FakeWorkerSettings(engine="vllm", cache_tokens=1024, kv_events_port=5557)
+    with trio.fail_after(GUARD_S):
+        async with open_fake_fleet([settings]) as (worker,):
+            async with httpx.AsyncClient(base_url=worker.url) as client:
+                answer = await client.get("/kv_event_sources")
+    assert answer.status_code == 200
+    assert answer.json()["0"]["endpoint"] == "tcp://127.0.0.1:5557"
+    assert answer.json()["0"]["replay_endpoint"] == "tcp://127.0.0.1:5558"
