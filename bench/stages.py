@@ -146,13 +146,13 @@ def _selection() -> Callable[[], object]:
 
 
 def _metrics() -> Callable[[], object]:
-    metrics = RouterMetrics(Fleet(), CollectorRegistry())
+    requests = RouterMetrics(Fleet(), CollectorRegistry()).requests
 
     def run() -> object:
-        metrics.count_request("bench-model", "chat", 200)
-        metrics.observe_duration("chat", 0.004)
-        metrics.observe_ttfb("chat", 0.002)
-        return metrics
+        requests.count_request("bench-model", "chat", 200)
+        requests.observe_duration("chat", 0.004)
+        requests.observe_ttfb("chat", 0.002)
+        return requests
 
     return run
 

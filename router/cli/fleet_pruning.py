@@ -13,7 +13,7 @@ import logging
 from router.fleet.ranks import RankChooser
 from router.fleet.registry import Worker
 from router.http.upstream.pool import UpstreamPool
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import BreakerMetrics
 
 log = logging.getLogger("router.fleet")
 
@@ -21,14 +21,14 @@ log = logging.getLogger("router.fleet")
 class DepartedWorkerPruner:
     """A `FleetListener` that prunes a departed worker's state from the router's layers."""
 
-    def __init__(self, pool: UpstreamPool, ranks: RankChooser, metrics: RouterMetrics) -> None:
+    def __init__(self, pool: UpstreamPool, ranks: RankChooser, breakers: BreakerMetrics) -> None:
         self._pool = pool
         self._ranks = ranks
-        self._metrics = metrics
+        self._breakers = breakers
 
     def worker_left(self, worker: Worker) -> None:
         self._ranks.forget(worker.id)
-        self._metrics.forget_worker(worker.id)
+        self._breakers.forget_worker(worker.id)
 
     def url_dropped(self, url: str) -> None:
         if self._pool.forget(url):

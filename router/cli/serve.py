@@ -44,14 +44,14 @@ from router.http.server.settings import ServerSettings
 from router.http.upstream.pool import PoolSettings, open_upstream_pool
 from router.kv_events.fleet_views import KvEvents, KvEventsSettings, KvIndexes, serve_kv_events
 from router.observability.logs import configure_logging
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import BreakerMetrics, DiscoveryMetrics, RouterMetrics
 from router.observability.request_id import current_request_id
 from router.observability.runtime_metrics import TaskCollector
 from router.observability.tracing import open_tracing, otel_installed
 from router.pipeline.dispatch import Timeouts
 from router.pipeline.service import FailoverSettings, GenerationService
 from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
-from router.policies.cache_aware import CacheAwareSettings
+from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
 from router.policies.kv_aware import (
     HfTokenizer,
     KvAware,
@@ -78,6 +78,7 @@ class RunningRouter:
     host: str
     port: int
     app: RouterApp
+    metrics: RouterMetrics
 
     @property
     def url(self) -> str:
@@ -87,12 +88,8 @@ class RunningRouter:
     def fleet(self) -> Fleet:
         return self.app.fleet
 
-    @property
-    def metrics(self) -> RouterMetrics:
-        return self.app.metrics
 
-
-def _breaker_factory(settings: Settings, metrics: RouterMetrics) -> BreakerFactory:
+def _breaker_factory(settings: Settings, breakers: BreakerMetrics) -> BreakerFactory:
     breaker_settings = BreakerSettings(
         failure_threshold=settings.breaker_failure_threshold,
         cooldown_s=settings.breaker_cooldown_s,
@@ -105,7 +102,7 @@ def _breaker_factory(settings: Settings, metrics: RouterMetrics) -> BreakerFacto
             # failed probe extends the outage and shows in the state gauge and the log.
             # A worker that already left (its last request failing) gets no new series.
             if old is BreakerState.CLOSED:
-                metrics.count_trip(name)
+                breakers.count_trip(name)
             # Runs inside the request whose verdict tripped it: the log names that request.
             log.warning(
                 "breaker of %s opened (was %s) [request %s]",
@@ -198,10 +195,9 @@ def server_settings(settings: Settings) -> ServerSettings:
     )
 
 
-def register_server_gauges(load: ServerLoad, metrics: RouterMetrics) -> None:
+def register_server_gauges(load: ServerLoad, registry: CollectorRegistry) -> None:
     """Expose the native server's `load` as gauges read at scrape time (the hypercorn front
     has no such counts, so it gets no such gauges)."""
-    registry = metrics.registry
     Gauge(
         "router_client_connections", "Client connections being served", registry=registry
     ).set_function(lambda: load.connections)
@@ -234,7 +230,7 @@ async def run_router(
     keys = client_keys(settings)
     metrics = RouterMetrics(registry=registry, key_label=keys.named)
     fleet = Fleet(
-        _breaker_factory(settings, metrics),
+        _breaker_factory(settings, metrics.breakers),
         model_memory_s=settings.model_memory_s,
         clock=trio.current_time,
         max_inflight=settings.worker_max_inflight,
@@ -267,7 +263,7 @@ async def run_router(
             )
         )
         discovery: DiscoveryHealth = await nursery.start(
-            partial(serve_discovery, settings, fleet, http, metrics)
+            partial(serve_discovery, settings, fleet, http, metrics.discovery)
         )
         await nursery.start(
             partial(
@@ -315,8 +311,17 @@ async def run_router(
                     kv_tokenizer(settings),
                 ),
             )
-        generation = GenerationService(failover, fleet, pool, metrics)
+        generation = GenerationService(failover, fleet, pool, metrics.requests, metrics.pipeline)
         # Registered under every policy, so the families exist (empty) whatever is chosen.
+        metrics.registry.register(
+            CacheAwareCollector(
+                {
+                    role: policy
+                    for role, policy in generation.policies.items()
+                    if isinstance(policy, CacheAware)
+                }
+            )
+        )
         metrics.registry.register(
             KvAwareCollector(
                 {
@@ -331,7 +336,8 @@ async def run_router(
         await nursery.start(generation.runner.stalls.serve)
         app = RouterApp(
             generation,
-            metrics,
+            metrics.requests,
+            metrics.render,
             discovery,
             protect_metrics=settings.protect_metrics,
             keys=keys,
@@ -342,7 +348,7 @@ async def run_router(
         metrics.registry.register(WorkerWaitCollector(generation.waits))
         # Attached once the app exists: a worker that left before it (during the first
         # listing) had no request, so no pool endpoint, rank state or series to prune.
-        fleet.add_listener(DepartedWorkerPruner(pool, generation.ranks, metrics))
+        fleet.add_listener(DepartedWorkerPruner(pool, generation.ranks, metrics.breakers))
 
         serve: Callable[..., Awaitable[None]]
         if settings.server == "hypercorn":
@@ -351,7 +357,7 @@ async def run_router(
             serve = partial(serve_asgi, answer_refusal=answer_refusal)
         else:
             load = ServerLoad(settings.max_buffered_body_bytes)
-            register_server_gauges(load, metrics)
+            register_server_gauges(load, metrics.registry)
             serve = partial(serve_http, load=load, answer_refusal=answer_refusal)
 
         async def serve_until_drained(*, task_status: trio.TaskStatus[int]) -> None:
@@ -369,14 +375,14 @@ async def run_router(
         log.info(
             "router listening on %s with %d workers", http_url(settings.host, port), len(fleet)
         )
-        task_status.started(RunningRouter(host=settings.host, port=port, app=app))
+        task_status.started(RunningRouter(host=settings.host, port=port, app=app, metrics=metrics))
 
 
 async def serve_discovery(
     settings: Settings,
     fleet: Fleet,
     http: httpx.AsyncClient,
-    metrics: RouterMetrics,
+    metrics: DiscoveryMetrics,
     *,
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:

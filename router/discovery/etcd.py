@@ -34,7 +34,7 @@ from router.discovery.etcd_client import (
 from router.discovery.liveness import SilenceWatch
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
 from router.fleet.registry import Fleet
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import DiscoveryMetrics
 
 log = logging.getLogger("router.discovery.etcd")
 
@@ -79,7 +79,7 @@ class FleetMirror:
     write wins and a warning names both keys.
     """
 
-    def __init__(self, fleet: Fleet, metrics: RouterMetrics) -> None:
+    def __init__(self, fleet: Fleet, metrics: DiscoveryMetrics) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self._records: dict[str, WorkerRecord] = {}
@@ -114,7 +114,7 @@ class FleetMirror:
     def apply(self, event: WatchEvent) -> None:
         """Apply one PUT or DELETE to the fleet."""
         kind = "put" if event.type == "PUT" else "delete"
-        self._metrics.discovery_events.labels(kind).inc()
+        self._metrics.count_event(kind)
         if event.type == "DELETE":
             self._refused.pop(event.key, None)
             self._forget(event.key)
@@ -174,7 +174,7 @@ class FleetMirror:
 class _Link:
     """What the router says about its link to etcd, on `/health` and in the metric."""
 
-    def __init__(self, health: DiscoveryHealth, metrics: RouterMetrics, fleet: Fleet) -> None:
+    def __init__(self, health: DiscoveryHealth, metrics: DiscoveryMetrics, fleet: Fleet) -> None:
         self.health = health
         self._metrics = metrics
         self._fleet = fleet
@@ -186,7 +186,7 @@ class _Link:
             self._lost = False
         self.health.up = True
         self.health.detail = detail
-        self._metrics.discovery_up.set(1)
+        self._metrics.report_up(True)
 
     @property
     def lost(self) -> bool:
@@ -203,7 +203,7 @@ class _Link:
         self._lost = True
         self.health.up = False
         self.health.detail = detail
-        self._metrics.discovery_up.set(0)
+        self._metrics.report_up(False)
 
     def down(self, reason: str, retry_in_s: float) -> None:
         detail = (
@@ -217,14 +217,14 @@ class _Link:
         self._lost = True
         self.health.up = False
         self.health.detail = detail
-        self._metrics.discovery_up.set(0)
+        self._metrics.report_up(False)
 
 
 async def serve_etcd_discovery(
     endpoint: str,
     prefix: str,
     fleet: Fleet,
-    metrics: RouterMetrics,
+    metrics: DiscoveryMetrics,
     *,
     timing: EtcdDiscoveryTiming = EtcdDiscoveryTiming(),
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
@@ -240,7 +240,7 @@ async def serve_etcd_discovery(
     Cancellation: the watch stream is closed; the fleet keeps its last state.
     """
     health = DiscoveryHealth(source="etcd", up=False, detail=f"connecting to {endpoint}")
-    metrics.discovery_up.set(0)
+    metrics.report_up(False)
     async with open_etcd_client(endpoint, timeout_s=timing.request_timeout_s) as client:
         follower = _Follower(client, prefix, fleet, metrics, health, timing)
         await follower.run(task_status)
@@ -254,7 +254,7 @@ class _Follower:
         client: EtcdClient,
         prefix: str,
         fleet: Fleet,
-        metrics: RouterMetrics,
+        metrics: DiscoveryMetrics,
         health: DiscoveryHealth,
         timing: EtcdDiscoveryTiming,
     ) -> None:
@@ -307,7 +307,7 @@ class _Follower:
                 watch_opened = trio.current_time()
                 await self._watch()
             except WatchCompacted as exc:
-                self._metrics.discovery_relists.inc()
+                self._metrics.count_relist()
                 log.warning(
                     "watch from revision %s is compacted (etcd keeps history from %d): relisting",
                     None if self.revision is None else self.revision + 1,

@@ -28,7 +28,7 @@ from router.discovery.kube_config import KubeConfigError, KubeConnection, load_k
 from router.discovery.kube_pods import PodMirror, PodSource
 from router.discovery.streams import StreamTooLarge, close_stream, read_capped
 from router.fleet.registry import Fleet
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import DiscoveryMetrics
 
 log = logging.getLogger("router.discovery.kubernetes")
 
@@ -197,7 +197,7 @@ class _Link:
     """What `/health` and `router_discovery_up` say: up only while every watch is."""
 
     def __init__(
-        self, health: DiscoveryHealth, metrics: RouterMetrics, fleet: Fleet, server: str
+        self, health: DiscoveryHealth, metrics: DiscoveryMetrics, fleet: Fleet, server: str
     ) -> None:
         self._health = health
         self._metrics = metrics
@@ -235,17 +235,17 @@ class _Link:
                 f"Kubernetes API {self._server} unreachable ({reasons}); routing to the last "
                 f"known fleet of {len(self._fleet)} worker(s)"
             )
-            self._metrics.discovery_up.set(0)
+            self._metrics.report_up(False)
         else:
             self._health.up = True
             self._health.detail = "; ".join(self._watching.values())
-            self._metrics.discovery_up.set(1)
+            self._metrics.report_up(True)
 
 
 async def serve_kubernetes_discovery(
     settings: KubeDiscoverySettings,
     fleet: Fleet,
-    metrics: RouterMetrics,
+    metrics: DiscoveryMetrics,
     *,
     connection: KubeConnection | None = None,
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
@@ -262,7 +262,7 @@ async def serve_kubernetes_discovery(
     health = DiscoveryHealth(
         source="kubernetes", up=False, detail=f"connecting to {connection.server}"
     )
-    metrics.discovery_up.set(0)
+    metrics.report_up(False)
     link = _Link(health, metrics, fleet, connection.server)
     mirror = PodMirror(fleet, settings.sources, settings.port)
     log.info(
@@ -296,7 +296,7 @@ class _Follower:
         source: PodSource,
         mirror: PodMirror,
         link: _Link,
-        metrics: RouterMetrics,
+        metrics: DiscoveryMetrics,
         timing: KubeTiming,
     ) -> None:
         self._api = api
@@ -316,7 +316,7 @@ class _Follower:
                 if self.version is None:
                     pods, version = await self._api.list(self._source)
                     self._mirror.relist(self._source, pods)
-                    self._metrics.discovery_relists.inc()
+                    self._metrics.count_relist()
                     self.version = version
                     self._link.up(
                         self._source, f"listed {self._source.selector} at version {version}"
@@ -378,9 +378,9 @@ class _Follower:
                         meta = obj.get("metadata")
                         version = meta.get("resourceVersion") if isinstance(meta, dict) else None
                         if kind == "BOOKMARK":
-                            self._metrics.discovery_events.labels("bookmark").inc()
+                            self._metrics.count_event("bookmark")
                         elif kind in ("ADDED", "MODIFIED", "DELETED"):
-                            self._metrics.discovery_events.labels(kind.lower()).inc()
+                            self._metrics.count_event(kind.lower())
                             self._mirror.apply(self._source, kind, obj)
                         else:
                             log.warning("ignoring a watch event of type %r", kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -17,7 +18,7 @@ from router.edge.auth import ClientKeys
 from router.fleet.records import WorkerRecord
 from router.fleet.registry import Worker
 from router.http.server.messages import Request, ResponseWriter
-from router.observability.metrics import CONTENT_TYPE, RouterMetrics
+from router.observability.metrics import CONTENT_TYPE, RequestMetrics
 from router.observability.request_id import IdentifiedWriter, forget, identify
 from router.observability.tracing import Tracing
 from router.pipeline.service import GenerationService
@@ -27,10 +28,14 @@ _GET = b"GET, HEAD"
 
 
 class RouterApp:
+    """Paths to handlers. `request_metrics` counts what the app refuses before the pipeline
+    sees it; `render_metrics` gives the whole `/metrics` page."""
+
     def __init__(
         self,
         generation: GenerationService,
-        metrics: RouterMetrics,
+        request_metrics: RequestMetrics,
+        render_metrics: Callable[[], bytes],
         discovery: DiscoveryHealth,
         *,
         protect_metrics: bool = False,
@@ -48,7 +53,8 @@ class RouterApp:
         # Routes open to anyone even when client keys are checked (probes and scrapers).
         self._open_routes = {"/health", "/readiness"} | (set() if protect_metrics else {"/metrics"})
         self.fleet = generation.fleet
-        self.metrics = metrics
+        self.request_metrics = request_metrics
+        self._render_metrics = render_metrics
         self.discovery = discovery
         self.generation = generation
         self._get_routes = {
@@ -142,7 +148,7 @@ class RouterApp:
             raise
 
     def _count_refusal(self, path: str, status: int, key: str | None = None) -> None:
-        self.metrics.count_request("-", ROUTES[path].label, status, key)
+        self.request_metrics.count_request("-", ROUTES[path].label, status, key)
 
     def _models(self) -> tuple[int, bytes, bytes]:
         data = [
@@ -181,7 +187,7 @@ class RouterApp:
         return (200 if ready else 503), b"application/json", body
 
     def _metrics(self) -> tuple[int, bytes, bytes]:
-        return 200, CONTENT_TYPE, self.metrics.render()
+        return 200, CONTENT_TYPE, self._render_metrics()
 
     def _workers(self) -> tuple[int, bytes, bytes]:
         now = trio.current_time()

@@ -1,6 +1,13 @@
 """What the router tells about itself: Prometheus metrics, OpenTelemetry tracing, request ids."""
 
-from router.observability.metrics import CONTENT_TYPE, RouterMetrics
+from router.observability.metrics import (
+    CONTENT_TYPE,
+    BreakerMetrics,
+    DiscoveryMetrics,
+    PipelineMetrics,
+    RequestMetrics,
+    RouterMetrics,
+)
 from router.observability.request_id import IdentifiedWriter, current_request_id, forget, identify
 from router.observability.runtime_metrics import TaskCollector
 from router.observability.tracing import (
@@ -16,7 +23,11 @@ __all__ = [
     "CONTENT_TYPE",
     "NO_ATTEMPT_TRACE",
     "AttemptTrace",
+    "BreakerMetrics",
+    "DiscoveryMetrics",
     "IdentifiedWriter",
+    "PipelineMetrics",
+    "RequestMetrics",
     "RouterMetrics",
     "TaskCollector",
     "Tracing",

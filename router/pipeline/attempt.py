@@ -27,7 +27,7 @@ from router.fleet.records import Role
 from router.fleet.registry import Fleet, Worker
 from router.http.server.messages import Request, ResponseWriter
 from router.http.upstream.pool import UpstreamPool
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import RequestMetrics
 from router.observability.request_id import current_request_id
 from router.observability.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
 from router.pipeline.dispatch import (
@@ -170,7 +170,7 @@ class AttemptRunner:
         self,
         fleet: Fleet,
         pool: UpstreamPool,
-        metrics: RouterMetrics,
+        request_metrics: RequestMetrics,
         timeouts: Timeouts,
         policies: Mapping[Role, Policy],
         *,
@@ -179,7 +179,7 @@ class AttemptRunner:
     ) -> None:
         self.fleet = fleet
         self.pool = pool
-        self.metrics = metrics
+        self.request_metrics = request_metrics
         self.timeouts = timeouts
         # One timer for the silence of every relayed stream.
         self.stalls = StallWatch(timeouts.stream_idle_s)
@@ -305,7 +305,7 @@ class AttemptRunner:
     async def _begin_answer(self, lease: Lease, status: int, ctx: RequestContext) -> None:
         lease.settle(status=status)
         await lease.commit()
-        self.metrics.observe_ttfb(ctx.generation.route, trio.current_time() - ctx.started)
+        self.request_metrics.observe_ttfb(ctx.generation.route, trio.current_time() - ctx.started)
 
     async def consume(self, lease: Lease, body: bytes, ctx: RequestContext) -> None:
         """One request to one worker whose answer is read and discarded (a prefill leg).

@@ -17,7 +17,7 @@ import trio
 from router.api.errors import BadRequest
 from router.fleet.records import Role
 from router.fleet.registry import Worker
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import PipelineMetrics
 from router.observability.request_id import current_request_id
 from router.pipeline.attempt import AttemptRunner, Lease, RequestContext, WorkerFailed
 from router.pipeline.handoff_body import UnspliceableBody, splice_handoff
@@ -148,12 +148,12 @@ class PDStrategy:
     def __init__(
         self,
         runner: AttemptRunner,
-        metrics: RouterMetrics,
+        pipeline_metrics: PipelineMetrics,
         max_n: int,
         rng: random.Random | None = None,
     ) -> None:
         self.runner = runner
-        self.metrics = metrics
+        self.pipeline_metrics = pipeline_metrics
         self.max_n = max_n
         self.rng = rng or random.Random()
 
@@ -194,7 +194,7 @@ class PDStrategy:
                 try:
                     status = await runner.exchange(decode_lease, raw, ctx)
                 except WorkerFailed:
-                    self.metrics.count_leg_failure(Role.DECODE)
+                    self.pipeline_metrics.count_leg_failure(Role.DECODE)
                     raise
         except BaseExceptionGroup as group:
             raise _one_exception(group) from None
@@ -214,7 +214,7 @@ class PDStrategy:
         try:
             await self.runner.consume(lease, raw, ctx)
         except WorkerFailed as failed:
-            self.metrics.count_leg_failure(Role.PREFILL)
+            self.pipeline_metrics.count_leg_failure(Role.PREFILL)
             if decode_lease.committed:
                 answer = failed.failure.answer
                 if not failed.failure.retryable and answer is not None and answer.status < 500:

@@ -24,7 +24,7 @@ from router.fleet.registry import Fleet
 from router.http.direct_socket import SendStalled
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.upstream.pool import UpstreamPool
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import PipelineMetrics, RequestMetrics
 from router.observability.request_id import current_request_id
 from router.pipeline.attempt import AttemptRunner, RequestContext, Strategy, WorkerFailed
 from router.pipeline.dispatch import Timeouts, client_headers
@@ -34,7 +34,7 @@ from router.pipeline.plan import Plan, plan_request
 from router.pipeline.resolve import GenerationRequest, parse_generation_request
 from router.pipeline.wait import WorkerWait, WorkerWaitSettings
 from router.policies.by_name import make_policy
-from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
+from router.policies.cache_aware import CacheAware, CacheAwareSettings
 from router.policies.kv_aware import KvPolicyInputs
 from router.policies.routing_keys import routing_key, routing_text
 
@@ -67,12 +67,18 @@ class GenerationService:
     fail over. Non-generation routes take the same path on a mixed worker."""
 
     def __init__(
-        self, settings: FailoverSettings, fleet: Fleet, pool: UpstreamPool, metrics: RouterMetrics
+        self,
+        settings: FailoverSettings,
+        fleet: Fleet,
+        pool: UpstreamPool,
+        request_metrics: RequestMetrics,
+        pipeline_metrics: PipelineMetrics,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.pool = pool
-        self.metrics = metrics
+        self.request_metrics = request_metrics
+        self.pipeline_metrics = pipeline_metrics
         self.policies = {
             Role.MIXED: make_policy(settings.policy, cache=settings.cache, kv=settings.kv),
             Role.PREFILL: make_policy(
@@ -86,13 +92,11 @@ class GenerationService:
         self.reads_text = bool(cache_aware)
         for policy in cache_aware.values():
             fleet.add_listener(policy)
-        # Registered under every policy, so the families exist (empty) whatever is chosen.
-        metrics.registry.register(CacheAwareCollector(cache_aware))
         self.waits = WorkerWait(fleet, settings.wait)
         self.runner = AttemptRunner(
             fleet,
             pool,
-            metrics,
+            request_metrics,
             settings.timeouts,
             self.policies,
             worker_api_key=settings.worker_api_key,
@@ -100,7 +104,7 @@ class GenerationService:
         )
         self.strategies: dict[Mode, Strategy] = {
             Mode.MIXED: MixedStrategy(self.runner),
-            Mode.PD: PDStrategy(self.runner, metrics, settings.max_n),
+            Mode.PD: PDStrategy(self.runner, pipeline_metrics, settings.max_n),
         }
 
     @property
@@ -131,7 +135,7 @@ class GenerationService:
         except RouterError as error:
             status = error.status
             if isinstance(error, RouterOverloaded):
-                self.metrics.count_local_error(error.kind)
+                self.pipeline_metrics.count_local_error(error.kind)
             await writer.respond(
                 error.status, [JSON_CONTENT_TYPE, *error.headers()], error_body(error, spec.dialect)
             )
@@ -145,8 +149,8 @@ class GenerationService:
         finally:
             if request.client_gone:
                 status = CLIENT_LEFT
-            self.metrics.count_request(model_label, route, status, key)
-            self.metrics.observe_duration(route, trio.current_time() - started)
+            self.request_metrics.count_request(model_label, route, status, key)
+            self.request_metrics.observe_duration(route, trio.current_time() - started)
 
     async def _serve(
         self,
@@ -179,11 +183,11 @@ class GenerationService:
                     break
                 # Counted as another worker is about to be tried: a failure that ends the
                 # request is no retry, whatever its reason.
-                self.metrics.count_retry(retry_reason)
+                self.pipeline_metrics.count_retry(retry_reason)
                 retry_reason = None
             if attempt == 0 and generation.spec.generation:
                 # A request counts once, under the mode it was first planned in.
-                self.metrics.count_mode(plan.mode)
+                self.pipeline_metrics.count_mode(plan.mode)
             try:
                 delivered = await self.strategies[plan.mode].attempt(plan, ctx)
             except WorkerFailed as failed:

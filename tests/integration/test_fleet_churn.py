@@ -35,7 +35,7 @@ async def test_state_and_series_are_held_only_for_workers_present() -> None:
             open_router(breaker_failure_threshold=1, max_attempts=1) as router,
             httpx.AsyncClient(base_url=router.url, timeout=30) as client,
         ):
-            mirror = FleetMirror(router.fleet, router.metrics)
+            mirror = FleetMirror(router.fleet, router.metrics.discovery)
             records = {
                 f"/w/{i}": {
                     "id": f"w{i}",
@@ -111,7 +111,7 @@ async def test_a_worker_whose_last_request_fails_after_it_left_gets_no_series_ba
             httpx.AsyncClient(base_url=router.url, timeout=30) as client,
             trio.open_nursery() as nursery,
         ):
-            mirror = FleetMirror(router.fleet, router.metrics)
+            mirror = FleetMirror(router.fleet, router.metrics.discovery)
             # The engine is named, so the router asks it nothing of itself: this upstream
             # holds whatever reaches it, and only the chat request may.
             record = {"id": "w0", "url": upstream.url, "model": "m", "engine": "sglang"}

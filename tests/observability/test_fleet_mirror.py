@@ -33,7 +33,7 @@ def delete(key: str, revision: int = 11) -> WatchEvent:
 def setup() -> tuple[Fleet, RouterMetrics, FleetMirror]:
     fleet = Fleet()
     metrics = RouterMetrics(fleet, CollectorRegistry())
-    return fleet, metrics, FleetMirror(fleet, metrics)
+    return fleet, metrics, FleetMirror(fleet, metrics.discovery)
 
 
 def events(metrics: RouterMetrics, kind: str) -> float:

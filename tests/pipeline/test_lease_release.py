@@ -125,8 +125,13 @@ def service_over(
     for url, role in workers.items():
         fleet.upsert(WorkerRecord(id=url, url=url, models=(MODEL,), role=role, dp_size=2))
     pool = Pool(behaviour)
+    metrics = RouterMetrics(fleet)
     return GenerationService(
-        failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)
+        failover_settings(settings),
+        fleet,
+        cast(UpstreamPool, pool),
+        metrics.requests,
+        metrics.pipeline,
     ), pool
 
 

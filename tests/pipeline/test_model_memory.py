@@ -104,8 +104,13 @@ async def test_a_request_in_the_gap_gets_503_with_retry_after_then_404_after_the
     fleet = Fleet(model_memory_s=MEMORY_S, clock=trio.current_time)
     fleet.upsert(record("a"))
     fleet.upsert(record("z", model="other"))  # so the model must be named, as clients do
+    metrics = RouterMetrics(fleet)
     service = GenerationService(
-        failover_settings(settings), fleet, cast(UpstreamPool, None), RouterMetrics(fleet)
+        failover_settings(settings),
+        fleet,
+        cast(UpstreamPool, None),
+        metrics.requests,
+        metrics.pipeline,
     )
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 

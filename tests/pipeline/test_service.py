@@ -123,6 +123,7 @@ class Router:
     service: GenerationService
     pool: ScriptedPool
     fleet: Fleet
+    metrics: RouterMetrics
 
     async def send(self) -> Answer:
         answer = Answer()
@@ -159,10 +160,15 @@ def make_router(scripts: dict[str, Script], **overrides: Any) -> Router:
     for url in scripts:
         fleet.upsert(WorkerRecord(id=url, url=url, models=(MODEL,)))
     pool = ScriptedPool(scripts)
+    metrics = RouterMetrics(fleet)
     service = GenerationService(
-        failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)
+        failover_settings(settings),
+        fleet,
+        cast(UpstreamPool, pool),
+        metrics.requests,
+        metrics.pipeline,
     )
-    return Router(service, pool, fleet)
+    return Router(service, pool, fleet, metrics)
 
 
 A, B = "http://a", "http://b"
@@ -319,7 +325,7 @@ async def test_only_failures_followed_by_another_attempt_count_as_retries(
     answer = await router.send()
     assert answer.status == 503
     assert len(router.pool.dispatched) == min(workers, 3)
-    registry = router.service.metrics.registry
+    registry = router.metrics.registry
     assert (
         registry.get_sample_value("router_retries_total", {"reason": "status_503"}) or 0
     ) == retries

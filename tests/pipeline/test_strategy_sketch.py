@@ -74,8 +74,13 @@ def build(scripts: dict[str, Script]) -> tuple[GenerationService, ScriptedPool, 
     for url in (ENCODE_A, ENCODE_B):
         encoders.upsert(WorkerRecord(id=url, url=url, models=(MODEL,)))
     pool = ScriptedPool(scripts)
+    metrics = RouterMetrics(fleet)
     service = GenerationService(
-        failover_settings(settings), fleet, cast(UpstreamPool, pool), RouterMetrics(fleet)
+        failover_settings(settings),
+        fleet,
+        cast(UpstreamPool, pool),
+        metrics.requests,
+        metrics.pipeline,
     )
     # The whole installation: one entry of the loop's table.
     service.strategies[Mode.PD] = EncodeThenPair(

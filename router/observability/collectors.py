@@ -1,0 +1,100 @@
+"""What `/metrics` reads from the router's state when it is scraped: the fleet's workers,
+in-flight counts and breakers, and the upstream pool's connections. The request path
+never touches these figures; it pays nothing for them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.fleet.registry import Fleet
+from router.http.upstream.pool import UpstreamPool
+
+
+class FleetCollector(Collector):
+    """Workers by model/role/status, in-flight and breaker state per worker, read at scrape."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        # Scrapes come through the router's own handler, inside trio; the registry also
+        # collects once at registration, outside any run, where no breaker can be open yet.
+        try:
+            now = trio.current_time()
+        except RuntimeError:
+            now = 0.0
+        by_group: dict[tuple[str, str, str], int] = {}
+        inflight = GaugeMetricFamily(
+            "router_worker_inflight", "Requests in flight per worker", labels=["worker"]
+        )
+        state = GaugeMetricFamily(
+            "router_worker_breaker_state",
+            "Breaker state per worker: 0 closed, 1 open, 2 half_open",
+            labels=["worker"],
+        )
+        healthy = GaugeMetricFamily(
+            "router_worker_healthy", "1 when the worker passes its health checks", labels=["worker"]
+        )
+        for worker in self._fleet.workers():
+            record = worker.record
+            for model in record.models:
+                key = (model, record.role.value, record.status.value)
+                by_group[key] = by_group.get(key, 0) + 1
+            inflight.add_metric([worker.id], worker.inflight)
+            healthy.add_metric([worker.id], 1 if worker.healthy else 0)
+            if worker.breaker is not None:
+                state.add_metric([worker.id], int(worker.breaker.state(now)))
+            else:
+                state.add_metric([worker.id], 0)
+        workers = GaugeMetricFamily(
+            "router_workers",
+            "Known workers by model, role and status",
+            labels=["model", "role", "status"],
+        )
+        for (model, role, status), count in sorted(by_group.items()):
+            workers.add_metric([model, role, status], count)
+        remembered = GaugeMetricFamily(
+            "router_models_remembered",
+            "Models with no worker left that are still answered 503, not 404 (--model-memory-s)",
+        )
+        remembered.add_metric([], self._fleet.remembered_models(now))
+        yield workers
+        yield remembered
+        yield GaugeMetricFamily(
+            "router_workers_pending",
+            "Workers named by discovery but not admitted: their engine has not stated their facts yet",
+            value=len(self._fleet.pending),
+        )
+        yield inflight
+        yield healthy
+        yield state
+
+
+class PoolCollector(Collector):
+    """The upstream pool's figures, read at scrape time (the request path pays nothing)."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._pool.statistics()
+        connections = GaugeMetricFamily(
+            "router_upstream_connections", "Open upstream connections by state", labels=["state"]
+        )
+        connections.add_metric(["idle"], stats.idle_total)
+        connections.add_metric(["in_use"], stats.in_use)
+        yield connections
+        yield GaugeMetricFamily(
+            "router_upstream_checkouts_waiting",
+            "Requests waiting for a connection to a worker at --max-connections-per-worker",
+            value=stats.waiting,
+        )
+        yield CounterMetricFamily(
+            "router_upstream_stale_discarded",
+            "Pooled connections found closed by the worker at checkout, discarded before any write",
+            value=stats.stale_discarded,
+        )
