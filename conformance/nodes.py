@@ -74,29 +74,19 @@ class NodeReader:
     ) -> dict[str, Node]:
         """A mapping with string keys; unknown keys (when `known` is given), duplicate keys
         and missing required keys are errors. Null reads as an empty mapping."""
-        if self.is_null(node):
-            entries: dict[str, Node] = {}
-        elif not isinstance(node, MappingNode):
-            raise self.fail(node, field, f"must be a mapping, got {self.describe(node)}")
-        else:
-            entries = {}
-            for key_node, value_node in node.value:
-                key = self.scalar(key_node, field)
-                if not isinstance(key, str | int) or isinstance(key, bool):
-                    raise self.fail(key_node, field, f"keys must be names, got {key!r}")
-                key = str(key)
-                if key in entries:
-                    raise self.fail(key_node, join(field, key), "given twice")
-                if known is not None and key not in known:
-                    raise self.fail(key_node, join(field, key), self._unknown(key, known))
-                entries[key] = value_node
+        entries: dict[str, Node] = {}
+        for key, key_node, value_node in self.items(node, field):
+            if known is not None and key not in known:
+                raise self.fail(key_node, join(field, key), self._unknown(key, known))
+            entries[key] = value_node
         for name in required:
             if name not in entries:
                 raise self.fail(node, join(field, name), "is required")
         return entries
 
     def items(self, node: Node, field: str) -> Iterator[tuple[str, Node, Node]]:
-        """(key, key node, value node) of a mapping whose keys are free-form names."""
+        """(key, key node, value node) of a mapping whose keys are names; a key that is
+        not a name or is given twice is an error. Null reads as an empty mapping."""
         if self.is_null(node):
             return
         if not isinstance(node, MappingNode):

@@ -56,6 +56,9 @@ KNOWN_PROBLEMS: tuple[type[Exception], ...] = (
     Unsupported,
     trio.TooSlowError,
 )
+# What `run_case` catches: those, alone or in the exception groups of the nurseries of the
+# case's processes (`known_problem` unwraps them, and re-raises anything else).
+_CAUGHT: tuple[type[BaseException], ...] = (*KNOWN_PROBLEMS, BaseExceptionGroup)
 
 
 @dataclass(slots=True)
@@ -109,14 +112,7 @@ async def run_case(
     try:
         with trio.fail_after(options.case_timeout_s):
             ran = await execute_case(case, plane, options, observe=unsupported is not None)
-    except (
-        CaseError,
-        FleetError,
-        ProcessFailed,
-        Unsupported,
-        trio.TooSlowError,
-        BaseExceptionGroup,
-    ) as exc:
+    except _CAUGHT as exc:
         problem = known_problem(exc)
         seconds = trio.current_time() - started
         if isinstance(problem, Unsupported):

@@ -35,10 +35,10 @@ import re
 import subprocess
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import httpx
 import trio
@@ -192,18 +192,33 @@ class Plane(ABC):
         Polls; the runner bounds the wait with `ready_timeout_s`.
         """
         wanted = {worker.spec.model for worker in launch.workers}
-        while True:
-            try:
-                response = await client.get(
-                    url + "/v1/models", timeout=2.0, headers=self.auth_headers(launch)
-                )
-                if response.status_code == 200:
-                    listed = {entry.get("id") for entry in response.json().get("data", [])}
-                    if wanted <= listed:
-                        return
-            except (httpx.HTTPError, ValueError):
-                pass
-            await trio.sleep(0.05)
+
+        def lists_every_model(answer: Any) -> bool:
+            return wanted <= {entry.get("id") for entry in answer.get("data", [])}
+
+        await wait_for_answer(
+            client, url + "/v1/models", self.auth_headers(launch), lists_every_model, 0.05
+        )
+
+
+async def wait_for_answer(
+    client: httpx.AsyncClient,
+    url: str,
+    headers: Mapping[str, str],
+    ready: Callable[[Any], bool],
+    interval_s: float,
+) -> None:
+    """Return once `GET url` answers 200 with a JSON body that `ready` accepts; ask again
+    every `interval_s` while the plane refuses, errs or is not ready yet. The caller
+    bounds the wait. Cancellation: nothing to undo."""
+    while True:
+        try:
+            response = await client.get(url, timeout=2.0, headers=headers)
+            if response.status_code == 200 and ready(response.json()):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        await trio.sleep(interval_s)
 
 
 def environment_for(extra: Mapping[str, str]) -> dict[str, str]:

@@ -14,7 +14,11 @@ from conformance import etcd_sidecar, kube_sidecar
 from conformance.fleet import RunningWorker
 from conformance.model import Case
 from conformance.planes.base import Launch, Plane, Unsupported
-from conformance.planes.cache_flags import cache_aware_flags
+from conformance.planes.gateway_flags import (
+    auth_and_admission_flags,
+    cache_aware_flags,
+    health_threshold_flags,
+)
 from conformance.sidecars import Sidecars
 
 # `router serve`'s own default, needed to keep an explicit long cooldown valid.
@@ -176,19 +180,11 @@ class PythonPlane(Plane):
                 "--health-timeout-s",
                 f"{min(h.interval_s, 2.0):g}",
             ]
-        if h.failure_threshold is not None:
-            flags += ["--health-failure-threshold", str(h.failure_threshold)]
-        if h.success_threshold is not None:
-            flags += ["--health-success-threshold", str(h.success_threshold)]
+        flags += health_threshold_flags(h)
         if s.max_body_bytes is not None:
             flags += ["--max-body-bytes", str(s.max_body_bytes)]
         flags += cache_aware_flags(s.cache_aware)
-        if s.api_key is not None:
-            flags += ["--api-key", s.api_key]
-        if s.max_concurrent is not None:
-            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
-        if s.queue_size is not None:
-            flags += ["--queue-size", str(s.queue_size)]
+        flags += auth_and_admission_flags(s)
         return flags
 
 

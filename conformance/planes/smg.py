@@ -18,16 +18,19 @@ import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import httpx
-import trio
 
 from conformance import kube_sidecar
 from conformance.fleet import RunningWorker
 from conformance.model import Case
-from conformance.planes.base import Launch, Plane, Unsupported
-from conformance.planes.cache_flags import cache_aware_flags
+from conformance.planes.base import Launch, Plane, Unsupported, wait_for_answer
+from conformance.planes.gateway_flags import (
+    auth_and_admission_flags,
+    cache_aware_flags,
+    health_threshold_flags,
+)
 from conformance.processes import free_port
 from conformance.sidecars import Sidecars
 
@@ -93,10 +96,14 @@ class SmgPlane(Plane):
         if case.settings.health.interval_s is not None:
             _whole_seconds(case.settings.health.interval_s, "settings.health.interval_s")
 
+    def program_argv(self) -> list[str]:
+        """What runs the gateway, before its flags."""
+        return list(self.command_prefix)
+
     def command(self, launch: Launch) -> list[str]:
         self.check(launch.case)
         argv = [
-            *self.command_prefix,
+            *self.program_argv(),
             "--host",
             launch.host,
             "--port",
@@ -203,19 +210,11 @@ class SmgPlane(Plane):
                 "--health-check-timeout-secs",
                 "1",
             ]
-        if h.failure_threshold is not None:
-            flags += ["--health-failure-threshold", str(h.failure_threshold)]
-        if h.success_threshold is not None:
-            flags += ["--health-success-threshold", str(h.success_threshold)]
+        flags += health_threshold_flags(h)
         if s.max_body_bytes is not None:
             flags += ["--max-payload-size", str(s.max_body_bytes)]
         flags += cache_aware_flags(s.cache_aware)
-        if s.api_key is not None:
-            flags += ["--api-key", s.api_key]
-        if s.max_concurrent is not None:
-            flags += ["--max-concurrent-requests", str(s.max_concurrent)]
-        if s.queue_size is not None:
-            flags += ["--queue-size", str(s.queue_size)]
+        flags += auth_and_admission_flags(s)
         return flags
 
     @staticmethod
@@ -228,22 +227,16 @@ class SmgPlane(Plane):
         `--dp-aware`) and every listed worker is healthy."""
         # Under discovery only the Pods that are Ready at the start are workers yet.
         wanted = {worker.url for worker in launch.workers if worker.spec.status == "active"}
-        while True:
-            try:
-                response = await client.get(
-                    url + "/workers", timeout=2.0, headers=self.auth_headers(launch)
-                )
-                if response.status_code == 200:
-                    entries = response.json().get("workers", [])
-                    listed = {
-                        str(entry.get("url", "")).split("@")[0].rstrip("/") for entry in entries
-                    }
-                    healthy = all(entry.get("is_healthy") for entry in entries)
-                    if wanted <= listed and healthy:
-                        return
-            except (httpx.HTTPError, ValueError):
-                pass
-            await trio.sleep(0.1)
+
+        def lists_every_worker_healthy(answer: Any) -> bool:
+            entries = answer.get("workers", [])
+            listed = {str(entry.get("url", "")).split("@")[0].rstrip("/") for entry in entries}
+            healthy = all(entry.get("is_healthy") for entry in entries)
+            return wanted <= listed and healthy
+
+        await wait_for_answer(
+            client, url + "/workers", self.auth_headers(launch), lists_every_worker_healthy, 0.1
+        )
 
 
 def _whole_seconds(value: float, field: str) -> None:

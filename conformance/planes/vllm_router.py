@@ -28,7 +28,6 @@ from typing import ClassVar
 from conformance.model import Case
 from conformance.planes.base import Launch, Unsupported
 from conformance.planes.smg import ROUTES, SmgPlane
-from conformance.processes import free_port
 
 POLICIES = {
     "round_robin": "round_robin",
@@ -119,28 +118,8 @@ class VllmRouterPlane(SmgPlane):
                 "--intra-node-data-parallel-size for the whole fleet"
             )
 
-    def command(self, launch: Launch) -> list[str]:
-        self.check(launch.case)
-        argv = [
-            _binary(),
-            "--host",
-            launch.host,
-            "--port",
-            str(launch.port),
-            "--prometheus-host",
-            launch.host,
-            "--prometheus-port",
-            str(free_port(launch.host)),
-            "--log-level",
-            self.log_level,
-            "--worker-startup-check-interval",
-            "1",
-            "--worker-startup-timeout-secs",
-            "30",
-        ]
-        argv += self.fleet_flags(launch)
-        argv += self.settings_flags(launch.case)
-        return argv
+    def program_argv(self) -> list[str]:
+        return [_binary()]
 
     def fleet_flags(self, launch: Launch) -> list[str]:
         flags: list[str] = []
