@@ -1,5 +1,7 @@
-"""What the router tells about itself: Prometheus metrics, OpenTelemetry tracing, request ids."""
+"""What the router tells about itself: Prometheus metrics, OpenTelemetry tracing, request ids,
+and how every command logs."""
 
+from router.observability.logs import configure_logging
 from router.observability.metrics import (
     CONTENT_TYPE,
     BreakerMetrics,
@@ -31,6 +33,7 @@ __all__ = [
     "RouterMetrics",
     "TaskCollector",
     "Tracing",
+    "configure_logging",
     "current_request_id",
     "current_trace",
     "forget",
