@@ -12,6 +12,7 @@ ten-second one (`tests/adversarial/test_soak.py`).
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import re
 import subprocess
@@ -19,13 +20,16 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
 import orjson
 import trio
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.cli_process import REPO, Output
+from tests.support.traffic import repeat
+
 URL_LINE = re.compile(r"(?:listening on|router listening on) (http://\S+)")
 HEALTHY_WORKERS = 2
 TOKENS = 20
@@ -85,32 +89,6 @@ class SoakReport:
         return found
 
 
-class _Lines:
-    """A child's output lines as they arrive, so a test can wait for its URL."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.changed = trio.Event()
-
-    async def pump(self, stream: trio.abc.ReceiveStream) -> None:
-        pending = b""
-        while chunk := await stream.receive_some(65536):
-            pending += chunk
-            *complete, pending = pending.split(b"\n")
-            self.lines += [line.decode(errors="replace") for line in complete]
-            self.changed.set()
-            self.changed = trio.Event()
-
-    async def url(self) -> str:
-        seen = 0
-        while True:
-            for line in self.lines[seen:]:
-                if match := URL_LINE.search(line):
-                    return match.group(1)
-            seen = len(self.lines)
-            await self.changed.wait()
-
-
 @asynccontextmanager
 async def _child(
     nursery: trio.Nursery, args: Sequence[str]
@@ -122,12 +100,12 @@ async def _child(
         stderr=subprocess.STDOUT,
         cwd=REPO,
     )
-    lines = _Lines()
+    output = Output()
     assert process.stdout is not None
-    nursery.start_soon(lines.pump, process.stdout)
+    nursery.start_soon(output.pump, process.stdout)
     try:
         with trio.fail_after(30):
-            url = await lines.url()
+            url = await output.url(URL_LINE)
         yield process, url
     finally:
         with trio.CancelScope(shield=True):
@@ -204,9 +182,10 @@ def _lose(report: SoakReport, what: str) -> None:
 async def _client_loop(
     address: tuple[str, int], seed: int, until: float, report: SoakReport
 ) -> None:
-    rng = random.Random(seed)
-    while trio.current_time() < until:
-        await _one_stream(address, rng, report)
+    # Bounded by count as well as by time: one stream per token interval is far more than
+    # a client gets through (a whole stream takes TOKENS of them).
+    most = math.ceil((until - trio.current_time()) * 1000 / TOKEN_LATENCY_MS)
+    await repeat(partial(_one_stream, address, random.Random(seed), report), until=until, most=most)
 
 
 async def run_soak(duration_s: float, streams: int) -> SoakReport:

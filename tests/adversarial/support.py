@@ -1,5 +1,6 @@
-"""Shared pieces of the adversarial suite: a router in front of one fake worker, raw-socket
-exchanges, and the invariant every case ends with.
+"""Shared pieces of the adversarial suite: a router in front of one fake worker, raw stub
+workers in a mixed or a PD layout, raw-socket exchanges, and the invariant every case
+ends with.
 
 The invariant (`assert_still_serving`): no lease left (every worker's in-flight count in
 `/v1/workers` is 0), and the router still answers a normal request.
@@ -8,19 +9,22 @@ The invariant (`assert_still_serving`): no lease left (every worker's in-flight 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.cli.serve import RunningRouter
 from router.fake_worker.settings import FakeWorkerSettings
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
+from tests.support.http_client import read_until_closed
+from tests.support.raw_upstream import Respond, open_raw_upstream
 from tests.support.router_instance import open_router
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -59,6 +63,32 @@ async def open_setup(
         yield Setup(router, fleet[0])
 
 
+# Each case of the request path runs against one mixed worker and against a PD pair.
+LAYOUTS = pytest.mark.parametrize("pd", [False, True], ids=["mixed", "pd"])
+
+
+@asynccontextmanager
+async def open_stub_workers(
+    responders: Sequence[Respond], *, model: str
+) -> AsyncIterator[list[str]]:
+    """Raw stub workers of `model`, answering with `responders`: one is a mixed worker,
+    two are a prefill (bootstrap port 8998) and a decode worker. Yields their `--worker`
+    specs."""
+    if len(responders) == 1:
+        async with open_raw_upstream(responders[0]) as mixed:
+            yield [f"{mixed.url},model={model}"]
+        return
+    prefill_respond, decode_respond = responders
+    async with (
+        open_raw_upstream(prefill_respond) as prefill,
+        open_raw_upstream(decode_respond) as decode,
+    ):
+        yield [
+            f"{prefill.url},role=prefill,model={model},bootstrap_port=8998",
+            f"{decode.url},role=decode,model={model}",
+        ]
+
+
 async def exchange(port: int, data: bytes) -> bytes:
     """Send `data` on a fresh connection and return every byte the router sends back until
     it closes the connection (the caller holds a `fail_after` guard)."""
@@ -69,19 +99,6 @@ async def exchange(port: int, data: bytes) -> bytes:
         except trio.BrokenResourceError:
             pass
         return await read_until_closed(stream)
-
-
-async def read_until_closed(stream: trio.SocketStream) -> bytes:
-    received = []
-    while True:
-        try:
-            chunk = await stream.receive_some(65536)
-        except trio.BrokenResourceError:
-            break
-        if not chunk:
-            break
-        received.append(chunk)
-    return b"".join(received)
 
 
 def statuses(data: bytes) -> list[int]:

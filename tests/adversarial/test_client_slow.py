@@ -20,10 +20,10 @@ from tests.adversarial.support import (
     Setup,
     assert_still_serving,
     open_setup,
-    read_until_closed,
     statuses,
     workers_inflight,
 )
+from tests.support.http_client import read_until_closed
 from tests.support.waiting import wait_until
 
 GUARD_S = 30.0

@@ -19,7 +19,8 @@ import pytest
 import trio
 
 from router.cli.serve import RunningRouter
-from tests.support.raw_upstream import Exchange, RawUpstream, open_raw_upstream
+from tests.adversarial.support import LAYOUTS, open_stub_workers
+from tests.support.raw_upstream import Exchange, RawUpstream
 from tests.support.router_instance import open_router
 
 MODEL = "m"
@@ -71,24 +72,11 @@ def chat(**extra: Any) -> bytes:
 async def layout(pd: bool) -> AsyncIterator[Layout]:
     stubs = [Stub(), Stub()] if pd else [Stub()]
     async with (
-        open_raw_upstream(stubs[0].respond) as first,
-        open_raw_upstream(stubs[-1].respond) as second,
+        open_stub_workers([stub.respond for stub in stubs], model=MODEL) as specs,
+        open_router(specs) as router,
+        httpx.AsyncClient(base_url=router.url, timeout=30) as client,
     ):
-        if pd:
-            specs = [
-                f"{first.url},role=prefill,model={MODEL},bootstrap_port=8998",
-                f"{second.url},role=decode,model={MODEL}",
-            ]
-        else:
-            specs = [f"{first.url},model={MODEL}"]
-        async with (
-            open_router(specs) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
-        ):
-            yield Layout(router, client, stubs, pd)
-
-
-LAYOUTS = pytest.mark.parametrize("pd", [False, True], ids=["mixed", "pd"])
+        yield Layout(router, client, stubs, pd)
 
 
 def exact(raw: bytes) -> Any:

@@ -16,13 +16,13 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 import trio
 
 from router.cli.serve import RunningRouter
 from router.fleet.breaker import BreakerState
+from tests.adversarial.support import LAYOUTS, open_stub_workers
 from tests.support.http_client import RawClient
-from tests.support.raw_upstream import Exchange, open_raw_upstream
+from tests.support.raw_upstream import Exchange
 from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
@@ -107,24 +107,11 @@ class Setup:
 async def setup(pd: bool, **overrides: Any) -> AsyncIterator[Setup]:
     stubs = [Stub(), Stub()] if pd else [Stub()]
     async with (
-        open_raw_upstream(stubs[0].respond) as first,
-        open_raw_upstream(stubs[-1].respond) as second,
+        open_stub_workers([stub.respond for stub in stubs], model=MODEL) as specs,
+        open_router(specs, max_attempts=1, **overrides) as router,
+        httpx.AsyncClient(base_url=router.url, timeout=30) as client,
     ):
-        if pd:
-            specs = [
-                f"{first.url},role=prefill,model={MODEL},bootstrap_port=8998",
-                f"{second.url},role=decode,model={MODEL}",
-            ]
-        else:
-            specs = [f"{first.url},model={MODEL}"]
-        async with (
-            open_router(specs, max_attempts=1, **overrides) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
-        ):
-            yield Setup(router, router.port, client, stubs)
-
-
-LAYOUTS = pytest.mark.parametrize("pd", [False, True], ids=["mixed", "pd"])
+        yield Setup(router, router.port, client, stubs)
 
 
 async def leave_mid_request(port: int, stubs: list[Stub]) -> None:

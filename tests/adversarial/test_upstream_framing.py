@@ -37,6 +37,7 @@ def head(status_line: bytes, *headers: bytes) -> bytes:
 
 
 JSON_CL = b"content-length: %d" % len(GOOD_JSON)
+JSON_CHUNK = b"%x\r\n" % len(GOOD_JSON) + GOOD_JSON  # its size line and data, no CRLF
 CASES: dict[str, bytes] = {
     "garbage status line": b"\x00\xffnot http at all\r\n\r\n",
     "status 000": head(b"HTTP/1.1 000 Zero", b"content-length: 0"),
@@ -58,14 +59,12 @@ CASES: dict[str, bytes] = {
     "transfer-encoding twice": head(
         b"HTTP/1.1 200 OK", b"transfer-encoding: chunked", b"transfer-encoding: chunked"
     )
-    + b"%x\r\n" % len(GOOD_JSON)
-    + GOOD_JSON
+    + JSON_CHUNK
     + b"\r\n0\r\n\r\n",
     "content-length and transfer-encoding": head(
         b"HTTP/1.1 200 OK", JSON_CL, b"transfer-encoding: chunked"
     )
-    + b"%x\r\n" % len(GOOD_JSON)
-    + GOOD_JSON
+    + JSON_CHUNK
     + b"\r\n0\r\n\r\n",
     "transfer-encoding gzip": head(b"HTTP/1.1 200 OK", b"transfer-encoding: gzip") + GOOD_JSON,
     "bad chunk size": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
@@ -76,8 +75,7 @@ CASES: dict[str, bytes] = {
     + b"\r\n"
     + GOOD_JSON,
     "chunk data without CRLF": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
-    + b"%x\r\n" % len(GOOD_JSON)
-    + GOOD_JSON
+    + JSON_CHUNK
     + b"XX0\r\n\r\n",
     "header section too large": head(b"HTTP/1.1 200 OK", b"x-junk: " + b"a" * 70_000, JSON_CL)
     + GOOD_JSON,
@@ -98,8 +96,7 @@ BREAKS: dict[str, bytes] = {
     + b"400\r\n"
     + GOOD_JSON,
     "close before the last chunk": head(b"HTTP/1.1 200 OK", b"transfer-encoding: chunked")
-    + b"%x\r\n" % len(GOOD_JSON)
-    + GOOD_JSON
+    + JSON_CHUNK
     + b"\r\n",
 }
 

@@ -6,13 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.cli_process import REPO, read_line, run_cli
 
 
 async def _start(*args: str) -> trio.Process:
@@ -22,16 +21,6 @@ async def _start(*args: str) -> trio.Process:
         stderr=subprocess.PIPE,
         cwd=REPO,
     )
-
-
-async def _read_line(stream: trio.abc.ReceiveStream) -> bytes:
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = await stream.receive_some(1)
-        if not chunk:
-            break
-        line += chunk
-    return line
 
 
 async def _read_all(stream: trio.abc.ReceiveStream) -> bytes:
@@ -49,7 +38,7 @@ async def test_it_prints_its_url_serves_and_exits_cleanly_on_a_signal(
     try:
         assert process.stdout is not None and process.stderr is not None
         with trio.fail_after(20):
-            line = (await _read_line(process.stdout)).decode()
+            line = await read_line(process.stdout)
             prefix = "fake-worker listening on http://127.0.0.1:"
             assert line.startswith(prefix) and line.endswith("\n")
             url = line.split()[-1]
@@ -100,13 +89,7 @@ async def test_a_port_that_cannot_be_bound_exits_3_with_a_clear_message() -> Non
 )
 async def test_bad_arguments_fail_at_parsing_with_status_2(args: list[str], complaint: str) -> None:
     with trio.fail_after(20):
-        result = await trio.run_process(
-            [sys.executable, "-m", "router.cli", "fake-worker", *args],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-            cwd=REPO,
-        )
+        result = await run_cli("fake-worker", *args)
     assert result.returncode == 2
     assert complaint in result.stderr.decode()
     assert result.stdout == b""

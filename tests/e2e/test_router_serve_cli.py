@@ -3,80 +3,17 @@ stopped with SIGTERM while a stream is in flight, and its exit statuses."""
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
-import subprocess
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.cli_process import open_cli_piped, run_cli
+
 TOKENS = 100
 TOKEN_LATENCY_MS = 20  # the stream lasts about two seconds
-
-
-class Output:
-    """The lines a child process writes to one pipe, read by a task as they come."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._changed = trio.Event()
-
-    async def pump(self, stream: trio.abc.ReceiveStream) -> None:
-        pending = b""
-        while chunk := await stream.receive_some(65536):
-            pending += chunk
-            *complete, pending = pending.split(b"\n")
-            self.lines += [line.decode(errors="replace") for line in complete]
-            self._changed.set()
-            self._changed = trio.Event()
-        if pending:
-            self.lines.append(pending.decode(errors="replace"))
-        self._changed.set()
-
-    async def wait_for(self, pattern: str) -> re.Match[str]:
-        """The first line matching `pattern`, once it has been written."""
-        seen = 0
-        while True:
-            for line in self.lines[seen:]:
-                if match := re.search(pattern, line):
-                    return match
-            seen = len(self.lines)
-            await self._changed.wait()
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
-@asynccontextmanager
-async def _child(*args: str) -> AsyncIterator[tuple[trio.Process, Output, Output]]:
-    """`python -m router.cli ARGS` with its stdout and stderr read as they come; killed on
-    exit if it is still running."""
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "router.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-    )
-    stdout, stderr = Output(), Output()
-    assert process.stdout is not None and process.stderr is not None
-    async with process.stdout, process.stderr, trio.open_nursery() as nursery:
-        nursery.start_soon(stdout.pump, process.stdout)
-        nursery.start_soon(stderr.pump, process.stderr)
-        try:
-            yield process, stdout, stderr
-        finally:
-            if process.returncode is None:
-                process.kill()
-            with trio.move_on_after(5, shield=True):
-                await process.wait()
 
 
 async def _wait_refused(port: int) -> None:
@@ -91,19 +28,9 @@ async def _wait_refused(port: int) -> None:
         await trio.sleep(0.01)
 
 
-async def _run(*args: str) -> subprocess.CompletedProcess[bytes]:
-    return await trio.run_process(
-        [sys.executable, "-m", "router.cli", *args],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-        cwd=REPO,
-    )
-
-
 async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0() -> None:
     with trio.fail_after(30):
-        async with _child(
+        async with open_cli_piped(
             "fake-worker",
             "--port",
             "0",
@@ -112,15 +39,13 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0() -> None:
             "--token-latency-ms",
             str(TOKEN_LATENCY_MS),
         ) as (worker, worker_out, _):
-            worker_url = (
-                await worker_out.wait_for(r"^fake-worker listening on (http://\S+)$")
-            ).group(1)
-            async with _child(
+            worker_url = await worker_out.url(r"^fake-worker listening on (http://\S+)$")
+            async with open_cli_piped(
                 "serve", "--port", "0", "--worker", worker_url, "--shutdown-grace-s", "60"
             ) as (router, _, router_err):
-                router_url = (
-                    await router_err.wait_for(r"router listening on (http://\S+) with 1 workers")
-                ).group(1)
+                router_url = await router_err.url(
+                    r"router listening on (http://\S+) with 1 workers"
+                )
                 body = {
                     "model": "fake-model",
                     "messages": [{"role": "user", "content": "hi"}],
@@ -180,7 +105,7 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0() -> None:
 )
 async def test_a_bad_flag_exits_2_with_a_clear_message(args: list[str], complaint: str) -> None:
     with trio.fail_after(20):
-        result = await _run("serve", *args)
+        result = await run_cli("serve", *args)
     assert result.returncode == 2
     stderr = result.stderr.decode()
     assert complaint in stderr
@@ -194,7 +119,7 @@ async def test_a_port_already_bound_exits_3() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         with trio.fail_after(20):
-            result = await _run("serve", "--port", str(port))
+            result = await run_cli("serve", "--port", str(port))
     stderr = result.stderr.decode()
     assert result.returncode == 3
     assert f"router serve: cannot listen on 127.0.0.1:{port}: " in stderr

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from tests.e2e.test_router_serve_cli import _child, _run
+from tests.support.cli_process import open_cli_piped, run_cli
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.fake_kube_api import FakeKubeApi
 from tests.support.kube_fleet import worker_pod, write_kubeconfig
@@ -23,7 +23,7 @@ async def test_serve_follows_pods_and_drains_a_terminating_one(tmp_path: Path) -
             api.add_pod(worker_pod(w1, "w-1", {"app": "engine"}))
             await nursery.start(api.serve)
             kubeconfig = write_kubeconfig(tmp_path, api)
-            async with _child(
+            async with open_cli_piped(
                 "serve",
                 "--port",
                 "0",
@@ -34,9 +34,7 @@ async def test_serve_follows_pods_and_drains_a_terminating_one(tmp_path: Path) -
                 "--k8s-kubeconfig",
                 str(kubeconfig),
             ) as (router, _, err):
-                url = (
-                    await err.wait_for(r"router listening on (http://\S+) with 2 workers")
-                ).group(1)
+                url = await err.url(r"router listening on (http://\S+) with 2 workers")
                 body = {
                     "model": "fake-model",
                     "messages": [{"role": "user", "content": "hi"}],
@@ -94,7 +92,7 @@ async def test_a_kubernetes_setting_it_cannot_use_exits_2_with_the_reason(
     args: list[str], complaint: str
 ) -> None:
     with trio.fail_after(30):
-        result = await _run("serve", "--port", "0", *args)
+        result = await run_cli("serve", "--port", "0", *args)
     stderr = result.stderr.decode()
     assert result.returncode == 2, stderr
     assert complaint in stderr

@@ -6,21 +6,21 @@ from __future__ import annotations
 import httpx
 import trio
 
-from tests.e2e.test_router_serve_cli import _child
+from tests.support.cli_process import open_cli_piped
 
 
 async def test_serve_starts_with_a_bare_prefill_and_hands_off_with_the_learned_port() -> None:
     with trio.fail_after(60):
         async with (
-            _child(
+            open_cli_piped(
                 "fake-worker", "--port", "0", "--role", "prefill", "--bootstrap-port", "9555"
             ) as (_, prefill_out, _),
-            _child("fake-worker", "--port", "0", "--role", "decode") as (_, decode_out, _),
+            open_cli_piped("fake-worker", "--port", "0", "--role", "decode") as (_, decode_out, _),
         ):
             pattern = r"^fake-worker listening on (http://\S+)$"
-            prefill_url = (await prefill_out.wait_for(pattern)).group(1)
-            decode_url = (await decode_out.wait_for(pattern)).group(1)
-            async with _child(
+            prefill_url = await prefill_out.url(pattern)
+            decode_url = await decode_out.url(pattern)
+            async with open_cli_piped(
                 "serve",
                 "--port",
                 "0",
@@ -29,9 +29,7 @@ async def test_serve_starts_with_a_bare_prefill_and_hands_off_with_the_learned_p
                 "--worker",
                 f"{decode_url},role=decode",
             ) as (router, _, router_err):
-                router_url = (await router_err.wait_for(r"router listening on (http://\S+)")).group(
-                    1
-                )
+                router_url = await router_err.url(r"router listening on (http://\S+)")
                 await router_err.wait_for(r"admitted with facts from its engine")
                 body = {
                     "model": "fake-model",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
@@ -16,6 +16,7 @@ import trio
 from conformance.engines import EngineSettings
 from tests.engine.conftest import EngineHost, host_engines
 from tests.engine.helpers import RouterProcess, chat_body, metric_sum, open_router, scrape
+from tests.support.traffic import Traffic
 
 MODEL = "tiny"
 ONLY_ON_A = "tiny-a"
@@ -30,6 +31,9 @@ STOPPED_FOR_S = 10.0
 FIRST_BYTE_TIMEOUT_S = 5.0
 BREAKER_COOLDOWN_S = 2.0
 ENGINE_ARGS = ("--max-model-len", "1024")
+# Each load client's bound: one request per 10 ms of the load, far more than a CPU engine
+# answers in that time.
+MOST_PER_CLIENT = int(LOAD_S * 100)
 
 
 @pytest.fixture(scope="module")
@@ -74,30 +78,31 @@ async def _workers(client: httpx.AsyncClient, router: RouterProcess) -> dict[str
     return {worker["url"]: worker for worker in listed}
 
 
-@dataclass
-class Load:
-    statuses: Counter[int | str] = field(default_factory=Counter)
-    failures: list[str] = field(default_factory=list)
-    served_by: Counter[str] = field(default_factory=Counter)
-    slowest_s: float = 0.0
+async def _wait_health(
+    client: httpx.AsyncClient, router: RouterProcess, url: str, *, healthy: bool
+) -> None:
+    """Until the router's health checks find the worker at `url` healthy or not (polled:
+    the router offers no event). Call it under a `trio.fail_after` guard."""
+    while bool((await _workers(client, router))[url]["healthy"]) is not healthy:  # noqa: ASYNC110
+        await trio.sleep(0.2)
 
-    async def client(self, url: str, until: float) -> None:
-        body = chat_body(model=MODEL, max_tokens=4)
-        async with httpx.AsyncClient(timeout=60) as client:
-            while trio.current_time() < until:
-                started = trio.current_time()
-                try:
-                    response = await client.post(f"{url}/v1/chat/completions", json=body)
-                except httpx.HTTPError as exc:
-                    self.statuses[type(exc).__name__] += 1
-                    self.failures.append(repr(exc))
-                    continue
-                self.slowest_s = max(self.slowest_s, trio.current_time() - started)
-                self.statuses[response.status_code] += 1
-                if response.status_code != 200 or not response.json().get("choices"):
-                    self.failures.append(f"{response.status_code} {response.text[:300]}")
-                else:
-                    self.served_by[response.headers.get("x-router-worker", "?")] += 1
+
+def _answered(response: httpx.Response) -> bool:
+    return response.status_code == 200 and bool(response.json().get("choices"))
+
+
+async def _load(load: Traffic, url: str, until: float) -> None:
+    """One client of the load: chat requests until `until`. A transport error is a failure
+    the load counts, not one that ends the test."""
+    body = chat_body(model=MODEL, max_tokens=4)
+    async with httpx.AsyncClient(timeout=60) as client:
+        await load.keep_sending(
+            partial(client.post, f"{url}/v1/chat/completions", json=body),
+            until=until,
+            most=MOST_PER_CLIENT,
+            ok=_answered,
+            tolerate=(httpx.HTTPError,),
+        )
 
 
 async def test_one_engine_killed_one_stopped_under_load_no_client_sees_a_failure(
@@ -106,7 +111,7 @@ async def test_one_engine_killed_one_stopped_under_load_no_client_sees_a_failure
     a, b, c = host.engines
     for engine in (a, b, c):
         await host.ensure_running(engine)
-    load = Load()
+    load = Traffic()
     # (time since the load started, breaker state, healthy) of the stopped engine, as read.
     b_seen: list[tuple[float, str, bool]] = []
     events: dict[str, float] = {}
@@ -143,21 +148,24 @@ async def test_one_engine_killed_one_stopped_under_load_no_client_sees_a_failure
                     async with trio.open_nursery() as clients:
                         clients.start_soon(faults)
                         for _ in range(CLIENTS):
-                            clients.start_soon(load.client, router.url, start + LOAD_S)
+                            clients.start_soon(_load, load, router.url, start + LOAD_S)
                     events["load_ended"] = trio.current_time() - start
                     # The stopped engine is back: its breaker closes once a probe succeeds.
                     # One client goes on (a probe needs a request) until it has.
                     while not (b_seen and b_seen[-1][1:] == ("closed", True)):
-                        await load.client(router.url, trio.current_time() + 0.2)
+                        await _load(load, router.url, trio.current_time() + 0.2)
                     events["b_closed_again"] = b_seen[-1][0]
                     nursery.cancel_scope.cancel()
                 workers = await _workers(admin, router)
                 samples = await scrape(admin, router.url)
     finally:
         print(f"\nrouter log:\n{router.log(40)}")
+    statuses = load.tally()
+    served_by = Counter(answer.worker or "?" for answer in load.answers if answer.ok)
+    slowest_s = max((answer.took_s for answer in load.answers), default=0.0)
     print(
-        f"\nload: {sum(load.statuses.values())} requests, statuses {dict(load.statuses)}, "
-        f"served by {dict(load.served_by)}, slowest {load.slowest_s:.2f} s"
+        f"\nload: {sum(statuses.values())} requests, statuses {dict(statuses)}, "
+        f"served by {dict(served_by)}, slowest {slowest_s:.2f} s"
     )
     print(f"faults: {events}")
     print(f"stopped engine (t, breaker, healthy): {b_seen}")
@@ -169,7 +177,7 @@ async def test_one_engine_killed_one_stopped_under_load_no_client_sees_a_failure
         )
     )
     assert load.failures == []
-    assert set(load.statuses) == {200}
+    assert set(statuses) == {200}
     states = [state for _, state, _ in b_seen]
     assert "open" in states, b_seen
     opened_at = next(t for t, state, _ in b_seen if state == "open")
@@ -191,9 +199,7 @@ async def test_a_model_whose_only_engine_died_is_503_no_available_workers(
     with trio.fail_after(60):
         await a.wait_exited()
         async with httpx.AsyncClient(timeout=10) as client:
-            # The router's health checks find it gone (polled: the router offers no event).
-            while (await _workers(client, router))[a.url]["healthy"]:  # noqa: ASYNC110
-                await trio.sleep(0.2)
+            await _wait_health(client, router, a.url, healthy=False)
             response = await client.post(
                 f"{router.url}/v1/chat/completions", json=chat_body(model=ONLY_ON_A)
             )
@@ -218,12 +224,8 @@ async def test_a_killed_engine_restarted_on_its_port_serves_again(
         await a.wait_exited()
         restart_s = await host.restart(a)
         async with httpx.AsyncClient(timeout=30) as client:
-            while True:
-                worker = (await _workers(client, router))[a.url]
-                # Its breaker is still open from the kill: the next request is its probe.
-                if worker["healthy"]:
-                    break
-                await trio.sleep(0.2)
+            # Its breaker is still open from the kill: the next request is its probe.
+            await _wait_health(client, router, a.url, healthy=True)
             response = await client.post(
                 f"{router.url}/v1/chat/completions",
                 json=chat_body(model=ONLY_ON_A, max_tokens=4),

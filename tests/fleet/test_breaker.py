@@ -21,6 +21,8 @@ OPEN = BreakerState.OPEN
 HALF_OPEN = BreakerState.HALF_OPEN
 
 Transition = tuple[str, BreakerState, BreakerState, float]
+# The edges of one outage that ended with a successful probe.
+RECOVERED = [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
 
 
 class Transitions:
@@ -63,6 +65,15 @@ def trip(breaker: CircuitBreaker) -> None:
     for _ in range(breaker.settings.failure_threshold):
         dispatch(breaker, Outcome.FAULT)
     assert breaker.state(now()) is OPEN
+
+
+async def half_open() -> tuple[CircuitBreaker, Transitions]:
+    """A new breaker (the defaults of `new_breaker`) tripped now and left for its whole
+    cooldown: half-open, its probe slot free."""
+    breaker, log = new_breaker()
+    trip(breaker)
+    await trio.sleep(breaker.settings.cooldown_s)
+    return breaker, log
 
 
 def probe(breaker: CircuitBreaker) -> Permit:
@@ -183,9 +194,7 @@ async def test_failed_probes_double_the_cooldown_up_to_the_cap(
 async def test_one_probe_among_fifty_concurrent_dispatches(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    breaker, log = new_breaker()
-    trip(breaker)
-    await trio.sleep(5.0)
+    breaker, log = await half_open()
     permits: list[Permit | None] = []
 
     async def request() -> None:
@@ -206,16 +215,14 @@ async def test_one_probe_among_fifty_concurrent_dispatches(
     assert sum(1 for p in permits if p is not None and p.probe) == 1
     assert permits.count(None) == 49
     assert breaker.state(now()) is CLOSED
-    assert log.edges() == [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
+    assert log.edges() == RECOVERED
     assert log.calls[-1][3] == 5.25
 
 
 async def test_all_open_dispatch_of_fifty_takes_one_probe_and_forces_the_rest(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    breaker, _ = new_breaker()
-    trip(breaker)
-    await trio.sleep(5.0)
+    breaker, _ = await half_open()
     permits = [breaker.acquire(now(), force=True) for _ in range(50)]
     assert sum(1 for p in permits if p is not None and p.probe) == 1
     assert sum(1 for p in permits if p is not None and p.forced) == 49
@@ -223,9 +230,7 @@ async def test_all_open_dispatch_of_fifty_takes_one_probe_and_forces_the_rest(
 
 async def test_neutral_probe_frees_the_slot(autojump_clock: trio.testing.MockClock) -> None:
     # A probe whose client went away says nothing about the worker.
-    breaker, log = new_breaker()
-    trip(breaker)
-    await trio.sleep(5.0)
+    breaker, log = await half_open()
     first = probe(breaker)
     assert breaker.acquire(now()) is None
     await trio.sleep(1.0)
@@ -237,15 +242,13 @@ async def test_neutral_probe_frees_the_slot(autojump_clock: trio.testing.MockClo
     second = probe(breaker)
     breaker.record(second, Outcome.SUCCESS, now())
     assert breaker.state(now()) is CLOSED
-    assert log.edges() == [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
+    assert log.edges() == RECOVERED
 
 
 async def test_a_cancelled_probe_reports_neutral_and_frees_the_slot(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    breaker, _ = new_breaker()
-    trip(breaker)
-    await trio.sleep(5.0)
+    breaker, _ = await half_open()
     permit = probe(breaker)
     with trio.move_on_after(2.0) as scope:
         try:
@@ -277,9 +280,7 @@ async def test_force_never_takes_the_probe_slot(autojump_clock: trio.testing.Moc
 async def test_forced_success_closes_and_resets_the_cooldown(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    breaker, log = new_breaker()
-    trip(breaker)
-    await trio.sleep(5.0)
+    breaker, log = await half_open()
     breaker.record(probe(breaker), Outcome.FAULT, now())
     assert breaker.statistics(now()).cooldown_s == 10.0
 
@@ -327,9 +328,7 @@ async def test_forced_fault_rearms_from_now_without_doubling(
 async def test_forced_verdicts_while_a_probe_is_in_flight(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    breaker, log = new_breaker()
-    trip(breaker)
-    await trio.sleep(5.0)
+    breaker, log = await half_open()
     the_probe = probe(breaker)
     forced = breaker.acquire(now(), force=True)
     assert forced is not None and forced.forced
@@ -348,7 +347,7 @@ async def test_forced_verdicts_while_a_probe_is_in_flight(
     assert breaker.statistics(now()).state is CLOSED
     assert breaker.statistics(now()).consecutive_faults == 0
     assert breaker.statistics(now()).trips == 1
-    assert log.edges() == [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
+    assert log.edges() == RECOVERED
 
 
 async def test_forced_neutral_changes_nothing(autojump_clock: trio.testing.MockClock) -> None:
@@ -399,7 +398,7 @@ async def test_stale_forced_permit_from_an_earlier_outage(
     breaker.record(old_forced, Outcome.SUCCESS, now())
     assert breaker.statistics(now()).consecutive_faults == 0
     assert breaker.state(now()) is CLOSED
-    assert log.edges() == [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
+    assert log.edges() == RECOVERED
     trip(breaker)
     # A success from the first outage says nothing about the second.
     breaker.record(old_forced, Outcome.SUCCESS, now())

@@ -3,6 +3,7 @@ key, absent without the setting, and 409 when discovery owns the fleet."""
 
 from __future__ import annotations
 
+from functools import partial
 from urllib.parse import quote
 
 import httpx
@@ -12,6 +13,7 @@ import trio
 from tests.support.etcd_server import EtcdServer
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.router_instance import open_router
+from tests.support.traffic import Traffic
 from tests.support.waiting import wait_until
 
 GUARD_S = 30
@@ -138,7 +140,7 @@ async def test_with_discovery_on_the_admin_api_answers_409(etcd: EtcdServer) -> 
 
 
 async def test_a_rolling_update_through_the_admin_api_loses_no_request() -> None:
-    statuses: list[tuple[int, str | None]] = []
+    traffic = Traffic()
     with trio.fail_after(GUARD_S):
         async with (
             open_fake_fleet(2, tokens=2) as fleet,
@@ -149,29 +151,23 @@ async def test_a_rolling_update_through_the_admin_api_loses_no_request() -> None
             ) as router,
             httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
         ):
-
-            async def flow(stop: trio.Event) -> None:
-                while not stop.is_set():
-                    response = await client.post("/v1/chat/completions", json=CHAT)
-                    statuses.append((response.status_code, response.headers.get("x-router-worker")))
-                    await trio.sleep(0.05)  # pacing: a steady flow across the replacement
-
             stop = trio.Event()
-            async with trio.open_nursery() as traffic:
-                for _ in range(3):
-                    traffic.start_soon(flow, stop)
-                await wait_until(lambda: len(statuses) >= 6)
+            send = partial(client.post, "/v1/chat/completions", json=CHAT)
+            flow = partial(traffic.keep_steady_flow, send, stop=stop, within_s=GUARD_S)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(flow)
+                await wait_until(lambda: len(traffic.answers) >= 6)
                 assert (await client.delete("/v1/workers/old", headers=ADMIN)).status_code == 200
                 await trio.sleep(3.0)  # the replacement's start-up time, as the scenario says
                 spec = {"spec": f"{fleet[1].url},model={MODEL},id=new"}
                 assert (
                     await client.post("/v1/workers", json=spec, headers=ADMIN)
                 ).status_code == 201
-                await wait_until(lambda: sum(1 for _, worker in statuses if worker == "new") >= 6)
+                await wait_until(lambda: traffic.served_by("new") >= 6)
                 stop.set()
-    assert all(status == 200 for status, _ in statuses), [s for s in statuses if s[0] != 200]
-    assert {worker for _, worker in statuses} == {"old", "new"}
-    assert fleet[0].worker.routing.dispatches == sum(1 for _, worker in statuses if worker == "old")
+    assert all(status == 200 for status in traffic.statuses()), traffic.failures
+    assert set(traffic.workers()) == {"old", "new"}
+    assert fleet[0].worker.routing.dispatches == traffic.served_by("old")
 
 
 async def test_an_added_worker_may_not_set_its_own_status() -> None:

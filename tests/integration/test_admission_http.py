@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import httpx
 import orjson
@@ -24,6 +25,8 @@ from tests.support.waiting import wait_until
 GUARD_S = 30
 MODEL = "m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+# (status, Retry-After, error code) of an answer through the gate.
+GateAnswer = tuple[int, str | None, str]
 ANSWER = orjson.dumps({"choices": [{"message": {"role": "assistant", "content": "hi"}}]})
 
 
@@ -63,33 +66,41 @@ async def open_held_worker() -> AsyncIterator[tuple[HeldWorker, str]]:
             nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def open_gate(
+    *, client_limits: httpx.Limits | None = None, **overrides: Any
+) -> AsyncIterator[tuple[HeldWorker, RunningRouter, httpx.AsyncClient]]:
+    """A held worker, a router in front of it with the admission settings `overrides`,
+    and a client of the router (with `client_limits`, httpx's default when None)."""
+    limits = {} if client_limits is None else {"limits": client_limits}
+    async with (
+        open_held_worker() as (worker, url),
+        open_router([f"{url},model={MODEL}"], **overrides) as router,
+        httpx.AsyncClient(base_url=router.url, timeout=GUARD_S, **limits) as client,
+    ):
+        yield worker, router, client
+
+
+async def chat_into(results: list[GateAnswer], client: httpx.AsyncClient) -> None:
+    """One chat request; its status, Retry-After and error code (`""` for a 200) go
+    into `results`."""
+    response = await client.post("/v1/chat/completions", json=CHAT)
+    code = response.json().get("error", {}).get("code", "") if response.status_code != 200 else ""
+    results.append((response.status_code, response.headers.get("retry-after"), code))
+
+
 def gate_of(router: RunningRouter) -> tuple[int, int]:
     stats = router.app.admission.statistics()
     return stats.active, stats.waiting
 
 
 async def test_twenty_at_once_with_limit_4_and_queue_4_serve_8_and_refuse_12() -> None:
-    results: list[tuple[int, str | None, str]] = []
+    results: list[GateAnswer] = []
     with trio.fail_after(GUARD_S):
-        async with (
-            open_held_worker() as (worker, url),
-            open_router(
-                [f"{url},model={MODEL}"], max_concurrent_requests=4, queue_size=4
-            ) as router,
-            httpx.AsyncClient(
-                base_url=router.url, timeout=GUARD_S, limits=httpx.Limits(max_connections=32)
-            ) as client,
-        ):
-
-            async def send() -> None:
-                response = await client.post("/v1/chat/completions", json=CHAT)
-                code = (
-                    response.json().get("error", {}).get("code", "")
-                    if response.status_code != 200
-                    else ""
-                )
-                results.append((response.status_code, response.headers.get("retry-after"), code))
-
+        async with open_gate(
+            max_concurrent_requests=4, queue_size=4, client_limits=httpx.Limits(max_connections=32)
+        ) as (worker, router, client):
+            send = partial(chat_into, results, client)
             async with trio.open_nursery() as nursery:
                 for _ in range(20):
                     nursery.start_soon(send)
@@ -111,28 +122,14 @@ async def test_twenty_at_once_with_limit_4_and_queue_4_serve_8_and_refuse_12() -
 
 
 async def test_waiters_past_the_queue_timeout_get_503_queue_timeout() -> None:
-    results: list[tuple[int, str | None, str]] = []
+    results: list[GateAnswer] = []
     with trio.fail_after(GUARD_S):
-        async with (
-            open_held_worker() as (worker, url),
-            open_router(
-                [f"{url},model={MODEL}"],
-                max_concurrent_requests=1,
-                queue_size=4,
-                queue_timeout_s=0.3,
-            ) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
-        ):
-
-            async def send() -> None:
-                response = await client.post("/v1/chat/completions", json=CHAT)
-                code = (
-                    response.json().get("error", {}).get("code", "")
-                    if response.status_code != 200
-                    else ""
-                )
-                results.append((response.status_code, response.headers.get("retry-after"), code))
-
+        async with open_gate(
+            max_concurrent_requests=1,
+            queue_size=4,
+            queue_timeout_s=0.3,
+        ) as (worker, router, client):
+            send = partial(chat_into, results, client)
             async with trio.open_nursery() as nursery:
                 for _ in range(3):
                     nursery.start_soon(send)
@@ -149,13 +146,7 @@ async def test_waiters_past_the_queue_timeout_get_503_queue_timeout() -> None:
 
 async def test_a_queued_client_that_disconnects_frees_its_place_at_once() -> None:
     with trio.fail_after(GUARD_S):
-        async with (
-            open_held_worker() as (worker, url),
-            open_router(
-                [f"{url},model={MODEL}"], max_concurrent_requests=1, queue_size=1
-            ) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=GUARD_S) as client,
-        ):
+        async with open_gate(max_concurrent_requests=1, queue_size=1) as (worker, router, client):
             body = orjson.dumps(CHAT)
             headers = [("content-type", "application/json")]
             holder = await RawClient.connect(router.port)

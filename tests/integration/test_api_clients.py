@@ -7,6 +7,7 @@ router must be the worker's own, and each request must reach a worker exactly on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -16,11 +17,27 @@ import trio
 from router.fake_worker.formats import expected_text
 from router.fake_worker.pooling import vector
 from router.fake_worker.settings import FakeWorkerSettings
-from tests.support.fake_fleet import open_fake_fleet
+from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
 
 GUARD_S = 30
 MODEL = "fake-model"
+
+
+async def through_router_and_direct(
+    scenario: Callable[[str], dict[str, Any]], worker: FakeWorkerSettings | None = None
+) -> tuple[dict[str, Any], dict[str, Any], FakeWorkerHandle]:
+    """`scenario` (a client run against a base URL, in a thread: the clients are
+    synchronous) through a router, then straight at its one fake worker: what each run
+    saw, and the worker, stopped, for its counts."""
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet([worker or FakeWorkerSettings()]) as fleet,
+            open_router([fleet[0].url]) as router,
+        ):
+            routed = await trio.to_thread.run_sync(scenario, router.url)
+            direct = await trio.to_thread.run_sync(scenario, fleet[0].url)
+    return routed, direct, fleet[0]
 
 
 def _openai(base_url: str) -> openai.OpenAI:
@@ -45,14 +62,10 @@ def _embeddings(base_url: str) -> dict[str, Any]:
 
 
 async def test_openai_embeddings_create_through_the_router() -> None:
-    with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([FakeWorkerSettings(embedding_dim=12)]) as fleet,
-            open_router([fleet[0].url]) as router,
-        ):
-            routed = await trio.to_thread.run_sync(_embeddings, router.url)
-            direct = await trio.to_thread.run_sync(_embeddings, fleet[0].url)
-            paths = dict(fleet[0].worker.routing.paths)
+    routed, direct, worker = await through_router_and_direct(
+        _embeddings, FakeWorkerSettings(embedding_dim=12)
+    )
+    paths = dict(worker.worker.routing.paths)
     assert routed == direct
     vectors = routed["vectors"]
     assert [len(v) for v in vectors] == [12, 12, 12]
@@ -87,11 +100,8 @@ def _responses(base_url: str) -> dict[str, Any]:
 
 
 async def test_openai_responses_create_unary_and_streaming_through_the_router() -> None:
-    with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(1) as fleet, open_router([fleet[0].url]) as router:
-            routed = await trio.to_thread.run_sync(_responses, router.url)
-            direct = await trio.to_thread.run_sync(_responses, fleet[0].url)
-            dispatches = fleet[0].worker.routing.dispatches
+    routed, direct, worker = await through_router_and_direct(_responses)
+    dispatches = worker.worker.routing.dispatches
     assert routed == direct
     assert routed["text"] == routed["deltas"] == routed["final_text"] == expected_text(5)
     assert routed["status"] == "incomplete"  # stopped by max_output_tokens
@@ -136,11 +146,8 @@ def _messages(base_url: str) -> dict[str, Any]:
 
 
 async def test_anthropic_messages_create_unary_and_streaming_through_the_router() -> None:
-    with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(1) as fleet, open_router([fleet[0].url]) as router:
-            routed = await trio.to_thread.run_sync(_messages, router.url)
-            direct = await trio.to_thread.run_sync(_messages, fleet[0].url)
-            dispatches = fleet[0].worker.routing.dispatches
+    routed, direct, worker = await through_router_and_direct(_messages)
+    dispatches = worker.worker.routing.dispatches
     assert routed == direct
     assert routed["text"] == routed["streamed"] == expected_text(6)
     assert routed["stop_reason"] == "max_tokens"

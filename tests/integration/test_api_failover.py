@@ -19,12 +19,20 @@ from router.fake_worker.behaviour import FailMode
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fleet.breaker import BreakerState
-from tests.integration.test_failover_breaker import breaker_of, retries, scrape
+from tests.support.failover import (
+    MODEL,
+    NO_PROBE,
+    breaker_of,
+    dispatches,
+    fleet_behind_router,
+    retries,
+    scrape,
+    spec,
+)
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
 
 GUARD_S = 20
-MODEL = "fake-model"
 EMBEDDINGS = ("/v1/embeddings", {"model": MODEL, "input": ["hello there"]})
 MESSAGES = (
     "/v1/messages",
@@ -36,16 +44,7 @@ RESPONSES_STREAM = (
     {"model": MODEL, "input": "hello", "max_output_tokens": 4, "stream": True},
 )
 ALWAYS_503 = FakeWorkerSettings(fail_first=-1, fail_status=503)
-NO_PROBE = {"policy": "round_robin", "breaker_cooldown_s": 60.0, "breaker_max_cooldown_s": 60.0}
 ROUTES = {"embeddings": EMBEDDINGS, "messages": MESSAGES, "messages-stream": MESSAGES_STREAM}
-
-
-def spec(url: str) -> str:
-    return f"{url},model={MODEL}"
-
-
-def dispatches(handle: FakeWorkerHandle) -> int:
-    return handle.worker.routing.dispatches
 
 
 async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -68,20 +67,19 @@ def assert_whole_answer(path: str, body: dict[str, Any], response: httpx.Respons
 async def test_breaker_stops_paying_for_a_503_worker_after_three(route: str) -> None:
     path, body = ROUTES[route]
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([ALWAYS_503, FakeWorkerSettings()]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
-            ) as router,
-        ):
+        async with fleet_behind_router(
+            [ALWAYS_503, FakeWorkerSettings()],
+            breaker_failure_threshold=3,
+            client_timeout_s=10,
+            **NO_PROBE,
+        ) as (fleet, router, client):
             bad, good = fleet
-            async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-                for _ in range(10):
-                    response = await post(client, path, body)
-                    assert_whole_answer(path, body, response)
-                    assert response.headers["x-router-worker"] == good.url
-                retried = await retries(client)
-                requests = await scrape(client, "router_requests_total")
+            for _ in range(10):
+                response = await post(client, path, body)
+                assert_whole_answer(path, body, response)
+                assert response.headers["x-router-worker"] == good.url
+            retried = await retries(client)
+            requests = await scrape(client, "router_requests_total")
             stats = breaker_of(router, bad.url)
     assert (dispatches(bad), dispatches(good)) == (3, 10)
     assert (stats.state, stats.trips) == (BreakerState.OPEN, 1)
@@ -94,15 +92,14 @@ async def test_breaker_stops_paying_for_a_503_worker_after_three(route: str) -> 
 async def test_without_a_breaker_the_503_worker_keeps_being_tried(route: str) -> None:
     path, body = ROUTES[route]
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([ALWAYS_503, FakeWorkerSettings()]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet], breaker_failure_threshold=0, **NO_PROBE
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-                for _ in range(10):
-                    assert_whole_answer(path, body, await post(client, path, body))
+        async with fleet_behind_router(
+            [ALWAYS_503, FakeWorkerSettings()],
+            breaker_failure_threshold=0,
+            client_timeout_s=10,
+            **NO_PROBE,
+        ) as (fleet, _, client):
+            for _ in range(10):
+                assert_whole_answer(path, body, await post(client, path, body))
     assert dispatches(fleet[0]) >= 5
     assert dispatches(fleet[1]) == 10
 
@@ -111,25 +108,24 @@ async def test_a_404_for_a_route_the_worker_lacks_is_verbatim_never_retried_neve
     lacks_embeddings = FakeWorkerSettings(fail_first=-1, fail_status=404)
     path, body = EMBEDDINGS
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([lacks_embeddings, FakeWorkerSettings()]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE
-            ) as router,
-        ):
+        async with fleet_behind_router(
+            [lacks_embeddings, FakeWorkerSettings()],
+            breaker_failure_threshold=1,
+            client_timeout_s=10,
+            **NO_PROBE,
+        ) as (fleet, router, client):
             lacking, serving = fleet
             async with httpx.AsyncClient(base_url=lacking.url) as direct:
                 expected = await direct.post(path, json=body)
             lacking.worker.routing.reset()
             statuses = []
-            async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-                for _ in range(10):
-                    response = await post(client, path, body)
-                    statuses.append(response.status_code)
-                    if response.status_code == 404:
-                        assert response.content == expected.content
-                        assert response.headers["x-router-worker"] == lacking.url
-                retried = await retries(client)
+            for _ in range(10):
+                response = await post(client, path, body)
+                statuses.append(response.status_code)
+                if response.status_code == 404:
+                    assert response.content == expected.content
+                    assert response.headers["x-router-worker"] == lacking.url
+            retried = await retries(client)
             stats = breaker_of(router, lacking.url)
     assert expected.status_code == 404
     assert statuses == [404, 200] * 5
@@ -153,21 +149,20 @@ async def test_unknown_model_is_404_and_a_downed_fleet_503_on_every_new_route() 
         "/v1/messages": MESSAGES[1],
     }
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(1) as fleet, open_router([spec(fleet[0].url)]) as router:
-            async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-                served = {
-                    path: (await post(client, path, {**body, "model": MODEL})).status_code
-                    for path, body in bodies.items()
-                }
-                unknown = {
-                    path: await post(client, path, {**body, "model": "nope"})
-                    for path, body in bodies.items()
-                }
-                router.fleet.workers()[0].healthy = False
-                down = {
-                    path: await post(client, path, {**body, "model": MODEL})
-                    for path, body in bodies.items()
-                }
+        async with fleet_behind_router(1, client_timeout_s=10) as (fleet, router, client):
+            served = {
+                path: (await post(client, path, {**body, "model": MODEL})).status_code
+                for path, body in bodies.items()
+            }
+            unknown = {
+                path: await post(client, path, {**body, "model": "nope"})
+                for path, body in bodies.items()
+            }
+            router.fleet.workers()[0].healthy = False
+            down = {
+                path: await post(client, path, {**body, "model": MODEL})
+                for path, body in bodies.items()
+            }
     assert served == dict.fromkeys(bodies, 200)
     assert dispatches(fleet[0]) == len(bodies)  # the 404s and 503s reached nobody
     for path in bodies:
@@ -243,14 +238,13 @@ async def test_a_broken_stream_ends_with_the_apis_own_error_event_and_no_retry(r
     k = 4
     breaks = FakeWorkerSettings(fail_first=-1, fail_mode=FailMode.MIDSTREAM, fail_after_chunks=k)
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([breaks, FakeWorkerSettings()]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet], breaker_failure_threshold=1, **NO_PROBE
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-                response = await post(client, path, body)
+        async with fleet_behind_router(
+            [breaks, FakeWorkerSettings()],
+            breaker_failure_threshold=1,
+            client_timeout_s=10,
+            **NO_PROBE,
+        ) as (fleet, router, client):
+            response = await post(client, path, body)
             stats = breaker_of(router, fleet[0].url)
     assert response.status_code == 200
     events = sse_events(response.text)
@@ -295,9 +289,8 @@ async def test_the_openai_client_sees_a_broken_responses_stream_as_failed() -> N
 
 async def test_wrong_method_on_messages_is_an_anthropic_405() -> None:
     with trio.fail_after(GUARD_S):
-        async with open_fake_fleet(1) as fleet, open_router([spec(fleet[0].url)]) as router:
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                response = await client.get("/v1/messages")
+        async with fleet_behind_router(1) as (fleet, _, client):
+            response = await client.get("/v1/messages")
     assert response.status_code == 405
     assert response.headers["allow"] == "POST"
     assert response.json()["error"] == {

@@ -10,9 +10,8 @@ import trio
 from router.fleet.records import Role
 from router.policies.cache_aware import CacheAware
 from tests.support.etcd_server import EtcdServer
-from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
+from tests.support.etcd_workers import MODEL, open_etcd_router, record_for, register
 from tests.support.fake_fleet import open_fake_fleet
-from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
@@ -31,12 +30,7 @@ async def test_a_worker_deregistered_from_etcd_is_forgotten_by_the_tree(etcd: Et
                 for i, w in enumerate(fleet)
             ]
             async with (
-                open_router(
-                    discovery="etcd",
-                    etcd_endpoint=etcd.url,
-                    etcd_prefix=PREFIX,
-                    policy="cache_aware",
-                ) as router,
+                open_etcd_router(etcd.url, policy="cache_aware") as router,
                 httpx.AsyncClient(base_url=router.url) as client,
             ):
                 await wait_until(lambda: len(router.fleet) == 2)

@@ -4,7 +4,7 @@ it streams a long generation and 30 more requests flow through the router."""
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -15,22 +15,15 @@ from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.formats import expected_text
 from tests.support.cli_process import open_cli, read_line, sse_text
 from tests.support.etcd_server import EtcdServer
-from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
+from tests.support.etcd_workers import MODEL, PREFIX, open_etcd_router, record_for, register
 from tests.support.fake_fleet import open_fake_fleet
-from tests.support.router_instance import open_router
+from tests.support.traffic import Traffic
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
 DRAINEE = "drainee"
 LONG_TOKENS = 200
 SETTLE_S = 1.0
-
-
-@dataclass
-class Sent:
-    at: float
-    worker: str | None
-    status: int
 
 
 async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_request(
@@ -68,9 +61,7 @@ async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_re
                     )
                 assert (await read_line(drainee.stdout)).startswith("fake-worker listening on")
                 async with (
-                    open_router(
-                        discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-                    ) as router,
+                    open_etcd_router(etcd.url) as router,
                     httpx.AsyncClient(base_url=router.url, timeout=30) as client,
                 ):
                     await wait_until(lambda: router.fleet.get(DRAINEE) is not None)
@@ -95,28 +86,16 @@ async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_re
                                 return
                         raise AssertionError("no stream reached the drainee")
 
-                    sent: list[Sent] = []
-
-                    async def flow() -> None:
-                        for _ in range(30):
-                            at = trio.current_time()
-                            response = await client.post(
-                                "/v1/chat/completions", json={**chat, "max_tokens": 8}
-                            )
-                            sent.append(
-                                Sent(
-                                    at,
-                                    response.headers.get("x-router-worker"),
-                                    response.status_code,
-                                )
-                            )
-                            await trio.sleep(0.04)  # pacing: the flow spans the drain
-
+                    flow = Traffic()
+                    # Paced: the flow spans the drain.
+                    send = partial(
+                        client.post, "/v1/chat/completions", json={**chat, "max_tokens": 8}
+                    )
                     async with trio.open_nursery() as traffic:
                         traffic.start_soon(long_stream)
                         await streaming.wait()
-                        traffic.start_soon(flow)
-                        await wait_until(lambda: len(sent) >= 4)
+                        traffic.start_soon(partial(flow.keep_sending, send, most=30, pace_s=0.04))
+                        await wait_until(lambda: len(flow.answers) >= 4)
 
                         drainee.send_signal(signal.SIGTERM)
                         sigterm_at = trio.current_time()
@@ -128,12 +107,13 @@ async def test_sigterm_drains_a_registered_worker_with_no_failed_or_misrouted_re
                     exited_at = trio.current_time()
 
                     # 0 failures; the stream ran to its end.
+                    sent = flow.answers
                     assert len(sent) == 30 and all(s.status == 200 for s in sent)
                     text, done = sse_text(stream["body"])  # type: ignore[arg-type]
                     assert done and text == expected_text(LONG_TOKENS)
                     # 0 new requests reached the drainee once the router saw DRAINING,
                     # and most of the flow was sent after that.
-                    after = [s for s in sent if s.at > seen_at]
+                    after = [s for s in sent if s.sent_at > seen_at]
                     assert len(after) >= 20
                     assert [s.worker for s in after if s.worker == DRAINEE] == []
                     assert {s.worker for s in after} == {"w0", "w1"}

@@ -337,6 +337,19 @@ async def serve_scripted(
         task_status.started(server)
 
 
+async def first_watch_error(answer: bytes, *, start_revision: int) -> tuple[EtcdError, list[bytes]]:
+    """What a watch of `/x/` from `start_revision` raises against a server that answers
+    `answer` and closes, and the requests the server got."""
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(partial(serve_scripted, answer, hold_open=False))
+        async with open_etcd_client(server.url) as client:
+            with pytest.raises(EtcdError) as info:
+                async with aclosing(client.watch_prefix("/x/", start_revision)) as watch:
+                    await anext(watch)
+        nursery.cancel_scope.cancel()
+    return info.value, server.requests
+
+
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
@@ -368,33 +381,22 @@ async def serve_scripted(
 )
 async def test_watch_failure_shapes_all_mean_unavailable(answer: bytes, message: str) -> None:
     with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(partial(serve_scripted, answer, hold_open=False))
-            async with open_etcd_client(server.url) as client:
-                with pytest.raises(EtcdUnavailable) as info:
-                    async with aclosing(client.watch_prefix("/x/", 5)) as watch:
-                        await anext(watch)
-            assert message in info.value.message
-            [request] = server.requests
-            assert request.startswith(b"POST /v3/watch HTTP/1.1")
-            assert b'"start_revision":"5"' in request
-            assert b'"progress_notify":true' in request
-            nursery.cancel_scope.cancel()
+        error, requests = await first_watch_error(answer, start_revision=5)
+    assert isinstance(error, EtcdUnavailable)
+    assert message in error.message
+    [request] = requests
+    assert request.startswith(b"POST /v3/watch HTTP/1.1")
+    assert b'"start_revision":"5"' in request
+    assert b'"progress_notify":true' in request
 
 
 async def test_watch_refused_with_a_client_error_is_not_retryable() -> None:
     answer = plain("400 Bad Request", b'{"error":"bad","message":"bad request","code":3}')
     with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(partial(serve_scripted, answer, hold_open=False))
-            async with open_etcd_client(server.url) as client:
-                with pytest.raises(EtcdError) as info:
-                    async with aclosing(client.watch_prefix("/x/", 1)) as watch:
-                        await anext(watch)
-            assert not isinstance(info.value, EtcdUnavailable)
-            assert info.value.message == "etcd /v3/watch: HTTP 400: bad request"
-            assert len(server.requests) == 1
-            nursery.cancel_scope.cancel()
+        error, requests = await first_watch_error(answer, start_revision=1)
+    assert not isinstance(error, EtcdUnavailable)
+    assert error.message == "etcd /v3/watch: HTTP 400: bad request"
+    assert len(requests) == 1
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,11 @@ from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import (
     MODEL,
     PREFIX,
+    open_etcd_router,
     record_for,
     register,
 )
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
-from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
@@ -60,9 +60,7 @@ async def test_three_workers_are_discovered_and_one_that_crashes_leaves_after_it
                 await register(nursery, etcd.url, record_for(f"w{i}", w.url), lease_ttl_s=2)
                 for i, w in enumerate(fleet[:2])
             ]
-            async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-            ) as router:
+            async with open_etcd_router(etcd.url) as router:
                 assert sorted(w.id for w in router.fleet.workers()) == ["w0", "w1"]  # listed
                 workers.append(
                     await register(nursery, etcd.url, record_for("w2", fleet[2].url), lease_ttl_s=2)
@@ -102,7 +100,7 @@ async def test_a_draining_worker_gets_no_new_work_but_stays_listed_until_it_leav
                 for i, w in enumerate(fleet)
             ]
             async with (
-                open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router,
+                open_etcd_router(etcd.url) as router,
                 httpx.AsyncClient(base_url=router.url) as client,
             ):
                 assert sorted(await send(router, 6)) == ["w0", "w0", "w1", "w1", "w2", "w2"]
@@ -192,9 +190,7 @@ async def test_compaction_past_the_watch_revision_relists_to_the_right_fleet(
                 await register(nursery, etcd.url, record_for(f"w{i}", w.url), lease_ttl_s=30)
                 for i, w in enumerate(fleet[:3])
             ]
-            async with open_router(
-                discovery="etcd", etcd_endpoint=f"http://127.0.0.1:{proxy_port}", etcd_prefix=PREFIX
-            ) as router:
+            async with open_etcd_router(f"http://127.0.0.1:{proxy_port}") as router:
                 assert len(router.fleet) == 3
                 proxy.block()
                 await wait_until(lambda: not router.app.discovery.up)
@@ -240,7 +236,7 @@ async def test_etcd_outage_keeps_the_known_fleet_and_a_worker_registered_meanwhi
             for i, w in enumerate(fleet[:3]):
                 await register(nursery, etcd.url, record_for(f"w{i}", w.url), lease_ttl_s=3)
             async with (
-                open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router,
+                open_etcd_router(etcd.url) as router,
                 httpx.AsyncClient(base_url=router.url) as client,
             ):
                 stopping = trio.current_time()
@@ -286,7 +282,7 @@ async def test_etcd_unreachable_at_start_serves_an_empty_fleet_until_etcd_answer
         await etcd.stop()
         async with open_fake_fleet(1, tokens=2) as fleet, trio.open_nursery() as nursery:
             async with (
-                open_router(discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX) as router,
+                open_etcd_router(etcd.url) as router,
                 httpx.AsyncClient(base_url=router.url) as client,
             ):
                 assert len(router.fleet) == 0
@@ -313,9 +309,7 @@ async def test_malformed_records_are_logged_and_skipped(
                 await writer.put(PREFIX + "junk", b"{not json")
                 await writer.put(PREFIX + "no-url", b'{"id": "x", "model": "m"}')
                 await register(nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=30)
-                async with open_router(
-                    discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-                ) as router:
+                async with open_etcd_router(etcd.url) as router:
                     assert [w.id for w in router.fleet.workers()] == ["w0"]
                     await writer.put(PREFIX + "junk2", b"[1, 2]")
                     await register(

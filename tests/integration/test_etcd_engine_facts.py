@@ -11,9 +11,8 @@ import trio
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fleet.records import Role, WorkerRecord
 from tests.support.etcd_server import EtcdServer
-from tests.support.etcd_workers import MODEL, PREFIX, register
+from tests.support.etcd_workers import MODEL, open_etcd_router, register
 from tests.support.fake_fleet import open_fake_fleet
-from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
@@ -42,9 +41,7 @@ async def test_an_etcd_prefill_without_bootstrap_addr_learns_it_from_the_engine(
                 WorkerRecord("d", decode.url, (MODEL,), Role.DECODE),
                 lease_ttl_s=5,
             )
-            async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-            ) as router:
+            async with open_etcd_router(etcd.url) as router:
                 await wait_until(lambda: router.fleet.get("p") is not None)
                 worker = router.fleet.get("p")
                 assert worker is not None and worker.record.bootstrap_addr == "127.0.0.1:9777"
@@ -72,9 +69,7 @@ async def test_an_etcd_record_without_engine_learns_the_kind_and_an_explicit_one
                 WorkerRecord("s", sglang.url, (MODEL,), engine="vllm"),
                 lease_ttl_s=5,
             )
-            async with open_router(
-                discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-            ) as router:
+            async with open_etcd_router(etcd.url) as router:
                 await wait_until(lambda: len(router.fleet) == 2 and not router.fleet.describing)
                 async with httpx.AsyncClient(base_url=router.url) as client:
                     listing = (await client.get("/v1/workers")).json()["workers"]

@@ -13,9 +13,8 @@ import trio
 
 from router.cli.serve import RunningRouter
 from tests.support.etcd_server import EtcdServer, open_etcd_server
-from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
+from tests.support.etcd_workers import MODEL, open_etcd_router, record_for, register
 from tests.support.fake_fleet import open_fake_fleet
-from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
@@ -36,12 +35,7 @@ async def test_a_frozen_etcd_is_reported_down_within_the_silence_window_and_up_a
                 nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=60
             )
             async with (
-                open_router(
-                    discovery="etcd",
-                    etcd_endpoint=etcd.url,
-                    etcd_prefix=PREFIX,
-                    discovery_silence_s=SILENCE_S,
-                ) as router,
+                open_etcd_router(etcd.url, discovery_silence_s=SILENCE_S) as router,
                 httpx.AsyncClient(base_url=router.url, timeout=10) as client,
             ):
                 health = router.app.discovery
@@ -82,12 +76,7 @@ async def test_a_quiet_fleet_stays_up_on_probes_when_etcd_sends_no_progress_noti
     with trio.fail_after(60):
         async with (
             open_etcd_server(tmp_path / "etcd", progress_interval_s=600) as etcd,
-            open_router(
-                discovery="etcd",
-                etcd_endpoint=etcd.url,
-                etcd_prefix=PREFIX,
-                discovery_silence_s=1.0,
-            ) as router,
+            open_etcd_router(etcd.url, discovery_silence_s=1.0) as router,
         ):
             health = router.app.discovery
             await wait_until(lambda: health.up)

@@ -12,9 +12,8 @@ import trio
 
 from router.discovery.etcd_client import open_etcd_client
 from tests.support.etcd_server import EtcdServer
-from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
+from tests.support.etcd_workers import MODEL, PREFIX, open_etcd_router, record_for, register
 from tests.support.fake_fleet import open_fake_fleet
-from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
@@ -42,9 +41,7 @@ async def test_records_with_urls_the_pool_cannot_use_are_logged_once_and_skipped
                 for key in ("tls", "unicode", "space"):
                     await writer.put(PREFIX + key, bad_record(key))  # seen by the first listing
                 await register(nursery, etcd.url, record_for("w0", fleet[0].url), lease_ttl_s=30)
-                async with open_router(
-                    discovery="etcd", etcd_endpoint=etcd.url, etcd_prefix=PREFIX
-                ) as router:
+                async with open_etcd_router(etcd.url) as router:
                     assert [w.id for w in router.fleet.workers()] == ["w0"]
                     for key in ("userinfo", "query"):
                         await writer.put(PREFIX + key, bad_record(key))  # seen by the watch

@@ -18,66 +18,33 @@ import httpx
 import orjson
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.cli.serve import RunningRouter
 from router.fake_worker.behaviour import FailMode
 from router.fake_worker.settings import FakeWorkerSettings
-from router.fleet.breaker import BreakerState, BreakerStatistics
+from router.fleet.breaker import BreakerState
 from router.fleet.records import Role
 from router.policies.consistent_hash import ConsistentHash
 from router.policies.policy import PolicyKey
+from tests.support.failover import (
+    MODEL,
+    NO_PROBE,
+    breaker_of,
+    dispatches,
+    fleet_behind_router,
+    retries,
+    scrape,
+    spec,
+)
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.ports import free_port, free_ports, unanswered_port
 from tests.support.router_instance import open_router
 
 GUARD_S = 20
-MODEL = "fake-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 STREAM_CHAT = {**CHAT, "stream": True}
 HEALTHY = FakeWorkerSettings()
 ALWAYS_503 = FakeWorkerSettings(fail_first=-1, fail_status=503)
-# A cooldown far beyond any test, so no probe happens while one runs.
-NO_PROBE = {"policy": "round_robin", "breaker_cooldown_s": 60.0, "breaker_max_cooldown_s": 60.0}
-
-
-def spec(url: str) -> str:
-    # Naming the model keeps the fleet in the order given (round robin's order) and spares
-    # a worker that cannot answer `/v1/models` from being asked.
-    return f"{url},model={MODEL}"
-
-
-def breaker_of(router: RunningRouter, url: str) -> BreakerStatistics:
-    worker = router.fleet.get(url)
-    assert worker is not None and worker.breaker is not None
-    return worker.breaker.statistics(trio.current_time())
-
-
-def dispatches(handle: FakeWorkerHandle) -> int:
-    return handle.worker.routing.dispatches
-
-
-def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Every sample called `name` in a /metrics page, keyed by its sorted labels."""
-    found: dict[tuple[tuple[str, str], ...], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                found[tuple(sorted(sample.labels.items()))] = sample.value
-    return found
-
-
-async def scrape(client: httpx.AsyncClient, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    response = await client.get("/metrics")
-    assert response.status_code == 200
-    return metric_samples(response.text, name)
-
-
-async def retries(client: httpx.AsyncClient) -> dict[str, float]:
-    return {
-        dict(labels)["reason"]: value
-        for labels, value in (await scrape(client, "router_retries_total")).items()
-    }
 
 
 @dataclass
@@ -211,15 +178,9 @@ async def test_without_a_breaker_the_broken_worker_keeps_being_tried(broken: Bro
 
 async def test_400_is_returned_verbatim_after_one_attempt_and_never_trips() -> None:
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet(2) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                policy="consistent_hash",
-                breaker_failure_threshold=3,
-                breaker_cooldown_s=60.0,
-            ) as router,
-        ):
+        async with fleet_behind_router(
+            2, policy="consistent_hash", breaker_failure_threshold=3, breaker_cooldown_s=60.0
+        ) as (fleet, router, client):
             session = b"conversation-1"
             target_id = (
                 ConsistentHash()
@@ -231,18 +192,17 @@ async def test_400_is_returned_verbatim_after_one_attempt_and_never_trips() -> N
             async with httpx.AsyncClient(base_url=bad.url) as direct:
                 expected = await direct.post("/v1/chat/completions", json=CHAT)
             bad.worker.routing.reset()
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                for _ in range(20):
-                    response = await client.post(
-                        "/v1/chat/completions",
-                        json=CHAT,
-                        headers={"x-session-id": session.decode()},
-                    )
-                    assert response.status_code == 400
-                    assert response.content == expected.content
-                    assert response.headers["content-type"] == expected.headers["content-type"]
-                    assert response.headers["x-router-worker"] == bad.url
-                retried = await retries(client)
+            for _ in range(20):
+                response = await client.post(
+                    "/v1/chat/completions",
+                    json=CHAT,
+                    headers={"x-session-id": session.decode()},
+                )
+                assert response.status_code == 400
+                assert response.content == expected.content
+                assert response.headers["content-type"] == expected.headers["content-type"]
+                assert response.headers["x-router-worker"] == bad.url
+            retried = await retries(client)
             stats = breaker_of(router, bad.url)
     assert expected.status_code == 400
     assert (dispatches(bad), dispatches(other)) == (20, 0)
@@ -253,29 +213,23 @@ async def test_400_is_returned_verbatim_after_one_attempt_and_never_trips() -> N
 async def test_429_fails_over_without_a_fault_and_passes_retry_after_through_at_the_end() -> None:
     busy = FakeWorkerSettings(fail_first=-1, fail_status=429)
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([busy, HEALTHY]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                breaker_failure_threshold=1,
-                **NO_PROBE,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                for _ in range(4):
-                    response = await client.post("/v1/chat/completions", json=CHAT)
-                    assert response.status_code == 200
-                    assert response.headers["x-router-worker"] == fleet[1].url
-                assert await retries(client) == {"status_429": 4}
-                assert (dispatches(fleet[0]), dispatches(fleet[1])) == (4, 4)
-                assert breaker_of(router, fleet[0].url).state is BreakerState.CLOSED
-
-                # Both busy: the client gets the last worker's own 429, Retry-After included.
-                fleet[1].worker.behaviour.update({"fail_first": -1, "fail_status": 429})
-                async with httpx.AsyncClient(base_url=fleet[1].url) as direct:
-                    expected = await direct.post("/v1/chat/completions", json=CHAT)
-                fleet[1].worker.routing.reset()
+        async with fleet_behind_router(
+            [busy, HEALTHY], breaker_failure_threshold=1, **NO_PROBE
+        ) as (fleet, router, client):
+            for _ in range(4):
                 response = await client.post("/v1/chat/completions", json=CHAT)
+                assert response.status_code == 200
+                assert response.headers["x-router-worker"] == fleet[1].url
+            assert await retries(client) == {"status_429": 4}
+            assert (dispatches(fleet[0]), dispatches(fleet[1])) == (4, 4)
+            assert breaker_of(router, fleet[0].url).state is BreakerState.CLOSED
+
+            # Both busy: the client gets the last worker's own 429, Retry-After included.
+            fleet[1].worker.behaviour.update({"fail_first": -1, "fail_status": 429})
+            async with httpx.AsyncClient(base_url=fleet[1].url) as direct:
+                expected = await direct.post("/v1/chat/completions", json=CHAT)
+            fleet[1].worker.routing.reset()
+            response = await client.post("/v1/chat/completions", json=CHAT)
             states = [breaker_of(router, w.url) for w in fleet]
     assert response.status_code == 429
     assert response.headers["retry-after"] == expected.headers["retry-after"] == "1"
@@ -292,17 +246,11 @@ async def test_a_stream_broken_after_k_events_ends_with_an_error_event_and_no_re
     k = 3
     breaks = FakeWorkerSettings(fail_first=-1, fail_mode=FailMode.MIDSTREAM, fail_after_chunks=k)
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([breaks, HEALTHY]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                breaker_failure_threshold=1,
-                **NO_PROBE,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                result = await post_stream(client, STREAM_CHAT)
-                retried = await retries(client)
+        async with fleet_behind_router(
+            [breaks, HEALTHY], breaker_failure_threshold=1, **NO_PROBE
+        ) as (fleet, router, client):
+            result = await post_stream(client, STREAM_CHAT)
+            retried = await retries(client)
             stats = breaker_of(router, fleet[0].url)
     events = result.events()
     assert result.status == 200
@@ -321,20 +269,13 @@ async def test_a_stream_broken_after_k_events_ends_with_an_error_event_and_no_re
 async def test_a_stream_that_stalls_mid_way_ends_with_an_idle_timeout_error_event() -> None:
     stalls = FakeWorkerSettings(tokens=4, token_latency_ms=10_000)
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([stalls, HEALTHY]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                breaker_failure_threshold=1,
-                stream_idle_timeout_s=0.3,
-                **NO_PROBE,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                started = trio.current_time()
-                result = await post_stream(client, STREAM_CHAT)
-                took = trio.current_time() - started
-                retried = await retries(client)
+        async with fleet_behind_router(
+            [stalls, HEALTHY], breaker_failure_threshold=1, stream_idle_timeout_s=0.3, **NO_PROBE
+        ) as (fleet, router, client):
+            started = trio.current_time()
+            result = await post_stream(client, STREAM_CHAT)
+            took = trio.current_time() - started
+            retried = await retries(client)
             stats = breaker_of(router, fleet[0].url)
     events = result.events()
     assert result.status == 200
@@ -354,20 +295,13 @@ async def test_a_stream_that_stalls_mid_way_ends_with_an_idle_timeout_error_even
 async def test_first_byte_timeout_fails_over_and_counts_as_a_fault() -> None:
     hangs = FakeWorkerSettings(fail_first=-1, fail_mode=FailMode.HANG)
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([hangs, HEALTHY]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                breaker_failure_threshold=3,
-                first_byte_timeout_s=0.3,
-                **NO_PROBE,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                started = trio.current_time()
-                response = await client.post("/v1/chat/completions", json=CHAT)
-                took = trio.current_time() - started
-                retried = await retries(client)
+        async with fleet_behind_router(
+            [hangs, HEALTHY], breaker_failure_threshold=3, first_byte_timeout_s=0.3, **NO_PROBE
+        ) as (fleet, router, client):
+            started = trio.current_time()
+            response = await client.post("/v1/chat/completions", json=CHAT)
+            took = trio.current_time() - started
+            retried = await retries(client)
             stats = breaker_of(router, fleet[0].url)
     assert response.status_code == 200
     assert response.headers["x-router-worker"] == fleet[1].url
@@ -412,23 +346,19 @@ async def test_when_attempts_run_out_the_client_gets_the_last_workers_answer(
 ) -> None:
     statuses = [500, 502, 503]
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet(
-                [FakeWorkerSettings(fail_first=-1, fail_status=s) for s in statuses]
-            ) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
-            ) as router,
-        ):
+        async with fleet_behind_router(
+            [FakeWorkerSettings(fail_first=-1, fail_status=s) for s in statuses],
+            breaker_failure_threshold=3,
+            **NO_PROBE,
+        ) as (fleet, _, client):
             direct: dict[str, httpx.Response] = {}
             for handle in fleet:
                 async with httpx.AsyncClient(base_url=handle.url) as worker_client:
                     direct[handle.url] = await worker_client.post("/v1/chat/completions", json=CHAT)
                 handle.worker.routing.reset()
             caplog.clear()
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                response = await client.post("/v1/chat/completions", json=CHAT)
-                retried = await retries(client)
+            response = await client.post("/v1/chat/completions", json=CHAT)
+            retried = await retries(client)
     # The order the workers were tried in, from the router's one line per failed attempt.
     tried = [r.getMessage().split()[2] for r in caplog.records if r.name == "router.failover"]
     assert sorted(tried) == sorted(w.url for w in fleet)
@@ -445,17 +375,13 @@ async def test_when_attempts_run_out_the_client_gets_the_last_workers_answer(
 
 async def test_three_always_503_workers_pass_the_last_answer_and_retry_after_through() -> None:
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([ALWAYS_503] * 3) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet], breaker_failure_threshold=3, **NO_PROBE
-            ) as router,
-        ):
+        async with fleet_behind_router(
+            [ALWAYS_503] * 3, breaker_failure_threshold=3, **NO_PROBE
+        ) as (fleet, _, client):
             async with httpx.AsyncClient(base_url=fleet[0].url) as worker_client:
                 expected = await worker_client.post("/v1/chat/completions", json=CHAT)
             fleet[0].worker.routing.reset()
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                response = await client.post("/v1/chat/completions", json=CHAT)
+            response = await client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 503
     assert response.content == expected.content
     assert response.headers["content-type"] == "application/json"
@@ -484,24 +410,18 @@ async def test_when_no_worker_answers_the_client_gets_502_worker_unreachable() -
 
 async def test_all_open_dispatches_anyway_by_default() -> None:
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([ALWAYS_503, ALWAYS_503]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                breaker_failure_threshold=1,
-                **NO_PROBE,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                first = await client.post("/v1/chat/completions", json=CHAT)
-                assert [breaker_of(router, w.url).state for w in fleet] == [BreakerState.OPEN] * 2
-                # Every worker open: still dispatched, and the worker's own answer comes back.
-                second = await client.post("/v1/chat/completions", json=CHAT)
-                assert [dispatches(w) for w in fleet] == [2, 2]
-                # One recovers while open: forced traffic finds it and closes its breaker.
-                fleet[1].worker.behaviour.update({"fail_first": 0})
-                third = await client.post("/v1/chat/completions", json=CHAT)
-                fourth = await client.post("/v1/chat/completions", json=CHAT)
+        async with fleet_behind_router(
+            [ALWAYS_503, ALWAYS_503], breaker_failure_threshold=1, **NO_PROBE
+        ) as (fleet, router, client):
+            first = await client.post("/v1/chat/completions", json=CHAT)
+            assert [breaker_of(router, w.url).state for w in fleet] == [BreakerState.OPEN] * 2
+            # Every worker open: still dispatched, and the worker's own answer comes back.
+            second = await client.post("/v1/chat/completions", json=CHAT)
+            assert [dispatches(w) for w in fleet] == [2, 2]
+            # One recovers while open: forced traffic finds it and closes its breaker.
+            fleet[1].worker.behaviour.update({"fail_first": 0})
+            third = await client.post("/v1/chat/completions", json=CHAT)
+            fourth = await client.post("/v1/chat/completions", json=CHAT)
             states = [breaker_of(router, w.url).state for w in fleet]
     assert (first.status_code, second.status_code) == (503, 503)
     assert second.json()["error"]["type"] == "server_error"  # the worker's body, not the router's
@@ -514,23 +434,19 @@ async def test_all_open_dispatches_anyway_by_default() -> None:
 
 async def test_all_open_reject_answers_503_with_retry_after_until_the_earliest_probe() -> None:
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([ALWAYS_503, ALWAYS_503]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                breaker_failure_threshold=1,
-                breaker_all_open="reject",
-                policy="round_robin",
-                breaker_cooldown_s=5.0,
-                breaker_max_cooldown_s=60.0,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                first = await client.post("/v1/chat/completions", json=CHAT)
-                earliest = min(breaker_of(router, w.url).next_probe_at or math.inf for w in fleet)
-                before = trio.current_time()
-                rejected = await client.post("/v1/chat/completions", json=CHAT)
-                after = trio.current_time()
+        async with fleet_behind_router(
+            [ALWAYS_503, ALWAYS_503],
+            breaker_failure_threshold=1,
+            breaker_all_open="reject",
+            policy="round_robin",
+            breaker_cooldown_s=5.0,
+            breaker_max_cooldown_s=60.0,
+        ) as (fleet, router, client):
+            first = await client.post("/v1/chat/completions", json=CHAT)
+            earliest = min(breaker_of(router, w.url).next_probe_at or math.inf for w in fleet)
+            before = trio.current_time()
+            rejected = await client.post("/v1/chat/completions", json=CHAT)
+            after = trio.current_time()
     assert first.status_code == 503 and first.json()["error"]["type"] == "server_error"
     assert rejected.status_code == 503
     assert rejected.json()["error"]["code"] == "no_available_workers"
@@ -549,33 +465,27 @@ async def test_after_the_cooldown_the_recovered_worker_is_probed_and_closes(
 ) -> None:
     caplog.set_level(logging.INFO, logger="router")
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([ALWAYS_503, HEALTHY]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                policy="round_robin",
-                breaker_failure_threshold=1,
-                breaker_cooldown_s=0.5,
-                breaker_max_cooldown_s=1.0,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                tripped = await client.post("/v1/chat/completions", json=CHAT)
-                stats = breaker_of(router, fleet[0].url)
-                assert stats.state is BreakerState.OPEN and stats.next_probe_at is not None
-                fleet[0].worker.behaviour.update({"fail_first": 0})
-                fleet[0].worker.routing.reset()
-                # The cooldown is a span of time, not a condition to poll for.
-                await trio.sleep_until(stats.next_probe_at)
-                answered_by = []
-                request_ids = {}
-                for _ in range(2):
-                    response = await client.post("/v1/chat/completions", json=CHAT)
-                    assert response.status_code == 200
-                    answered_by.append(response.headers["x-router-worker"])
-                    request_ids[response.headers["x-router-worker"]] = response.headers[
-                        "x-request-id"
-                    ]
+        async with fleet_behind_router(
+            [ALWAYS_503, HEALTHY],
+            policy="round_robin",
+            breaker_failure_threshold=1,
+            breaker_cooldown_s=0.5,
+            breaker_max_cooldown_s=1.0,
+        ) as (fleet, router, client):
+            tripped = await client.post("/v1/chat/completions", json=CHAT)
+            stats = breaker_of(router, fleet[0].url)
+            assert stats.state is BreakerState.OPEN and stats.next_probe_at is not None
+            fleet[0].worker.behaviour.update({"fail_first": 0})
+            fleet[0].worker.routing.reset()
+            # The cooldown is a span of time, not a condition to poll for.
+            await trio.sleep_until(stats.next_probe_at)
+            answered_by = []
+            request_ids = {}
+            for _ in range(2):
+                response = await client.post("/v1/chat/completions", json=CHAT)
+                assert response.status_code == 200
+                answered_by.append(response.headers["x-router-worker"])
+                request_ids[response.headers["x-router-worker"]] = response.headers["x-request-id"]
             after = breaker_of(router, fleet[0].url)
     assert tripped.status_code == 200
     assert fleet[0].url in answered_by
@@ -603,20 +513,14 @@ async def test_after_the_cooldown_the_recovered_worker_is_probed_and_closes(
 
 async def test_workers_listing_and_metrics_show_the_breaker() -> None:
     with trio.fail_after(GUARD_S):
-        async with (
-            open_fake_fleet([ALWAYS_503, HEALTHY]) as fleet,
-            open_router(
-                [spec(w.url) for w in fleet],
-                breaker_failure_threshold=1,
-                **NO_PROBE,
-            ) as router,
-        ):
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-                listing = (await client.get("/v1/workers")).json()["workers"]
-                states = await scrape(client, "router_worker_breaker_state")
-                trips = await scrape(client, "router_worker_breaker_trips_total")
-                retried = await retries(client)
+        async with fleet_behind_router(
+            [ALWAYS_503, HEALTHY], breaker_failure_threshold=1, **NO_PROBE
+        ) as (fleet, _, client):
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            listing = (await client.get("/v1/workers")).json()["workers"]
+            states = await scrape(client, "router_worker_breaker_state")
+            trips = await scrape(client, "router_worker_breaker_trips_total")
+            retried = await retries(client)
     by_url = {entry["url"]: entry["breaker"] for entry in listing}
     bad, good = by_url[fleet[0].url], by_url[fleet[1].url]
     assert {k: bad[k] for k in ("state", "consecutive_faults", "cooldown_s", "trips")} == {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from functools import partial
 
 import httpx
 import openai
@@ -17,6 +18,7 @@ from router.fake_worker.behaviour import FailMode
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
+from tests.support.traffic import Traffic
 from tests.support.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "say something"}]}
@@ -189,23 +191,17 @@ async def test_max_concurrency_queues_the_rest_and_the_gauge_shows_it() -> None:
         async with open_fake_fleet([settings]) as fleet:
             worker = fleet[0].worker
             async with httpx.AsyncClient(base_url=fleet[0].url, timeout=10) as client:
-                statuses: list[int] = []
-
-                async def one() -> None:
-                    statuses.append(
-                        (await client.post("/v1/chat/completions", json=CHAT)).status_code
-                    )
-
+                traffic = Traffic()
+                send = partial(client.post, "/v1/chat/completions", json=CHAT)
                 async with trio.open_nursery() as nursery:
-                    for _ in range(3):
-                        nursery.start_soon(one)
+                    nursery.start_soon(partial(traffic.keep_sending, send, clients=3, most=1))
                     with trio.fail_after(5):
                         await wait_until(lambda: worker.routing.inflight == 3)
                     text = (await client.get("/metrics")).text
                     assert _gauge_sum(text, "sglang:num_running_reqs") == 1
                     assert _gauge_sum(text, "sglang:num_queue_reqs") == 2
                 after = (await client.get("/metrics")).text
-    assert statuses == [200, 200, 200]
+    assert traffic.statuses() == [200, 200, 200]
     assert _gauge_sum(after, "sglang:num_queue_reqs") == 0
     assert _gauge_sum(after, "sglang:num_running_reqs") == 0
     assert _gauge_sum(after, "sglang:generation_tokens_total") == 6

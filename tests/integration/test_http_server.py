@@ -23,6 +23,7 @@ GUARD_S = 5.0
 
 Connect = Callable[[int], Awaitable[RawClient]]
 Serve = Callable[..., Awaitable[int]]
+ServeClient = Callable[..., Awaitable[RawClient]]
 DEFAULT_SETTINGS = ServerSettings()
 
 
@@ -51,6 +52,16 @@ def serve(nursery: trio.Nursery) -> Serve:
             partial(serve_http, handler, settings, answer_refusal=answer_refusal)
         )
         return port
+
+    return start
+
+
+@pytest.fixture
+def serve_client(connect: Connect, serve: Serve) -> ServeClient:
+    """Starts `serve_http` as `serve` does and opens one test client to it."""
+
+    async def start(handler: Handler, settings: ServerSettings = DEFAULT_SETTINGS) -> RawClient:
+        return await connect(await serve(handler, settings))
 
     return start
 
@@ -89,11 +100,10 @@ class ServerRun:
         self.returned.set()
 
 
-async def test_keep_alive_serves_two_requests_on_one_socket(connect: Connect, serve: Serve) -> None:
+async def test_keep_alive_serves_two_requests_on_one_socket(serve_client: ServeClient) -> None:
     handler = Recorder()
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         first = await client.request("POST", "/a", body=b"one")
         second = await client.request("GET", "/b?x=1")
         gone = [r.client_gone for r in handler.requests]
@@ -113,12 +123,11 @@ async def test_keep_alive_serves_two_requests_on_one_socket(connect: Connect, se
 
 
 async def test_head_request_gets_length_but_no_body_and_keeps_the_connection(
-    connect: Connect, serve: Serve
+    serve_client: ServeClient,
 ) -> None:
     handler = Recorder()
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         head = await client.request("HEAD", "/", body=b"")
         after = await client.request("POST", "/", body=b"x")
     assert (head.status, head.header(b"content-length"), head.body) == (200, b"5", b"")
@@ -127,13 +136,12 @@ async def test_head_request_gets_length_but_no_body_and_keeps_the_connection(
 
 
 async def test_chunked_request_body_is_joined_and_connection_reused(
-    connect: Connect, serve: Serve
+    serve_client: ServeClient,
 ) -> None:
     handler = Recorder()
     head = b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_raw(head + b"5\r\nhello\r\n")
         await trio.testing.wait_all_tasks_blocked()
         await client.send_raw(b"6\r\n world\r\n0\r\n\r\n")
@@ -144,12 +152,11 @@ async def test_chunked_request_body_is_joined_and_connection_reused(
     assert [r.body for r in handler.requests] == [b"hello world", b""]
 
 
-async def test_expect_100_continue_gets_an_interim_answer(connect: Connect, serve: Serve) -> None:
+async def test_expect_100_continue_gets_an_interim_answer(serve_client: ServeClient) -> None:
     handler = Recorder()
     head = b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_raw(head)
         interim = await client.stream.receive_some(1024)
         await client.send_raw(b"body")
@@ -160,13 +167,12 @@ async def test_expect_100_continue_gets_an_interim_answer(connect: Connect, serv
 
 @pytest.mark.parametrize("end", [b"\r\n\r\n", b"\r\n"], ids=["whole-head", "unfinished-head"])
 async def test_oversize_headers_answered_431_and_closed(
-    connect: Connect, end: bytes, serve: Serve
+    end: bytes, serve_client: ServeClient
 ) -> None:
     handler = Recorder()
     settings = ServerSettings(max_header_bytes=1024)
     with trio.fail_after(GUARD_S):
-        port = await serve(handler, settings)
-        client = await connect(port)
+        client = await serve_client(handler, settings)
         await client.send_raw(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 4096 + end)
         response = await client.read_response()
         rest = await client.read_until_eof()
@@ -178,13 +184,12 @@ async def test_oversize_headers_answered_431_and_closed(
 
 
 async def test_content_length_over_limit_answered_413_before_the_body_is_sent(
-    connect: Connect, serve: Serve
+    serve_client: ServeClient,
 ) -> None:
     handler = Recorder()
     settings = ServerSettings(max_body_bytes=1024)
     with trio.fail_after(GUARD_S):
-        port = await serve(handler, settings)
-        client = await connect(port)
+        client = await serve_client(handler, settings)
         # Only the head goes out: the answer must not wait for the million bytes.
         await client.send_raw(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n\r\n")
         response = await client.read_response("POST")
@@ -198,14 +203,13 @@ async def test_content_length_over_limit_answered_413_before_the_body_is_sent(
     assert handler.requests == []
 
 
-async def test_chunked_body_over_limit_answered_413(connect: Connect, serve: Serve) -> None:
+async def test_chunked_body_over_limit_answered_413(serve_client: ServeClient) -> None:
     handler = Recorder()
     settings = ServerSettings(max_body_bytes=1024)
     chunk = b"258\r\n" + b"z" * 600 + b"\r\n"
     head = b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        port = await serve(handler, settings)
-        client = await connect(port)
+        client = await serve_client(handler, settings)
         await client.send_raw(head + chunk + chunk + b"0\r\n\r\n")
         response = await client.read_response("POST")
         rest = await client.read_until_eof()
@@ -215,12 +219,11 @@ async def test_chunked_body_over_limit_answered_413(connect: Connect, serve: Ser
     assert handler.requests == []
 
 
-async def test_slow_request_head_cut_off_with_408(connect: Connect, serve: Serve) -> None:
+async def test_slow_request_head_cut_off_with_408(serve_client: ServeClient) -> None:
     handler = Recorder()
     settings = ServerSettings(header_timeout_s=0.2)
     with trio.fail_after(GUARD_S):
-        port = await serve(handler, settings)
-        client = await connect(port)
+        client = await serve_client(handler, settings)
         start = trio.current_time()
         await client.send_raw(b"GET / HTTP/1.1\r\nHost: t\r\n")
         response = await client.read_response()
@@ -234,13 +237,12 @@ async def test_slow_request_head_cut_off_with_408(connect: Connect, serve: Serve
 
 
 async def test_slow_second_head_uses_header_timeout_not_idle_timeout(
-    connect: Connect, serve: Serve
+    serve_client: ServeClient,
 ) -> None:
     handler = Recorder()
     settings = ServerSettings(header_timeout_s=0.2, idle_timeout_s=60.0)
     with trio.fail_after(GUARD_S):
-        port = await serve(handler, settings)
-        client = await connect(port)
+        client = await serve_client(handler, settings)
         first = await client.request("GET", "/")
         await client.send_raw(b"GET /slow HTTP/1.1\r\n")
         second = await client.read_response()
@@ -248,12 +250,11 @@ async def test_slow_second_head_uses_header_timeout_not_idle_timeout(
     assert len(handler.requests) == 1
 
 
-async def test_idle_keep_alive_connection_closed_silently(connect: Connect, serve: Serve) -> None:
+async def test_idle_keep_alive_connection_closed_silently(serve_client: ServeClient) -> None:
     handler = Recorder()
     settings = ServerSettings(idle_timeout_s=0.2)
     with trio.fail_after(GUARD_S):
-        port = await serve(handler, settings)
-        client = await connect(port)
+        client = await serve_client(handler, settings)
         start = trio.current_time()
         response = await client.request("GET", "/")
         rest = await client.read_until_eof()
@@ -286,7 +287,7 @@ async def test_malformed_request_answered_400_and_server_keeps_serving(
 
 
 async def test_streamed_chunks_arrive_one_by_one_and_connection_is_reused(
-    connect: Connect, serve: Serve
+    serve_client: ServeClient,
 ) -> None:
     release = trio.Event()
     handled: list[str] = []
@@ -303,8 +304,7 @@ async def test_streamed_chunks_arrive_one_by_one_and_connection_is_reused(
         await writer.finish()
 
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_request("GET", "/stream")
         head = await client.read_head()
         # The handler is still blocked: this chunk went out on its own.
@@ -320,7 +320,7 @@ async def test_streamed_chunks_arrive_one_by_one_and_connection_is_reused(
     assert handled == ["/stream", "/plain"]
 
 
-async def test_client_disconnect_cancels_the_handler(connect: Connect, serve: Serve) -> None:
+async def test_client_disconnect_cancels_the_handler(serve_client: ServeClient) -> None:
     started = trio.Event()
     cancelled = trio.Event()
     seen: list[Request] = []
@@ -334,8 +334,7 @@ async def test_client_disconnect_cancels_the_handler(connect: Connect, serve: Se
             cancelled.set()
 
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_request("POST", "/", body=b"{}")
         await started.wait()
         await client.aclose()
@@ -345,7 +344,7 @@ async def test_client_disconnect_cancels_the_handler(connect: Connect, serve: Se
 
 
 async def test_client_closing_after_the_whole_response_does_not_cancel_the_handler(
-    connect: Connect, serve: Serve
+    serve_client: ServeClient,
 ) -> None:
     client_closed = trio.Event()
     after_response: list[bool] = []
@@ -357,8 +356,7 @@ async def test_client_closing_after_the_whole_response_does_not_cancel_the_handl
         after_response.append(request.client_gone)
 
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         response = await client.request("GET", "/", headers=[("connection", "close")])
         await client.aclose()
         await trio.testing.wait_all_tasks_blocked()
@@ -368,12 +366,11 @@ async def test_client_closing_after_the_whole_response_does_not_cancel_the_handl
     assert after_response == [False]
 
 
-async def test_pipelined_requests_are_all_answered_in_order(connect: Connect, serve: Serve) -> None:
+async def test_pipelined_requests_are_all_answered_in_order(serve_client: ServeClient) -> None:
     handler = Recorder()
     raw = b"GET /1 HTTP/1.1\r\nHost: t\r\n\r\nGET /2 HTTP/1.1\r\nHost: t\r\n\r\n"
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_raw(raw)
         first = await client.read_response()
         second = await client.read_response()
@@ -382,7 +379,7 @@ async def test_pipelined_requests_are_all_answered_in_order(connect: Connect, se
 
 
 async def test_request_arriving_while_handler_runs_is_kept_for_the_next_cycle(
-    connect: Connect, serve: Serve
+    serve_client: ServeClient,
 ) -> None:
     slow_started = trio.Event()
     proceed = trio.Event()
@@ -396,8 +393,7 @@ async def test_request_arriving_while_handler_runs_is_kept_for_the_next_cycle(
         await writer.respond(200, [], request.path.encode())
 
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_raw(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
         await slow_started.wait()
         await client.send_raw(b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
@@ -412,7 +408,7 @@ async def test_request_arriving_while_handler_runs_is_kept_for_the_next_cycle(
 
 
 async def test_failed_send_while_streaming_raises_client_disconnected(
-    caplog: pytest.LogCaptureFixture, connect: Connect, serve: Serve
+    caplog: pytest.LogCaptureFixture, serve_client: ServeClient
 ) -> None:
     started = trio.Event()
     reset = trio.Event()
@@ -434,8 +430,7 @@ async def test_failed_send_while_streaming_raises_client_disconnected(
             done.set()
 
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_raw(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
         await started.wait()
         # Pipelined bytes end the watch, so only the failed send can tell.
@@ -572,7 +567,7 @@ async def test_connections_over_the_cap_get_503_until_a_slot_frees(
 
 
 async def test_handler_failure_before_start_is_500_and_connection_keeps_serving(
-    caplog: pytest.LogCaptureFixture, connect: Connect, serve: Serve
+    caplog: pytest.LogCaptureFixture, serve_client: ServeClient
 ) -> None:
     async def handler(request: Request, writer: ResponseWriter) -> None:
         if request.path == "/boom":
@@ -582,8 +577,7 @@ async def test_handler_failure_before_start_is_500_and_connection_keeps_serving(
         await writer.respond(200, [], b"ok")
 
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         boom = await client.request("GET", "/boom")
         silent = await client.request("GET", "/silent")
         ok = await client.request("GET", "/ok")
@@ -597,7 +591,7 @@ async def test_handler_failure_before_start_is_500_and_connection_keeps_serving(
 
 @pytest.mark.parametrize("raises", [True, False], ids=["raises", "returns-unfinished"])
 async def test_handler_leaving_a_started_response_closes_the_connection(
-    connect: Connect, raises: bool, serve: Serve
+    raises: bool, serve_client: ServeClient
 ) -> None:
     async def handler(request: Request, writer: ResponseWriter) -> None:
         await writer.start(200, [])
@@ -606,8 +600,7 @@ async def test_handler_leaving_a_started_response_closes_the_connection(
             raise ValueError("mid-stream bug")
 
     with trio.fail_after(GUARD_S):
-        port = await serve(handler)
-        client = await connect(port)
+        client = await serve_client(handler)
         await client.send_request("GET", "/")
         head = await client.read_head()
         chunk = await client.read_chunk()

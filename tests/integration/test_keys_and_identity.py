@@ -18,13 +18,14 @@ import orjson
 import pytest
 import trio
 
+from router.cli.serve import RunningRouter
 from router.discovery.etcd_client import open_etcd_client
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fleet.records import WorkerRecord
 from router.http.server.loop import serve_http
 from router.http.server.messages import Request, ResponseWriter
-from tests.integration.test_failover_breaker import scrape
 from tests.support.etcd_server import EtcdServer
+from tests.support.failover import scrape
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.ports import free_port
 from tests.support.router_instance import open_router
@@ -35,6 +36,7 @@ MODEL = "fake-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 CLIENT_KEY = "client-secret-0123"
 WORKER_KEY = "worker-secret-4567"
+AUTH = {"authorization": f"Bearer {CLIENT_KEY}"}
 
 
 def spec(handle: FakeWorkerHandle) -> str:
@@ -43,6 +45,19 @@ def spec(handle: FakeWorkerHandle) -> str:
 
 def seen_headers(handle: FakeWorkerHandle) -> list[dict[str, str]]:
     return list(handle.worker.routing.headers)
+
+
+def authorizations(handle: FakeWorkerHandle) -> list[str | None]:
+    """The authorization header of each generation request the worker got."""
+    return [headers.get("authorization") for headers in seen_headers(handle)]
+
+
+async def chat_then_listing(router: RunningRouter) -> str:
+    """A chat request with the client key (answered 200), then `/v1/workers` as text."""
+    async with httpx.AsyncClient(base_url=router.url) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+        assert response.status_code == 200
+        return (await client.get("/v1/workers", headers=AUTH)).text
 
 
 @pytest.mark.parametrize(
@@ -94,15 +109,14 @@ async def test_the_right_key_passes_and_the_worker_gets_the_worker_key_not_the_c
             ) as router,
         ):
             async with httpx.AsyncClient(base_url=router.url) as client:
-                auth = {"authorization": f"Bearer {CLIENT_KEY}"}
                 for _ in range(4):
-                    response = await client.post("/v1/chat/completions", json=CHAT, headers=auth)
+                    response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
                     assert response.status_code == 200
                 stream = await client.post(
-                    "/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth
+                    "/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH
                 )
                 assert stream.status_code == 200
-                assert (await client.get("/v1/models", headers=auth)).status_code == 200
+                assert (await client.get("/v1/models", headers=AUTH)).status_code == 200
     received = seen_headers(fleet[0]) + seen_headers(fleet[1])
     assert len(received) == 5
     assert {headers.get("authorization") for headers in received} == {f"Bearer {WORKER_KEY}"}
@@ -117,7 +131,7 @@ async def test_without_client_keys_the_clients_header_passes_through() -> None:
                     "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer theirs"}
                 )
                 assert response.status_code == 200
-    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == ["Bearer theirs"]
+    assert authorizations(fleet[0]) == ["Bearer theirs"]
 
 
 async def test_with_client_keys_and_no_worker_key_the_worker_gets_no_authorization() -> None:
@@ -130,10 +144,10 @@ async def test_with_client_keys_and_no_worker_key_the_worker_gets_no_authorizati
                 response = await client.post(
                     "/v1/chat/completions",
                     json=CHAT,
-                    headers={"authorization": f"Bearer {CLIENT_KEY}"},
+                    headers=AUTH,
                 )
                 assert response.status_code == 200
-    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == [None]
+    assert authorizations(fleet[0]) == [None]
 
 
 async def test_a_worker_records_own_key_wins_over_the_global_worker_key() -> None:
@@ -147,15 +161,8 @@ async def test_a_worker_records_own_key_wins_over_the_global_worker_key() -> Non
                     {"url": fleet[0].url, "model": MODEL, "api_key": "only-for-this-one"}
                 )
             )
-            async with httpx.AsyncClient(base_url=router.url) as client:
-                auth = {"authorization": f"Bearer {CLIENT_KEY}"}
-                assert (
-                    await client.post("/v1/chat/completions", json=CHAT, headers=auth)
-                ).status_code == 200
-                listing = (await client.get("/v1/workers", headers=auth)).text
-    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == [
-        "Bearer only-for-this-one"
-    ]
+            listing = await chat_then_listing(router)
+    assert authorizations(fleet[0]) == ["Bearer only-for-this-one"]
     assert "only-for-this-one" not in listing
 
 
@@ -167,8 +174,7 @@ async def test_protect_metrics_closes_metrics_but_not_the_probes() -> None:
         ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 assert (await client.get("/metrics")).status_code == 401
-                auth = {"authorization": f"Bearer {CLIENT_KEY}"}
-                assert (await client.get("/metrics", headers=auth)).status_code == 200
+                assert (await client.get("/metrics", headers=AUTH)).status_code == 200
                 assert (await client.get("/health")).status_code == 200
                 assert (await client.get("/readiness")).status_code == 200
 
@@ -276,15 +282,8 @@ async def test_an_etcd_record_carries_its_workers_key_and_the_listing_hides_it(
                 worker_api_key=WORKER_KEY,
             ) as router:
                 await wait_until(lambda: router.fleet.get("keyed") is not None)
-                async with httpx.AsyncClient(base_url=router.url) as client:
-                    auth = {"authorization": f"Bearer {CLIENT_KEY}"}
-                    assert (
-                        await client.post("/v1/chat/completions", json=CHAT, headers=auth)
-                    ).status_code == 200
-                    listing = (await client.get("/v1/workers", headers=auth)).text
-    assert [headers.get("authorization") for headers in seen_headers(fleet[0])] == [
-        "Bearer from-the-record"
-    ]
+                listing = await chat_then_listing(router)
+    assert authorizations(fleet[0]) == ["Bearer from-the-record"]
     assert "from-the-record" not in listing and "keyed" in listing
 
 
@@ -322,7 +321,7 @@ async def test_a_worker_that_guards_its_models_list_is_asked_with_the_worker_key
                     response = await client.post(
                         "/v1/chat/completions",
                         json={**CHAT, "model": "guarded"},
-                        headers={"authorization": f"Bearer {CLIENT_KEY}"},
+                        headers=AUTH,
                     )
                     assert response.status_code == 200
             nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from tests.support.fake_fleet import open_fake_fleet
 from tests.support.fake_kube_api import FakeKubeApi
 from tests.support.kube_fleet import worker_pod, write_kubeconfig
 from tests.support.router_instance import open_router
+from tests.support.traffic import Traffic
 from tests.support.waiting import wait_until
 
 # When the API server closes a connection while httpx is writing a request, httpcore
@@ -41,6 +43,12 @@ pytestmark = pytest.mark.filterwarnings(
 
 APP = {"app": "engine"}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# Two pools, no mixed one: Pods labelled pool=prefill and pool=decode.
+PD_SELECTORS = {
+    "k8s_selector": "",
+    "k8s_prefill_selector": "pool=prefill",
+    "k8s_decode_selector": "pool=decode",
+}
 EVENT_BOUND_S = 2.0  # functional bound under load; the measured figures are ~10 ms
 
 
@@ -198,18 +206,13 @@ async def test_a_410_relists_and_no_request_fails(tmp_path: Path, gone_as_http: 
                 open_kube(tmp_path, api) as router,
                 httpx.AsyncClient(base_url=router.url) as client,
             ):
-                statuses: list[int] = []
-
-                async def traffic(stop: trio.Event) -> None:
-                    while not stop.is_set():
-                        statuses.append(
-                            (await client.post("/v1/chat/completions", json=CHAT)).status_code
-                        )
-
+                traffic = Traffic()
                 stop = trio.Event()
+                send = partial(client.post, "/v1/chat/completions", json=CHAT)
                 async with trio.open_nursery() as spare, trio.open_nursery() as nursery:
-                    nursery.start_soon(traffic, stop)
-                    await wait_until(lambda: len(statuses) >= 5)
+                    # A run sends about 35 across the relist; the bound only stops a runaway.
+                    nursery.start_soon(partial(traffic.keep_sending, send, stop=stop, most=2000))
+                    await wait_until(lambda: len(traffic.answers) >= 5)
                     # The watch is cut, then everything it could resume from is compacted
                     # away, and meanwhile w-1 went and w-2 came.
                     await wait_until(lambda: api.watches_open == 1)
@@ -219,8 +222,8 @@ async def test_a_410_relists_and_no_request_fails(tmp_path: Path, gone_as_http: 
                     api.compact()
                     await spare.start(api.serve)
                     await wait_until(lambda: router.fleet.get(pod_id("w-2")) is not None)
-                    count = len(statuses)
-                    await wait_until(lambda: len(statuses) >= count + 5)
+                    count = len(traffic.answers)
+                    await wait_until(lambda: len(traffic.answers) >= count + 5)
                     stop.set()
                     assert sorted(w.id for w in router.fleet.workers()) == [
                         pod_id("w-0"),
@@ -229,7 +232,7 @@ async def test_a_410_relists_and_no_request_fails(tmp_path: Path, gone_as_http: 
                     assert metric(router, "router_discovery_relists_total") == 2.0
                     assert router.app.discovery.up
                     spare.cancel_scope.cancel()
-                assert statuses == [200] * len(statuses)
+                assert traffic.statuses() == [200] * len(traffic.answers)
 
 
 async def test_the_api_server_going_away_keeps_the_fleet_and_loses_no_request(
@@ -284,13 +287,7 @@ async def test_pd_pools_from_two_selectors_with_the_bootstrap_port_from_the_anno
             )
             api.add_pod(worker_pod(decode, "d-0", {"pool": "decode"}))
             async with (
-                open_kube(
-                    tmp_path,
-                    api,
-                    k8s_selector="",
-                    k8s_prefill_selector="pool=prefill",
-                    k8s_decode_selector="pool=decode",
-                ) as router,
+                open_kube(tmp_path, api, **PD_SELECTORS) as router,
                 httpx.AsyncClient(base_url=router.url) as client,
             ):
                 roles = {w.id: w.role.value for w in router.fleet.workers()}
@@ -312,13 +309,7 @@ async def test_pd_pools_learn_the_bootstrap_port_and_facts_from_the_engine(tmp_p
             api.add_pod(worker_pod(prefill, "p-0", {"pool": "prefill"}, facts_in_annotations=False))
             api.add_pod(worker_pod(decode, "d-0", {"pool": "decode"}, facts_in_annotations=False))
             async with (
-                open_kube(
-                    tmp_path,
-                    api,
-                    k8s_selector="",
-                    k8s_prefill_selector="pool=prefill",
-                    k8s_decode_selector="pool=decode",
-                ) as router,
+                open_kube(tmp_path, api, **PD_SELECTORS) as router,
                 httpx.AsyncClient(base_url=router.url) as client,
             ):
                 await wait_until(lambda: len(router.fleet) == 2)

@@ -8,9 +8,8 @@ import pytest
 import trio
 
 from tests.support.etcd_server import EtcdServer
-from tests.support.etcd_workers import MODEL, PREFIX, record_for, register
+from tests.support.etcd_workers import MODEL, open_etcd_router, record_for, register
 from tests.support.fake_fleet import open_fake_fleet
-from tests.support.router_instance import open_router
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.etcd
@@ -23,12 +22,7 @@ async def test_a_briefly_empty_fleet_is_503_then_404_after_the_memory(etcd: Etcd
         async with (
             open_fake_fleet(1, tokens=2) as fleet,
             trio.open_nursery() as nursery,
-            open_router(
-                discovery="etcd",
-                etcd_endpoint=etcd.url,
-                etcd_prefix=PREFIX,
-                model_memory_s=MEMORY_S,
-            ) as router,
+            open_etcd_router(etcd.url, model_memory_s=MEMORY_S) as router,
             httpx.AsyncClient(base_url=router.url, timeout=10) as client,
         ):
             worker = await register(

@@ -24,6 +24,7 @@ from router.fleet.records import Status, WorkerRecord
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.http_client import RawClient
 from tests.support.router_instance import open_router
+from tests.support.traffic import Traffic
 from tests.support.waiting import wait_until
 
 MODEL = "fake-model"
@@ -155,18 +156,11 @@ async def test_a_dp4_prefill_spreads_ranks_and_rooms_name_the_rank() -> None:
         ):
             p, d = fleet
             async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
-                statuses: list[int] = []
-
-                async def one() -> None:
-                    statuses.append(
-                        (await client.post("/v1/chat/completions", json=CHAT)).status_code
-                    )
-
                 # Eight at once: each takes the least-loaded rank while the others are in flight.
-                async with trio.open_nursery() as nursery:
-                    for _ in range(8):
-                        nursery.start_soon(one)
-                assert statuses == [200] * 8
+                burst = Traffic()
+                send = functools.partial(client.post, "/v1/chat/completions", json=CHAT)
+                await burst.keep_sending(send, clients=8, most=1)
+                assert burst.statuses() == [200] * 8
                 await settled(router)
                 assert p.worker.routing.ranks == {"0": 2, "1": 2, "2": 2, "3": 2}
                 assert d.worker.routing.ranks == {}

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,11 +24,11 @@ import trio
 
 from router.fake_worker.engine import FakeWorker, serve_fake_worker
 from router.fake_worker.settings import FakeWorkerSettings
-from tests.integration.test_smg_with_fake_workers import _stop
 from tests.support.fake_kube_api import FakeKubeApi, make_pod
 from tests.support.kube_fleet import write_kubeconfig
 from tests.support.ports import free_port
 from tests.support.router_instance import open_router
+from tests.support.smg_process import smg_command, stop_smg
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.smg
@@ -52,26 +52,25 @@ async def open_pod_workers() -> AsyncIterator[tuple[int, list[FakeWorker]]]:
         nursery.cancel_scope.cancel()
 
 
+def pod(index: int) -> dict[str, Any]:
+    """Pod w-INDEX, on the loopback address HOSTS[INDEX]."""
+    return make_pod(
+        f"w-{index}",
+        ip=HOSTS[index],
+        labels={"app": "engine"},
+        annotations={"trio-router/model": "fake-model"},
+    )
+
+
 def pods(api: FakeKubeApi) -> None:
-    for index, host in enumerate(HOSTS):
-        api.add_pod(
-            make_pod(
-                f"w-{index}",
-                ip=host,
-                labels={"app": "engine"},
-                annotations={"trio-router/model": "fake-model"},
-            )
-        )
+    for index in range(len(HOSTS)):
+        api.add_pod(pod(index))
 
 
 @asynccontextmanager
 async def open_smg_on_kubernetes(kubeconfig: Path, port: int, log_path: Path) -> AsyncIterator[str]:
     listen, metrics_port = free_port(), free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "smg",
-        "launch",
+    command = smg_command(
         "--service-discovery",
         "--selector",
         "app=engine",
@@ -79,21 +78,9 @@ async def open_smg_on_kubernetes(kubeconfig: Path, port: int, log_path: Path) ->
         str(port),
         "--service-discovery-namespace",
         "default",
-        "--policy",
-        "round_robin",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(listen),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        "--shutdown-grace-period-secs",
-        "1",
-        "--log-level",
-        "warn",
-    ]
+        port=listen,
+        metrics_port=metrics_port,
+    )
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     with log_path.open("wb") as log:
         process = await trio.lowlevel.open_process(
@@ -102,7 +89,7 @@ async def open_smg_on_kubernetes(kubeconfig: Path, port: int, log_path: Path) ->
     try:
         yield f"http://127.0.0.1:{listen}"
     finally:
-        await _stop(process)
+        await stop_smg(process)
 
 
 async def _healthy_workers(client: httpx.AsyncClient) -> int:
@@ -158,14 +145,7 @@ async def test_smg_and_the_router_discover_the_same_pods_from_the_fake_api(tmp_p
 
             # The same Pods, fresh, for our router.
             api.finish_deletion("w-0")
-            api.add_pod(
-                make_pod(
-                    "w-0",
-                    ip=HOSTS[0],
-                    labels={"app": "engine"},
-                    annotations={"trio-router/model": "fake-model"},
-                )
-            )
+            api.add_pod(pod(0))
             for worker in workers:
                 worker.routing.reset()
             async with (

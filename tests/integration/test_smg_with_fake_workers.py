@@ -3,9 +3,7 @@ it admits them as SGLang engines and round-robins chat requests across them."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,50 +16,18 @@ import trio
 from router.fake_worker.formats import expected_text
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.ports import free_port
+from tests.support.smg_process import smg_command, stop_smg
 
 pytestmark = pytest.mark.smg
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-async def _stop(process: trio.Process) -> None:
-    """SIGTERM, then a kill if it is still there after 10 s. Shielded: runs on the way out."""
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(10):
-                await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-
-
 @asynccontextmanager
 async def open_smg(worker_urls: list[str], log_path: Path) -> AsyncIterator[str]:
     """Launch smg in front of `worker_urls`; yield its URL once it has admitted all of them."""
     port, metrics_port = free_port(), free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "smg",
-        "launch",
-        "--worker-urls",
-        *worker_urls,
-        "--policy",
-        "round_robin",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        "--shutdown-grace-period-secs",
-        "1",
-        "--log-level",
-        "warn",
-    ]
+    command = smg_command("--worker-urls", *worker_urls, port=port, metrics_port=metrics_port)
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
@@ -75,7 +41,7 @@ async def open_smg(worker_urls: list[str], log_path: Path) -> AsyncIterator[str]
                     await trio.sleep(0.1)
         yield url
     finally:
-        await _stop(process)
+        await stop_smg(process)
 
 
 async def _admitted(client: httpx.AsyncClient, count: int) -> bool:

@@ -1,4 +1,5 @@
-"""Fake workers registered in etcd in-process, through the agent's own registration code.
+"""Fake workers registered in etcd in-process, through the agent's own registration code,
+and a router discovering them.
 
 `register` starts `serve_registration` in a cancel scope of the caller's nursery and
 returns the `Registration` with that scope: cancelling the scope stops the heartbeat
@@ -7,13 +8,17 @@ without revoking anything, which is what a crashed worker looks like to etcd.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
 from router.agent.advertise import worker_record
 from router.agent.registration import Registration, serve_registration
+from router.cli.serve import RunningRouter
 from router.fleet.records import WorkerRecord
+from tests.support.router_instance import open_router
 
 PREFIX = "/test/workers/"
 MODEL = "fake-model"
@@ -52,3 +57,9 @@ async def register(
 
     registration: Registration = await nursery.start(run)
     return Registered(registration, scope)
+
+
+def open_etcd_router(etcd_url: str, **overrides: Any) -> AbstractAsyncContextManager[RunningRouter]:
+    """A router (settings `overrides`) discovering the workers registered under `PREFIX` in
+    the etcd at `etcd_url`."""
+    return open_router(discovery="etcd", etcd_endpoint=etcd_url, etcd_prefix=PREFIX, **overrides)

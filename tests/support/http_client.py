@@ -37,6 +37,20 @@ class RawResponse:
         return orjson.loads(self.body)
 
 
+async def read_until_closed(stream: trio.SocketStream) -> bytes:
+    """Every byte `stream` receives until the peer closes it (a reset counts)."""
+    received = []
+    while True:
+        try:
+            chunk = await stream.receive_some(_RECEIVE_BYTES)
+        except trio.BrokenResourceError:
+            break
+        if not chunk:
+            break
+        received.append(chunk)
+    return b"".join(received)
+
+
 class RawClient:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
@@ -108,16 +122,7 @@ class RawClient:
 
     async def read_until_eof(self) -> bytes:
         """Every byte left on the socket until the server closes it (a reset counts)."""
-        received = [self.h11.trailing_data[0]]
-        while True:
-            try:
-                data = await self.stream.receive_some(_RECEIVE_BYTES)
-            except trio.BrokenResourceError:
-                break
-            if not data:
-                break
-            received.append(data)
-        return b"".join(received)
+        return self.h11.trailing_data[0] + await read_until_closed(self.stream)
 
     def _next_cycle(self) -> None:
         if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
