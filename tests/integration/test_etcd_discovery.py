@@ -119,11 +119,12 @@ async def test_a_draining_worker_gets_no_new_work_but_stays_listed_until_it_leav
                 health = (await client.get("/health")).json()
                 assert (health["workers"], health["available"], health["draining"]) == (3, 2, 1)
 
-                # Deregistration (not the 30 s TTL) removes it, within moments.
+                # Deregistration removes it, not the 30 s TTL: the bound is a third of the
+                # TTL, loose enough for a loaded machine and still far from the expiry.
                 left_at = trio.current_time()
                 assert await workers[1].registration.deregister()
                 await wait_until(lambda: router.fleet.get("w1") is None)
-                assert trio.current_time() - left_at < 1.0
+                assert trio.current_time() - left_at < 10.0
                 assert await keys(etcd.url) == [PREFIX + "w0", PREFIX + "w2"]
                 stats = workers[1].registration.statistics()
                 assert (stats.grants, stats.writes, stats.lease_id) == (1, 2, None)

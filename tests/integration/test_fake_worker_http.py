@@ -218,7 +218,7 @@ async def _open_stream(handle: FakeWorkerHandle) -> trio.SocketStream:
     return stream
 
 
-async def test_a_client_leaving_mid_stream_is_counted_within_a_second() -> None:
+async def test_a_client_leaving_mid_stream_is_counted_long_before_the_stream_would_end() -> None:
     settings = FakeWorkerSettings(token_latency_ms=10)
     with trio.fail_after(10):
         async with open_fake_fleet([settings]) as fleet:
@@ -230,9 +230,11 @@ async def test_a_client_leaving_mid_stream_is_counted_within_a_second() -> None:
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
             await stream.aclose()
             left_at = trio.current_time()
-            with trio.fail_after(1):
+            # The stream would run 10 s (1000 tokens, 10 ms apart): noticed at the next
+            # token, well within half of that even on a loaded machine.
+            with trio.fail_after(5):
                 await wait_until(lambda: routing.disconnects == 1)
-            assert trio.current_time() - left_at < 1.0
+            assert trio.current_time() - left_at < 5.0
             assert routing.inflight == 0
             assert fleet[0].worker.routing.loads[0].running == 0
             # It stopped generating: far fewer than the 1000 tokens asked for.
