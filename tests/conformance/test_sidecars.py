@@ -100,8 +100,11 @@ async def test_no_process_is_left_when_a_case_passes_fails_or_times_out(
     plane = Watched()
     plane.mark = "conformance-stub-" + uuid.uuid4().hex
     plane.seen_at_ready = []
+    # The case timeout covers the start of the sidecar, the fleet and the plane too: on a
+    # loaded machine that alone has taken over 4 s, and the hanging case must be seen
+    # running (below) before its timeout ends it.
     with trio.fail_after(60):
-        [outcome] = await run_suite([case], [plane], {}, RunOptions(jobs=1, case_timeout_s=4.0))
+        [outcome] = await run_suite([case], [plane], {}, RunOptions(jobs=1, case_timeout_s=15.0))
     assert (outcome.verdict, outcome.case_id) == (verdict, case_id), outcome
     leftovers = marked(plane.mark)
     for pid in leftovers:  # whatever a failed run left, so the test leaves nothing

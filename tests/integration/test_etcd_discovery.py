@@ -76,8 +76,10 @@ async def test_three_workers_are_discovered_and_one_that_crashes_leaves_after_it
                 await wait_until(lambda: router.fleet.get("w2") is None)
                 gone_after_s = trio.current_time() - crashed_at
                 print(f"\nheartbeats stopped -> worker dropped (TTL 2 s): {gone_after_s:.2f} s")
-                # etcd's minimum TTL is 2 s and it checks expiry every 0.5 s.
-                assert 0.5 < gone_after_s < 4.0
+                # etcd's minimum TTL is 2 s and it checks expiry every 0.5 s: not before
+                # the lease can have run out, and by its expiry, not never (the upper
+                # bound leaves room for a loaded machine: the run is bounded at 30 s).
+                assert 0.5 < gone_after_s < 15.0
                 assert await keys(etcd.url) == [PREFIX + "w0", PREFIX + "w1"]
 
                 assert sorted(await send(router, 10)) == ["w0"] * 5 + ["w1"] * 5
