@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test engine-bench
+.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test engine-bench conformance-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ litellm-env: $(LITELLM_VENV)/.installed
 # CPU-s) to start even when idle, and its 14 runnable cases took 283 s of wall time alone.
 conformance: setup system-deps litellm-env
 	$(BIN)/conformance run --plane all --report-yaml conformance/reports
+	$(BIN)/conformance parity conformance/reports --out docs/parity.md
+
+# The cases that declare `fleets: [..., vllm]` on real engines with real faults, every
+# plane, one case at a time on two engines started once; the reports go beside the fake
+# fleet's (`<version>-vllm.yaml`) and the matrix gets their columns.
+conformance-engines: setup system-deps litellm-env engine-env
+	$(BIN)/conformance run --fleet vllm --plane all --report-yaml conformance/reports
 	$(BIN)/conformance parity conformance/reports --out docs/parity.md
 
 bench: setup system-deps

@@ -1,8 +1,8 @@
 """`conformance`: run the YAML spec against data planes, validate it, list it.
 
     conformance run [--plane python|smg|vllm-router|all|module:Class] [--case GLOB] [--tag T]
-                    [--report-md FILE] [--report-yaml DIR] [--junit FILE] [--jobs N]
-                    [--run-unsupported] [--case-timeout-s S]
+                    [--fleet fake|vllm] [--report-md FILE] [--report-yaml DIR]
+                    [--junit FILE] [--jobs N] [--run-unsupported] [--case-timeout-s S]
     conformance validate [--plane P] [PATH ...]
     conformance list [--plane P] [--case GLOB] [--tag T]
     conformance parity [DIR] [--out FILE]
@@ -27,12 +27,19 @@ import trio
 from conformance.capabilities import unknown
 from conformance.divergences import Divergence, load_divergences, unknown_cases
 from conformance.loader import default_spec_root, load_cases, select_cases, spec_version
-from conformance.model import Case
+from conformance.model import FLEET_KINDS, Case
 from conformance.nodes import SpecError
 from conformance.planes import PLANES, Plane, Unsupported, resolve_plane
 from conformance.publish import ReportError, load_reports, parity_markdown, write_report
 from conformance.report import RunInfo, junit, markdown, reports
-from conformance.runner import CASE_TIMEOUT_S, FAILING, Outcome, RunOptions, run_suite
+from conformance.runner import (
+    CASE_TIMEOUT_S,
+    ENGINE_CASE_TIMEOUT_S,
+    FAILING,
+    Outcome,
+    RunOptions,
+    run_suite,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_REPORTS = Path("conformance/reports")
@@ -70,10 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run cases a plane lacks a capability for anyway, to observe it",
     )
     run.add_argument(
+        "--fleet",
+        choices=FLEET_KINDS,
+        default="fake",
+        help="what the workers are: fake workers (default), or real vLLM engines (`make "
+        "engine-env`) for the cases whose `fleets` name vllm, one case at a time",
+    )
+    run.add_argument(
         "--case-timeout-s",
         type=float,
-        default=CASE_TIMEOUT_S,
-        help=f"a case still running after this is an error (default {CASE_TIMEOUT_S:g})",
+        default=None,
+        help=f"a case still running after this is an error (default {CASE_TIMEOUT_S:g}; "
+        f"{ENGINE_CASE_TIMEOUT_S:g} with --fleet vllm)",
     )
     run.add_argument(
         "-v", "--verbose", action="store_true", help="print every failure line as cases finish"
@@ -146,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"invalid case: {error}", file=sys.stderr)
         return EXIT_USAGE
     cases = select_cases(loaded.cases, args.case, args.tag)
+    if args.command == "run":
+        cases = [case for case in cases if args.fleet in case.fleets]
     if not cases:
         print("no case matches the selection", file=sys.stderr)
         return EXIT_USAGE
@@ -301,16 +318,25 @@ def run(
             for line in outcome.plane_log.splitlines():
                 print(f"          | {line}", flush=True)
 
+    engines = args.fleet == "vllm"
+    timeout_s = args.case_timeout_s or (ENGINE_CASE_TIMEOUT_S if engines else CASE_TIMEOUT_S)
+    jobs = 1 if engines else args.jobs
     options = RunOptions(
-        jobs=args.jobs,
+        jobs=jobs,
         run_unsupported=args.run_unsupported,
         on_outcome=progress,
-        case_timeout_s=args.case_timeout_s,
+        case_timeout_s=timeout_s,
+        fleet=args.fleet,
     )
     versions = {plane.name: plane.version() for plane in planes}
     print(
         f"running {len(cases)} case(s) of spec version {version} on "
-        f"{', '.join(f'{n} ({v})' for n, v in versions.items())}, {args.jobs} at a time",
+        f"{', '.join(f'{n} ({v})' for n, v in versions.items())}, {jobs} at a time"
+        + (
+            f", on {max(len(case.fleet) for case in cases)} vLLM engine(s) started first"
+            if engines
+            else ""
+        ),
         flush=True,
     )
     started = time.monotonic()
@@ -328,8 +354,9 @@ def run(
         capabilities={plane.name: plane.capabilities for plane in planes},
         command=command,
         seconds=seconds,
-        jobs=args.jobs,
+        jobs=jobs,
         spec_version=version,
+        fleet=args.fleet,
     )
     if args.report_md is not None:
         args.report_md.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import trio
 from conformance.connections import open_plane_client, watch_exchange
 from conformance.model import ROUTES, RawBody, RequestSpec
 
-__all__ = ["Answer", "open_plane_client", "send_many", "send_one"]
+__all__ = ["Answer", "Progress", "open_plane_client", "send_many", "send_one"]
 
 # The field a `raw.nested` body nests its lists under, and a `raw.size` body pads.
 NESTED_FIELD = "x_nested"
@@ -64,6 +64,24 @@ class Answer:
             )
         text = self.body.decode("utf-8", "replace").replace("\n", "\\n")
         return text if len(text) <= limit else text[:limit] + "..."
+
+
+@dataclass(slots=True)
+class Progress:
+    """How many of a send's requests have received the first bytes of their answer's body
+    (for a stream: the worker is generating)."""
+
+    started: int = 0
+    _moved: trio.Event = field(default_factory=trio.Event)
+
+    def mark(self) -> None:
+        self.started += 1
+        self._moved.set()
+        self._moved = trio.Event()
+
+    async def wait_for(self, count: int) -> None:
+        while self.started < count:
+            await self._moved.wait()
 
 
 def default_body(route: str, model: str, stream: bool) -> dict[str, Any]:
@@ -124,14 +142,18 @@ def raw_bytes(raw: RawBody, request: RequestSpec, default_model: str) -> bytes:
 
 
 async def send_one(
-    client: httpx.AsyncClient, base_url: str, request: RequestSpec, default_model: str
+    client: httpx.AsyncClient,
+    base_url: str,
+    request: RequestSpec,
+    default_model: str,
+    progress: Progress | None = None,
 ) -> Answer:
     """Make one request and read its answer to the end (a stream until it closes).
 
     A broken connection is recorded in `transport_error`, keeping whatever arrived. A
     request the plane cannot have processed (a reused connection it closed before a byte
     of the answer, see `conformance.connections`) is sent once more on a new connection,
-    and `notes` says so.
+    and `notes` says so. `progress` is marked once the answer's first body bytes arrive.
     Cancellation: the connection is closed.
     """
     url = base_url + ROUTES[request.route]
@@ -142,11 +164,11 @@ async def send_one(
     else:
         content = raw_bytes(request.raw, request, default_model)
         headers["content-type"] = request.raw.content_type
-    answer, resend = await _send(client, url, content, headers, request.timeout_s)
+    answer, resend = await _send(client, url, content, headers, request.timeout_s, progress)
     if resend:
         # A pool of its own, so that the second try cannot meet another stale connection.
         async with open_plane_client(httpx.Limits(max_keepalive_connections=0)) as fresh:
-            answer, _ = await _send(fresh, url, content, headers, request.timeout_s)
+            answer, _ = await _send(fresh, url, content, headers, request.timeout_s, progress)
         answer.notes.append(
             f"resent once on a new connection: the plane closed a reused connection "
             f"before any byte of an answer ({resend})"
@@ -155,14 +177,19 @@ async def send_one(
 
 
 async def _send(
-    client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str], timeout_s: float
+    client: httpx.AsyncClient,
+    url: str,
+    content: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    progress: Progress | None,
 ) -> tuple[Answer, str | None]:
     """One try: the answer, and the error that makes a resend safe (None: keep it)."""
     answer = Answer(status=None)
     with watch_exchange() as exchange:
         try:
             with trio.fail_after(timeout_s):
-                await _exchange(client, url, content, headers, answer)
+                await _exchange(client, url, content, headers, answer, progress)
         except trio.TooSlowError:
             answer.transport_error = f"no complete answer within {timeout_s:g}s"
         except httpx.HTTPError as exc:
@@ -173,21 +200,34 @@ async def _send(
 
 
 async def _exchange(
-    client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str], answer: Answer
+    client: httpx.AsyncClient,
+    url: str,
+    content: bytes,
+    headers: dict[str, str],
+    answer: Answer,
+    progress: Progress | None,
 ) -> None:
     async with client.stream("POST", url, content=content, headers=headers) as response:
         answer.status = response.status_code
         answer.headers = {k.lower(): v for k, v in response.headers.items()}
-        chunks = []
+        chunks: list[bytes] = []
+        unmarked = progress
         try:
             async for chunk in response.aiter_raw():
+                if unmarked is not None and chunk:
+                    unmarked.mark()
+                    unmarked = None
                 chunks.append(chunk)
         finally:
             answer.body = b"".join(chunks)
 
 
 async def send_many(
-    client: httpx.AsyncClient, base_url: str, request: RequestSpec, default_model: str
+    client: httpx.AsyncClient,
+    base_url: str,
+    request: RequestSpec,
+    default_model: str,
+    progress: Progress | None = None,
 ) -> list[Answer]:
     """`request.count` requests, at most `request.concurrency` in flight; answers in order."""
     answers: list[Answer | None] = [None] * request.count
@@ -195,7 +235,7 @@ async def send_many(
 
     async def one(index: int) -> None:
         async with limiter:
-            answers[index] = await send_one(client, base_url, request, default_model)
+            answers[index] = await send_one(client, base_url, request, default_model, progress)
 
     if request.concurrency == 1:
         for index in range(request.count):

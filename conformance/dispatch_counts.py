@@ -10,7 +10,7 @@ import httpx
 import trio
 
 from conformance.expect import WorkerView
-from conformance.fleet import Fleet
+from conformance.fleet import CaseFleet
 
 SETTLE_INTERVAL_S = 0.05
 SETTLE_ROUNDS = 20
@@ -18,7 +18,7 @@ SETTLE_ROUNDS = 20
 HANDOFF_HISTORY = 100
 
 
-async def settled_routing(fleet: Fleet, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
+async def settled_routing(fleet: CaseFleet, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
     """The fleet's routing counters once they stop moving.
 
     A plane may answer the client before a leg it started reached its worker (a PD

@@ -3,17 +3,22 @@
 The fake workers are the runner's eyes: `/debug/routing` says what each one received
 (dispatch counts, DP rank headers, PD handoff fields) and `/debug/behaviour` scripts what
 it does next. They run as separate processes, so the runner stays a black box to every
-plane and to the router's own code.
+plane and to the router's own code, and a `fault` step does to a process what a real
+fault does: SIGKILL, SIGSTOP / SIGCONT, a new process on the same port.
+
+`CaseFleet` is what the runner needs of a fleet; `conformance.engine_fleet` gives the
+same for real vLLM engines.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import httpx
 import trio
@@ -45,21 +50,110 @@ class RunningWorker:
         return self.spec.name
 
 
+class CaseFleet(Protocol):
+    """What the runner needs of a case's fleet, fake or real."""
+
+    workers: dict[str, RunningWorker]
+
+    def __iter__(self) -> Iterator[RunningWorker]: ...
+
+    async def routing(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
+        """Per worker, at least `dispatches`: generation requests it received so far."""
+        ...
+
+    async def set_behaviour(
+        self, client: httpx.AsyncClient, names: Sequence[str], behaviour: Mapping[str, Any]
+    ) -> None: ...
+
+    async def fault(self, name: str, action: str) -> None:
+        """Do `action` (a `FAULT_ACTIONS` word) to worker `name`'s process."""
+        ...
+
+    def crashed(self) -> list[str]:
+        """Workers whose process exited when no fault killed it, with their last output."""
+        ...
+
+
 @dataclass(slots=True)
 class Fleet:
     workers: dict[str, RunningWorker]
     children: dict[str, Child]
+    nursery: trio.Nursery | None = None
+    """Where each worker's process runs in a task of its own (open_fleet's nursery)."""
+    scopes: dict[str, trio.CancelScope] = field(default_factory=dict)
+    command: Sequence[str] = FAKE_WORKER_COMMAND
+    # Worker names a fault killed or stopped: they are not asked for their counters.
+    down: set[str] = field(default_factory=set)
+    killed: set[str] = field(default_factory=set)
+    # The last counters read from each worker, and the dispatches of its earlier
+    # processes (a restarted fake worker counts from zero again).
+    last: dict[str, dict[str, Any]] = field(default_factory=dict)
+    earlier: dict[str, int] = field(default_factory=dict)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[RunningWorker]:
         return iter(self.workers.values())
 
     async def routing(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
-        """Every worker's `/debug/routing`, read concurrently; FleetError if one fails."""
-        return await _each(
+        """Every worker's `/debug/routing`, read concurrently; FleetError if one fails. A
+        worker a fault took down keeps its last counters; a restarted one adds those of
+        its earlier processes to its own."""
+        answers = await _each(
             client,
             "GET",
-            {name: (w.url + "/debug/routing", None) for name, w in self.workers.items()},
+            {
+                name: (w.url + "/debug/routing", None)
+                for name, w in self.workers.items()
+                if name not in self.down
+            },
         )
+        for name, answer in answers.items():
+            answer["dispatches"] = int(answer.get("dispatches", 0)) + self.earlier.get(name, 0)
+            self.last[name] = answer
+        return {name: self.last.get(name, {"dispatches": 0}) for name in self.workers}
+
+    async def fault(self, name: str, action: str) -> None:
+        child = self.children[name]
+        if action in ("kill", "restart") and name not in self.down and not child.exited:
+            # The counters as they stand: a dead process cannot be asked any more.
+            async with httpx.AsyncClient() as client:
+                await self.routing(client)
+        if action == "stop":
+            child.signal_group(signal.SIGSTOP)
+            self.down.add(name)
+        elif action == "resume":
+            child.signal_group(signal.SIGCONT)
+            if name not in self.killed:
+                self.down.discard(name)
+        else:
+            child.signal_group(signal.SIGKILL)
+            await child.process.wait()
+            self.down.add(name)
+            self.killed.add(name)
+            if action == "restart":
+                await self._restart(name)
+
+    async def _restart(self, name: str) -> None:
+        assert self.nursery is not None, "the fleet was not opened by open_fleet"
+        worker = self.workers[name]
+        port = int(worker.url.rsplit(":", 1)[1])
+        host = worker.url.split("://", 1)[1].rsplit(":", 1)[0]
+        argv = worker_argv(worker.spec, worker.bootstrap_port, self.command, host, port)
+        self.earlier[name] = int(self.last.get(name, {}).get("dispatches", 0))
+        self.scopes[name].cancel()  # the dead process's task
+        child, self.scopes[name] = await self.nursery.start(
+            _run_worker, argv, f"fake worker {name}"
+        )
+        listening = None
+        with trio.move_on_after(START_TIMEOUT_S):
+            listening = await child.output.wait_for(LISTENING)
+        if listening is None:
+            raise FleetError(f"fake worker {name} did not start again:\n{child.output.tail(10)}")
+        self.children[name] = child
+        self.down.discard(name)
+        self.killed.discard(name)
+        if worker.spec.behaviour:
+            async with httpx.AsyncClient() as client:
+                await self.set_behaviour(client, [name], worker.spec.behaviour)
 
     async def set_behaviour(
         self, client: httpx.AsyncClient, names: Sequence[str], behaviour: Mapping[str, Any]
@@ -70,11 +164,11 @@ class Fleet:
         await _each(client, "POST", calls)
 
     def crashed(self) -> list[str]:
-        """Workers whose process has exited, with their last output."""
+        """Workers whose process has exited when no fault killed it, with their last output."""
         return [
             f"fake worker {name} exited ({child.process.returncode}):\n{child.output.tail(10)}"
             for name, child in self.children.items()
-            if child.exited
+            if child.exited and name not in self.killed
         ]
 
 
@@ -146,8 +240,9 @@ async def open_fleet(
     loopback address of its own (127.0.0.1, 127.0.0.2, ...): a Pod IP each, and one
     container port, which is all some planes take for every discovered Pod.
     """
-    async with AsyncExitStack() as stack:
+    async with trio.open_nursery() as nursery:
         children: dict[str, Child] = {}
+        scopes: dict[str, trio.CancelScope] = {}
         ports: dict[str, int | None] = {}
         shared_port: int | None = 0 if case.discovery == "kubernetes" else None
         for index, spec in enumerate(case.fleet):
@@ -157,9 +252,10 @@ async def open_fleet(
             ports[spec.name] = port
             host = f"127.0.0.{index + 1}" if shared_port is not None else "127.0.0.1"
             argv = worker_argv(spec, port, command, host, shared_port or 0)
-            child = children[spec.name] = await stack.enter_async_context(
-                open_process(argv, f"fake worker {spec.name}", stop_grace_s=0)
+            child, scopes[spec.name] = await nursery.start(
+                _run_worker, argv, f"fake worker {spec.name}"
             )
+            children[spec.name] = child
             if shared_port == 0:  # the first worker picks the port the others share
                 shared_port = await _listening_port(child)
         urls: dict[str, str] = {}
@@ -174,9 +270,9 @@ async def open_fleet(
             urls[name] = match.group(1).rstrip("/")
 
         with trio.move_on_after(START_TIMEOUT_S):
-            async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as waiting:
                 for name in children:
-                    nursery.start_soon(wait_listening, name)
+                    waiting.start_soon(wait_listening, name)
         if problems:
             raise FleetError("\n".join(problems))
         late = sorted(set(children) - set(urls))
@@ -187,11 +283,27 @@ async def open_fleet(
         workers = {
             spec.name: RunningWorker(spec, urls[spec.name], ports[spec.name]) for spec in case.fleet
         }
-        fleet = Fleet(workers, children)
+        fleet = Fleet(workers, children, nursery, scopes, command=command)
         for spec in case.fleet:
             if spec.behaviour:
                 await fleet.set_behaviour(client, [spec.name], spec.behaviour)
-        yield fleet
+        try:
+            yield fleet
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _run_worker(
+    argv: Sequence[str],
+    name: str,
+    *,
+    task_status: trio.TaskStatus[tuple[Child, trio.CancelScope]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """One worker process for as long as its scope is not cancelled."""
+    with trio.CancelScope() as scope:
+        async with open_process(argv, name, stop_grace_s=0) as child:
+            task_status.started((child, scope))
+            await trio.sleep_forever()
 
 
 async def _listening_port(child: Child) -> int:

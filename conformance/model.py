@@ -51,6 +51,13 @@ BUSIEST_WORKER = "busiest"
 # A status key for a request that got no HTTP status at all (refused, reset, timed out).
 NO_STATUS: Literal["error"] = "error"
 DEFAULT_MODEL = "m"
+# What a case's workers can be: `router fake-worker` processes (scripted behaviour, debug
+# counters), or real vLLM engines (the CPU build of `make engine-env`, real faults only).
+FLEET_KINDS = ("fake", "vllm")
+# What a `fault` step does to a worker's process: SIGKILL its group (unreachable),
+# SIGSTOP / SIGCONT it (a hang with its sockets open, and its end), or start it again on
+# the same port (after a kill, or killing it first).
+FAULT_ACTIONS = ("kill", "stop", "resume", "restart")
 
 StatusKey = int | Literal["error"]
 
@@ -285,7 +292,43 @@ class FleetChangeStep:
         return f"{self.action} {','.join(self.workers)}{what} (line {self.line})"
 
 
-Step = SendStep | PollStep | WaitStep | SetBehaviourStep | AwaitStep | FleetChangeStep
+@dataclass(frozen=True, slots=True)
+class FaultStep:
+    """A real fault of the workers' processes (`FAULT_ACTIONS`), on any fleet kind."""
+
+    line: int
+    action: str  # one of FAULT_ACTIONS
+    workers: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"fault {self.action} {','.join(self.workers)} (line {self.line})"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingStep:
+    """Wait until every request of the background send `name` has received the first
+    bytes of its answer (its worker is generating), or fail after `timeout_s`."""
+
+    line: int
+    name: str
+    timeout_s: float = 30.0
+
+    @property
+    def label(self) -> str:
+        return f"streaming {self.name} (line {self.line})"
+
+
+Step = (
+    SendStep
+    | PollStep
+    | WaitStep
+    | SetBehaviourStep
+    | AwaitStep
+    | FleetChangeStep
+    | FaultStep
+    | StreamingStep
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +345,7 @@ class Case:
     settings: RouterSettings
     steps: tuple[Step, ...]
     discovery: str | None = None  # a backend of DISCOVERY_BACKENDS, or None: a static fleet
+    fleets: frozenset[str] = frozenset({"fake"})  # the FLEET_KINDS it can run on
 
     @property
     def default_model(self) -> str:

@@ -33,19 +33,39 @@ class ProcessFailed(RuntimeError):
 
 
 @dataclass(slots=True)
+class LineCount:
+    """How many lines matching `pattern` a process printed since the count was made."""
+
+    pattern: re.Pattern[str]
+    count: int = 0
+
+
+@dataclass(slots=True)
 class OutputLog:
-    """The last lines a process printed, and a way to wait for one that matches."""
+    """The last lines a process printed, a way to wait for one that matches, and counts
+    of the lines that match a pattern (kept as they arrive: the lines themselves are
+    only the last LOG_LINES)."""
 
     name: str
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
     total: int = 0
     closed: bool = False
     _changed: trio.Event = field(default_factory=trio.Event)
+    _counts: list[LineCount] = field(default_factory=list)
 
     def add(self, line: str) -> None:
         self.lines.append(line)
         self.total += 1
+        for counted in self._counts:
+            if counted.pattern.search(line):
+                counted.count += 1
         self._wake()
+
+    def count(self, pattern: re.Pattern[str]) -> LineCount:
+        """Count the lines matching `pattern` from now on."""
+        counted = LineCount(pattern)
+        self._counts.append(counted)
+        return counted
 
     def close(self) -> None:
         self.closed = True
@@ -87,6 +107,10 @@ class Child:
     @property
     def exited(self) -> bool:
         return self.process.returncode is not None
+
+    def signal_group(self, signum: int) -> None:
+        """Signal the child's whole process group (nothing when it is gone)."""
+        _signal_group(self.process, signum)
 
 
 def _signal_group(process: trio.Process, signum: int) -> None:

@@ -1,10 +1,13 @@
 """Conformance reports a project can publish: one YAML file per plane and version, and the
 parity matrix generated from those files.
 
-`conformance run --report-yaml DIR` writes `DIR/<plane>/<version>.yaml`:
+`conformance run --report-yaml DIR` writes `DIR/<plane>/<version>.yaml`, and on real
+engines (`--fleet vllm`) `DIR/<plane>/<version>-vllm.yaml`, whose `fleet: vllm` makes
+its column of the matrix a column of its own:
 
     plane: smg
     version: 1.13.0
+    fleet: fake
     date: 2026-11-30
     spec_version: "1"
     command: conformance run --plane smg --report-yaml conformance/reports
@@ -73,6 +76,13 @@ class PlaneReport:
     command: str
     capabilities: tuple[str, ...]
     cases: tuple[CaseResult, ...] = field(default_factory=tuple)
+    fleet: str = "fake"
+
+    @property
+    def column(self) -> str:
+        """The report's column in the matrix: plane and version, and the fleet unless fake."""
+        suffix = "" if self.fleet == "fake" else f" on {self.fleet}"
+        return f"{self.plane} {self.version}{suffix}"
 
     @property
     def case_seconds(self) -> float:
@@ -101,6 +111,7 @@ class PlaneReport:
         return {
             "plane": self.plane,
             "version": self.version,
+            "fleet": self.fleet,
             "date": self.date,
             "spec_version": self.spec_version,
             "command": self.command,
@@ -118,6 +129,7 @@ def build_report(
     spec_version: str,
     command: str,
     date: datetime.date | None = None,
+    fleet: str = "fake",
 ) -> PlaneReport:
     """The report of one plane from its outcomes (other planes' outcomes are ignored)."""
     results = []
@@ -135,12 +147,15 @@ def build_report(
         command=command,
         capabilities=tuple(sorted(capabilities)),
         cases=tuple(results),
+        fleet=fleet,
     )
 
 
 def report_path(root: Path, report: PlaneReport) -> Path:
-    """`<root>/<plane>/<version>.yaml`, with anything odd in the names made safe."""
-    return root / _safe(report.plane) / f"{_safe(report.version)}.yaml"
+    """`<root>/<plane>/<version>.yaml` (`<version>-<fleet>.yaml` on a fleet other than
+    fake), with anything odd in the names made safe."""
+    suffix = "" if report.fleet == "fake" else f"-{_safe(report.fleet)}"
+    return root / _safe(report.plane) / f"{_safe(report.version)}{suffix}.yaml"
 
 
 def write_report(root: Path, report: PlaneReport) -> Path:
@@ -179,6 +194,7 @@ def load_report(path: Path) -> PlaneReport:
             command=str(data.get("command", "")),
             capabilities=tuple(str(c) for c in data.get("capabilities", ())),
             cases=cases,
+            fleet=str(data.get("fleet", "fake")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ReportError(f"{path}: not a report: {exc!r}") from None
@@ -187,7 +203,7 @@ def load_report(path: Path) -> PlaneReport:
 def load_reports(root: Path) -> list[PlaneReport]:
     """Every `*.yaml` report under `root`, in plane then version order."""
     reports = [load_report(path) for path in sorted(root.rglob("*.yaml"))]
-    return sorted(reports, key=lambda r: (r.plane, r.version))
+    return sorted(reports, key=lambda r: (r.fleet != "fake", r.fleet, r.plane, r.version))
 
 
 def _verdict(value: Any) -> str:
@@ -207,7 +223,7 @@ def parity_markdown(
     `source` says where the reports came from (a folder, or a run's command line);
     `notes` may add a line per plane column.
     """
-    columns = [f"{r.plane} {r.version}" for r in reports]
+    columns = [r.column for r in reports]
     by_column = {
         column: {case.id: case for case in r.cases}
         for column, r in zip(columns, reports, strict=True)
@@ -221,15 +237,14 @@ def parity_markdown(
         f"{', '.join(spec_versions) or 'unknown'}; {len(case_ids)} cases. "
         "See `docs/writing-spec-cases.md` for what the verdicts mean.",
         "",
-        "| plane | version | date | spec | case time (s) | " + " | ".join(VERDICTS) + " |",
-        "|---|---|---|---|--:|" + "---|" * len(VERDICTS),
+        "| plane | version | fleet | date | spec | case time (s) | " + " | ".join(VERDICTS) + " |",
+        "|---|---|---|---|---|--:|" + "---|" * len(VERDICTS),
     ]
     for r in reports:
         counts = r.summary
         lines.append(
-            f"| {r.plane} | {r.version} | {r.date} | {r.spec_version} | {r.case_seconds:.0f} | "
-            + " | ".join(str(counts[v]) for v in VERDICTS)
-            + " |"
+            f"| {r.plane} | {r.version} | {r.fleet} | {r.date} | {r.spec_version} | "
+            f"{r.case_seconds:.0f} | " + " | ".join(str(counts[v]) for v in VERDICTS) + " |"
         )
     for column, text in (notes or {}).items():
         lines += ["", f"{column}: {text}"]

@@ -19,6 +19,7 @@ class RunInfo:
     seconds: float
     jobs: int
     spec_version: str = "unknown"
+    fleet: str = "fake"  # what the workers were (conformance.model.FLEET_KINDS)
 
 
 def reports(outcomes: Sequence[Outcome], info: RunInfo) -> list[PlaneReport]:
@@ -31,6 +32,7 @@ def reports(outcomes: Sequence[Outcome], info: RunInfo) -> list[PlaneReport]:
             outcomes,
             info.spec_version,
             info.command,
+            fleet=info.fleet,
         )
         for plane, version in info.planes.items()
     ]

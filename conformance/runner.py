@@ -1,7 +1,9 @@
 """Run cases against planes: fleet up, plane up, steps driven and checked, all torn down.
 
 Each (case, plane) pair gets its own fleet of fake workers and its own plane process on
-ports of their own, so pairs run in parallel (`jobs` at a time) without colliding.
+ports of their own, so pairs run in parallel (`jobs` at a time) without colliding. On
+real engines (`fleet="vllm"`) the run starts a pool of engines once and lends it to one
+pair at a time, restored between pairs (`conformance.engine_fleet`).
 """
 
 from __future__ import annotations
@@ -9,49 +11,43 @@ from __future__ import annotations
 import re
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import httpx
 import trio
 
-from conformance.client import Answer, open_plane_client, send_many, send_one
-from conformance.dispatch_counts import settled_routing, worker_view
+from conformance.case_run import CaseError, CaseRun, drive_steps
+from conformance.client import open_plane_client
 from conformance.divergences import Divergence
-from conformance.expect import check_answers, check_workers
-from conformance.fleet import FAKE_WORKER_COMMAND, Fleet, FleetError, open_fleet
+from conformance.engine_fleet import EnginePool, open_engine_pool
+from conformance.engines import EngineUnavailable
+from conformance.fleet import FAKE_WORKER_COMMAND, CaseFleet, FleetError, open_fleet
 from conformance.model import (
-    AwaitStep,
     Case,
-    FleetChangeStep,
-    PollStep,
-    SendStep,
-    SetBehaviourStep,
-    WaitStep,
 )
 from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.processes import Child, ProcessFailed, free_port, open_process
-from conformance.sidecars import Sidecars, open_sidecars
+from conformance.sidecars import open_sidecars
 
 Verdict = Literal["pass", "fail", "divergent", "unsupported", "stale", "error"]
 # Verdicts that make the run exit non-zero.
 FAILING: frozenset[str] = frozenset({"fail", "stale", "error"})
 HOST = "127.0.0.1"
 CASE_TIMEOUT_S = 180.0
+# On engines a case may restart one (35-170 s on 2 cores, longer under load).
+ENGINE_CASE_TIMEOUT_S = 600.0
 # Signs that a plane on a runner-picked port lost the race for it to another process.
 PORT_TAKEN = re.compile(r"address already in use|os error 98|EADDRINUSE", re.IGNORECASE)
-
-
-class CaseError(RuntimeError):
-    """The case could not be run to the end: a process died or never became ready."""
 
 
 # What a case that could not run ends with, rather than a crash of the whole suite.
 KNOWN_PROBLEMS: tuple[type[Exception], ...] = (
     CaseError,
     FleetError,
+    EngineUnavailable,
     ProcessFailed,
     Unsupported,
     trio.TooSlowError,
@@ -83,6 +79,9 @@ class RunOptions:
     fake_worker_command: Sequence[str] = FAKE_WORKER_COMMAND
     on_outcome: Callable[[Outcome], None] | None = None
     case_timeout_s: float = CASE_TIMEOUT_S
+    fleet: str = "fake"  # a FLEET_KINDS word: what the cases' workers are
+    # Set by `run_suite` on `fleet="vllm"`: the engines lent to each case in turn.
+    engine_pool: EnginePool | None = None
 
 
 # -- one case on one plane ---------------------------------------------------------------
@@ -209,7 +208,12 @@ async def execute_case(case: Case, plane: Plane, options: RunOptions, observe: b
             open_sidecars(plane.environment(), Path(scratch)) as sidecars,
         ):
             await plane.start_sidecars(sidecars, case)
-            async with open_fleet(case, client, options.fake_worker_command) as fleet:
+            opened: AbstractAsyncContextManager[CaseFleet] = (
+                options.engine_pool.lend(case)
+                if options.engine_pool is not None
+                else open_fleet(case, client, options.fake_worker_command)
+            )
+            async with opened as fleet:
                 launch = Launch(
                     case, list(fleet), HOST, 0, Path(scratch), sidecars, observe=observe
                 )
@@ -218,29 +222,6 @@ async def execute_case(case: Case, plane: Plane, options: RunOptions, observe: b
                     run = CaseRun(case, plane, fleet, launch, client, url, child)
                     failures = await drive_steps(run)
                     return Ran(failures, run.notes, child.output.tail(40), launch.substitutions)
-
-
-@dataclass(slots=True)
-class CaseRun:
-    """Everything the steps of one running case act on."""
-
-    case: Case
-    plane: Plane
-    fleet: Fleet
-    launch: Launch
-    client: httpx.AsyncClient
-    url: str
-    child: Child
-    notes: list[str] = field(default_factory=list)
-
-    def noted(self, label: str, answers: Sequence[Answer]) -> list[Answer]:
-        """`answers`, with the notes the client wrote on them kept for the case's record."""
-        self.notes += [f"{label}: {note}" for answer in answers for note in answer.notes]
-        return list(answers)
-
-    @property
-    def sidecars(self) -> Sidecars:
-        return self.launch.sidecars
 
 
 @asynccontextmanager
@@ -317,79 +298,6 @@ async def _wait_ready(plane: Plane, launch: Launch, child: Child, client: httpx.
     )
 
 
-async def drive_steps(run: CaseRun) -> list[str]:
-    """Every step in order; the failure lines. Background sends run in a nursery of this
-    call, so none outlives the case (the schema makes every one awaited)."""
-    case, fleet, client = run.case, run.fleet, run.client
-    failures: list[str] = []
-    start = await settled_routing(fleet, client)
-    model = case.default_model
-    background: dict[str, tuple[trio.Event, list[Answer]]] = {}
-
-    async def collect(step: SendStep, done: trio.Event, into: list[Answer]) -> None:
-        answers = await send_many(client, run.url, step.request, model)
-        into += run.noted(step.label, answers)
-        done.set()
-
-    async with trio.open_nursery() as nursery:
-        for index, step in enumerate(case.steps, 1):
-            lines: list[str] = []
-            if isinstance(step, WaitStep):
-                await trio.sleep(step.seconds)
-            elif isinstance(step, SetBehaviourStep):
-                await fleet.set_behaviour(client, step.workers, step.behaviour)
-            elif isinstance(step, FleetChangeStep):
-                await change_fleet(run, step)
-            elif isinstance(step, SendStep) and step.request.background is not None:
-                done, answers = background[step.request.background] = (trio.Event(), [])
-                nursery.start_soon(collect, step, done, answers)
-            elif isinstance(step, SendStep):
-                before = await settled_routing(fleet, client) if step.expect.reads_workers else None
-                answers = await send_many(client, run.url, step.request, model)
-                lines = check_answers(step.expect, run.noted(f"step {index} {step.label}", answers))
-                if before is not None:
-                    after = await settled_routing(fleet, client)
-                    lines += check_workers(step.expect, case, worker_view(start, before, after))
-            elif isinstance(step, AwaitStep):
-                done, answers = background[step.name]
-                await done.wait()
-                lines = check_answers(step.expect, answers)
-            elif isinstance(step, PollStep):
-                lines = await poll(run, step, f"step {index} {step.label}")
-            failures += [f"step {index} {step.label}: {line}" for line in lines]
-            problems = fleet.crashed() + run.sidecars.crashed()
-            if run.child.exited:
-                problems.append(
-                    f"plane exited ({run.child.process.returncode}):\n{run.child.output.tail()}"
-                )
-            if problems:
-                raise CaseError(f"after step {index}: " + "\n".join(problems))
-    return failures
-
-
-async def change_fleet(run: CaseRun, step: FleetChangeStep) -> None:
-    """Publish or withdraw records through the plane's discovery backend."""
-    for name in step.workers:
-        worker = run.fleet.workers[name]
-        if step.action == "remove":
-            await run.plane.withdraw(run.launch, run.client, worker)
-        else:
-            status = step.status if step.status is not None else "active"
-            await run.plane.publish(run.launch, run.client, worker, status)
-
-
-async def poll(run: CaseRun, step: PollStep, label: str) -> list[str]:
-    deadline = trio.current_time() + step.timeout_s
-    while True:
-        answer = await send_one(run.client, run.url, step.request, run.case.default_model)
-        lines = check_answers(step.expect, run.noted(label, [answer]))
-        if not lines:
-            return []
-        if trio.current_time() >= deadline:
-            return [f"not within {step.timeout_s:g}s; last answer: {line}" for line in lines]
-        await trio.sleep(step.interval_s)
-
-
 def _join(*parts: str | None) -> str:
     return "; ".join(part for part in parts if part)
 
@@ -403,13 +311,24 @@ async def run_suite(
     divergences: Mapping[str, Mapping[str, Divergence]],
     options: RunOptions,
 ) -> list[Outcome]:
-    """Every case on every plane, `options.jobs` pairs at a time; outcomes in case order."""
+    """Every case on every plane, `options.jobs` pairs at a time; outcomes in case order.
+
+    On `fleet="vllm"`: one pool of engines, as many as the largest fleet, for the whole
+    run; one pair at a time, and the pool restored after each (a restart that fails ends
+    the run with EngineUnavailable: the cases after it would only meet a broken fleet).
+    """
+    if options.fleet == "vllm" and options.engine_pool is None:
+        async with open_engine_pool(max(len(case.fleet) for case in cases)) as pool:
+            engines = replace(options, engine_pool=pool, jobs=1)
+            return await run_suite(cases, planes, divergences, engines)
     limiter = trio.CapacityLimiter(max(1, options.jobs))
     outcomes: dict[tuple[str, str], Outcome] = {}
 
     async def one(case: Case, plane: Plane) -> None:
         async with limiter:
             outcome = await run_case(case, plane, divergences.get(plane.name, {}), options)
+            if options.engine_pool is not None:
+                await options.engine_pool.restore()
         outcomes[(case.id, plane.name)] = outcome
         if options.on_outcome is not None:
             options.on_outcome(outcome)

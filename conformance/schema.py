@@ -21,9 +21,12 @@ from conformance.capabilities import CAPABILITIES
 from conformance.model import (
     DEFAULT_MODEL,
     DISCOVERY_BACKENDS,
+    FLEET_KINDS,
     AwaitStep,
     Case,
     FleetChangeStep,
+    SendStep,
+    SetBehaviourStep,
     Step,
     WorkerSpec,
 )
@@ -39,6 +42,7 @@ CASE_FIELDS = (
     "requires",
     "model",
     "discovery",
+    "fleets",
     "fleet",
     "settings",
     "steps",
@@ -81,6 +85,20 @@ class CaseReader:
             self.check_pod_lifecycle(fleet, steps, step_nodes)
         else:
             self.check_no_pod_states(top["fleet"], fleet, steps, step_nodes)
+        fleets = frozenset({"fake"})
+        if "fleets" in top:
+            items = r.sequence(top["fleets"], "fleets")
+            kinds = [
+                r.choice(item, join("fleets", index), FLEET_KINDS)
+                for index, item in enumerate(items)
+            ]
+            if not kinds:
+                raise r.fail(
+                    top["fleets"], "fleets", f"names no fleet kind ({', '.join(FLEET_KINDS)})"
+                )
+            fleets = frozenset(kinds)
+        if "vllm" in fleets:
+            self.check_engine_fleet(top, fleet, steps, step_nodes, default_model, discovery)
         requires: frozenset[str] = frozenset()
         if "requires" in top:
             requires = frozenset(r.strings(top["requires"], "requires"))
@@ -102,7 +120,61 @@ class CaseReader:
             settings=self.settings_reader.settings(top.get("settings")),
             steps=steps,
             discovery=discovery,
+            fleets=fleets,
         )
+
+    def check_engine_fleet(
+        self,
+        top: dict[str, Node],
+        fleet: Sequence[WorkerSpec],
+        steps: Sequence[Step],
+        nodes: Sequence[Node],
+        default_model: str,
+        discovery: str | None,
+    ) -> None:
+        """What a case that runs on real engines (`fleets: [..., vllm]`) cannot ask for:
+        a real engine has no scripted behaviour and no handoff record, serves the one
+        model the runner's engines are started with, and is one mixed engine."""
+        r = self.r
+        where = "fleets"
+        if default_model != DEFAULT_MODEL:
+            raise r.fail(top["model"], "model", f"a vllm fleet serves {DEFAULT_MODEL!r} only")
+        if discovery == "kubernetes":
+            raise r.fail(top["discovery"], "discovery", "a vllm fleet is not discovered as Pods")
+        nodes_by_name = {name: value for name, _, value in r.items(top["fleet"], "fleet")}
+        for worker in fleet:
+            field = join("fleet", worker.name)
+            problem = (
+                "has a scripted behaviour"
+                if worker.behaviour
+                else f"serves {worker.model!r}"
+                if worker.model != DEFAULT_MODEL
+                else f"is a {worker.role} worker"
+                if worker.role != "mixed"
+                else f"has dp_size {worker.dp_size}"
+                if worker.dp_size != 1
+                else None
+            )
+            if problem is not None:
+                raise r.fail(
+                    nodes_by_name[worker.name],
+                    field,
+                    f"{problem}; a real engine (fleets: vllm) cannot (drop vllm from `{where}`)",
+                )
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            field = join("steps", index)
+            if isinstance(step, SetBehaviourStep):
+                raise r.fail(
+                    node,
+                    join(field, "set_behaviour"),
+                    "a real engine (fleets: vllm) has no scripted behaviour",
+                )
+            if isinstance(step, SendStep) and step.expect.handoffs is not None:
+                raise r.fail(
+                    node,
+                    join(field, "expect"),
+                    "a real engine (fleets: vllm) keeps no handoff record",
+                )
 
     def check_steps(
         self, steps: Sequence[Step], nodes: Sequence[Node], discovery: str | None

@@ -1,5 +1,6 @@
-"""The steps of a case, one at a time: `send`, `poll`, `wait`, `set_behaviour`, `await`
-and the fleet changes (`set_status`, `remove`, `add`).
+"""The steps of a case, one at a time: `send`, `poll`, `wait`, `set_behaviour`, `await`,
+the fleet changes (`set_status`, `remove`, `add`), the process faults (`fault`) and
+`streaming` (wait for a background send's first bytes).
 
 Part of the case schema (`conformance.schema`), which checks the steps as a sequence.
 """
@@ -12,22 +13,38 @@ from yaml.nodes import Node
 
 from conformance.model import (
     ALL_WORKERS,
+    FAULT_ACTIONS,
     STATUSES,
     AwaitStep,
+    FaultStep,
     FleetChangeStep,
     PollStep,
     RequestSpec,
     SendStep,
     SetBehaviourStep,
     Step,
+    StreamingStep,
     WaitStep,
 )
 from conformance.nodes import NodeReader, join, line_of
 from conformance.schema_fleet import FleetReader
 from conformance.schema_requests import POLL_FIELDS, RequestReader
 
-STEP_ACTIONS = ("send", "poll", "wait", "set_behaviour", "await", "set_status", "remove", "add")
+STEP_ACTIONS = (
+    "send",
+    "poll",
+    "wait",
+    "set_behaviour",
+    "await",
+    "set_status",
+    "remove",
+    "add",
+    "fault",
+    "streaming",
+)
 FLEET_CHANGES = ("set_status", "remove", "add")
+# Steps that only act: they carry no expectations.
+ACTING = ("wait", "set_behaviour", "fault", "streaming", *FLEET_CHANGES)
 
 
 class StepReader:
@@ -51,10 +68,18 @@ class StepReader:
         action = actions[0]
         where = join(field, action)
         line = line_of(node)
-        if action in ("wait", "set_behaviour", *FLEET_CHANGES) and "expect" in m:
+        if action in ACTING and "expect" in m:
             raise r.fail(m["expect"], join(field, "expect"), f"a {action} step has no expectations")
         if action == "wait":
             return WaitStep(line, r.number(m["wait"], where, positive=True))
+        if action == "fault":
+            return self.fault(m["fault"], where, names, line)
+        if action == "streaming":
+            name = r.string(m["streaming"], where)
+            started = self.background.get(name)
+            if started is None:
+                raise r.fail(m["streaming"], where, f"no background send {name!r} before this step")
+            return StreamingStep(line, name, timeout_s=max(30.0, started.timeout_s))
         if action == "set_behaviour":
             return self.set_behaviour(m["set_behaviour"], where, names, line)
         if action in FLEET_CHANGES:
@@ -124,6 +149,12 @@ class StepReader:
         if not behaviour:
             raise r.fail(m["behaviour"], join(field, "behaviour"), "changes nothing")
         return SetBehaviourStep(line, workers, behaviour)
+
+    def fault(self, node: Node, field: str, names: set[str], line: int) -> FaultStep:
+        r = self.r
+        m = r.mapping(node, field, ("worker", "action"), required=("worker", "action"))
+        workers = self.changed_workers(m["worker"], join(field, "worker"), names)
+        return FaultStep(line, r.choice(m["action"], join(field, "action"), FAULT_ACTIONS), workers)
 
     def fleet_change(
         self, action: str, node: Node, field: str, names: set[str], line: int
