@@ -230,7 +230,7 @@ OPTIONS: tuple[Option, ...] = (
         "kv_tokenizer",
         str,
         "",
-        "kv_aware: the model's tokenizer.json (needs the tokenizers package), so completions prompts and /generate text are predicted too; chat is not",
+        "kv_aware: the model's tokenizer.json, or its directory (tokenizer.json, tokenizer_config.json, chat_template.jinja), so completions prompts and /generate text are predicted too, and with a directory chat rendered with the model's chat template as vLLM renders it (needs the tokenizers package, and jinja2 for the chat template)",
     ),
     Option(
         "kv_overlap_weight",

@@ -128,7 +128,8 @@ def client_keys(settings: Settings) -> ClientKeys:
 
 
 def kv_tokenizer(settings: Settings) -> HfTokenizer | None:
-    """The `--kv-tokenizer` file, loaded; ConfigError when it cannot be used."""
+    """The `--kv-tokenizer` file or model directory, loaded (with the model's chat template
+    when the directory has one); ConfigError when it cannot be used."""
     if not settings.kv_tokenizer:
         return None
     try:

@@ -8,11 +8,14 @@ computes itself). Per request:
 1. The token ids the engine will compute (`request_tokens`): `/generate`'s `input_ids`
    and a completions prompt of token ids are their own tokens; a completions prompt
    string and `/generate`'s `text` are encoded with the model's tokenizer when one is
-   given (`--kv-tokenizer`, a `tokenizer.json` for the `tokenizers` library, special
-   tokens added as vLLM and SGLang add them). Chat needs the model's chat template
-   rendered as the engine renders it, which the router does not do yet: such a request
-   (and text without a tokenizer) gets no prediction and is placed by load alone,
-   counted by reason.
+   given (`--kv-tokenizer`: a `tokenizer.json` for the `tokenizers` library, or the
+   model's directory holding one; special tokens added as vLLM and SGLang add them).
+   Given the model's directory, chat (and plain Responses) bodies are rendered with the
+   model's chat template as vLLM renders them (`router.policies.chat_template`) and the
+   prompt encoded as vLLM encodes it. A request whose tokens the router cannot compute
+   (text without a tokenizer, chat without a template or of a shape the router does not
+   render, Anthropic Messages, a template that raised for it) gets no prediction and is
+   placed by load alone, counted by reason.
 2. Its full blocks' keys are matched against the model's index: per known view (worker,
    rank), the consecutive blocks held from the first.
 3. Each candidate costs `overlap_weight x uncached blocks + in-flight requests` (the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -41,6 +45,7 @@ from router.fleet.records import Role
 from router.fleet.registry import Worker
 from router.kv_events.fleet_views import KvEventsStatistics, KvIndexes
 from router.kv_events.index import MatchResult, ViewId
+from router.policies.chat_template import ChatTemplate, NotRendered, TemplateFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,24 +70,46 @@ class TextTokenizer(Protocol):
         """The token ids an engine computes for a completions prompt `text`."""
         ...
 
+    def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
+        """The token ids vLLM computes for a chat or Responses `body`; NotRendered when the
+        router does not render it as the engine does, TemplateFailed when the template
+        raises for it or runs past its bounds."""
+        ...
+
 
 class HfTokenizer:
-    """A `tokenizer.json` through the `tokenizers` library (an optional dependency),
-    special tokens added: what vLLM's completions and SGLang's `/generate` compute."""
+    """The model's tokenizer through the `tokenizers` library (an optional dependency):
+    `path` is a `tokenizer.json`, or the model's directory holding one and, for chat,
+    the chat template and special tokens (`tokenizer_config.json`, `chat_template.jinja`;
+    rendering needs the `jinja2` package). Completions text is encoded with special tokens
+    added: what vLLM's completions and SGLang's `/generate` compute."""
 
     def __init__(self, path: str) -> None:
         try:
             module = importlib.import_module("tokenizers")
         except ModuleNotFoundError:
             raise ValueError("needs the `tokenizers` package (pip install tokenizers)") from None
+        directory = Path(path)
+        file = directory / "tokenizer.json" if directory.is_dir() else directory
         try:
-            self._tokenizer = module.Tokenizer.from_file(path)
+            self._tokenizer = module.Tokenizer.from_file(str(file))
         except Exception as exc:  # the library raises its own Exception types
-            raise ValueError(f"cannot load {path}: {exc}") from None
+            raise ValueError(f"cannot load {file}: {exc}") from None
+        self.chat: ChatTemplate | None = None
+        """The model's chat template; None for a tokenizer.json alone, or a directory
+        without a template the router renders (chat then gets no prediction)."""
+        if directory.is_dir():
+            self.chat = ChatTemplate.from_model_dir(directory)
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
+
+    def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
+        if self.chat is None:
+            raise NotRendered("no chat template")
+        prompt = self.chat.render(body)
+        return self.encode(prompt.text, prompt.add_special_tokens)
 
 
 class RequestKey(Protocol):
@@ -102,12 +129,16 @@ class RequestKey(Protocol):
 NO_TOKENS = "no_tokens"
 """The router cannot compute the engine's tokens (text without a tokenizer, batches)."""
 CHAT = "chat_template"
-"""Chat, Responses and Messages: the engine renders a chat template the router does not."""
+"""Chat, Responses and Messages the router does not render as the engine does: no chat
+template (a `tokenizer.json` alone), Anthropic Messages, a shape it does not reproduce
+(media, a request's own template, ...; `router.policies.chat_template`)."""
+TEMPLATE_ERROR = "template_error"
+"""The chat template raised for the request, or ran past its render bounds."""
 NO_INDEX = "no_index"
 """No event of the model has arrived yet (no index, or its block size unknown)."""
 SHORT_PROMPT = "short_prompt"
 """Fewer tokens than one block: nothing can be cached."""
-NO_PREDICTION_REASONS = (NO_TOKENS, CHAT, NO_INDEX, SHORT_PROMPT)
+NO_PREDICTION_REASONS = (NO_TOKENS, CHAT, TEMPLATE_ERROR, NO_INDEX, SHORT_PROMPT)
 PICK_REASONS = ("match", "load", "no_prediction")
 
 
@@ -119,11 +150,28 @@ def request_tokens(
     body: Mapping[str, Any] | None, tokenizer: TextTokenizer | None = None
 ) -> list[int] | None:
     """The token ids the engine computes for `body`: `input_ids` of `/generate`, a
-    completions prompt of ids, and with a tokenizer a completions prompt string or
-    `/generate`'s `text`. None otherwise (chat, a batch of prompts, text without a
-    tokenizer)."""
-    if body is None or is_chat(body):
-        return None
+    completions prompt of ids, and with a tokenizer a completions prompt string,
+    `/generate`'s `text`, and chat rendered with the model's template. None otherwise
+    (a batch of prompts, text without a tokenizer, chat the router does not render)."""
+    tokens = tokens_or_reason(body, tokenizer)
+    return tokens if isinstance(tokens, list) else None
+
+
+def tokens_or_reason(
+    body: Mapping[str, Any] | None, tokenizer: TextTokenizer | None
+) -> list[int] | str:
+    """`request_tokens`, or why there are none (one of `NO_PREDICTION_REASONS`)."""
+    if body is None:
+        return NO_TOKENS
+    if is_chat(body):
+        if tokenizer is None:
+            return CHAT
+        try:
+            return tokenizer.chat_tokens(body)
+        except NotRendered:
+            return CHAT
+        except TemplateFailed:
+            return TEMPLATE_ERROR
     for field in ("input_ids", "prompt", "text"):
         value = body.get(field)
         if value is None:
@@ -132,8 +180,8 @@ def request_tokens(
             return value
         if isinstance(value, str) and tokenizer is not None and field != "input_ids":
             return tokenizer.encode(value)
-        return None
-    return None
+        return NO_TOKENS
+    return NO_TOKENS
 
 
 def _is_ids(value: list[Any]) -> bool:
@@ -176,20 +224,28 @@ class KvAware:
         """Candidates scored as holding nothing because their views are unknown."""
 
     def pick(self, key: RequestKey, candidates: Sequence[Worker]) -> Worker:
-        tokens = request_tokens(key.body, self.tokenizer)
+        return self.pick_ranked(key, candidates)[0]
+
+    def pick_ranked(
+        self, key: RequestKey, candidates: Sequence[Worker]
+    ) -> tuple[Worker, int | None]:
+        """The pick and, for a rank-multiplexed worker, the DP rank whose view holds the
+        longest run (the least loaded of equal runs); None without a prediction, so the
+        pipeline takes its least-loaded rank."""
+        found = tokens_or_reason(key.body, self.tokenizer)
+        tokens = found if isinstance(found, list) else []
+        reason = found if isinstance(found, str) else None
         index = self.indexes.get(key.model)
-        reason: str | None = None
-        if tokens is None:
-            reason = CHAT if is_chat(key.body) else NO_TOKENS
-        elif index is None or index.block_size is None:
-            reason = NO_INDEX
-        elif len(tokens) < index.block_size:
-            reason = SHORT_PROMPT
+        if reason is None:
+            if index is None or index.block_size is None:
+                reason = NO_INDEX
+            elif len(tokens) < index.block_size:
+                reason = SHORT_PROMPT
         count = len(candidates)
         state_key = (key.model, key.role)
         start = self._start.get(state_key, 0) % count
         self._start[state_key] = (start + 1) % count
-        if reason is not None or index is None or tokens is None:
+        if reason is not None or index is None:
             self.no_prediction[reason or NO_INDEX] += 1
             self.picks["no_prediction"] += 1
             best_idle = candidates[start]
@@ -197,7 +253,7 @@ class KvAware:
                 worker = candidates[(start + offset) % count]
                 if worker.inflight < best_idle.inflight:
                     best_idle = worker
-            return best_idle
+            return best_idle, None
         now = self._clock()
         keys = index.block_keys(tokens)
         result = index.match(keys, now)
@@ -215,9 +271,10 @@ class KvAware:
                 best, best_score, best_view, best_held = worker, score, view, held
         assert best is not None
         self.picks["match" if best_held > 0 else "load"] += 1
-        if best_view is not None:
-            index.note_routed(keys, best_view[0], best_view[1], now)
-        return best
+        if best_view is None:
+            return best, None
+        index.note_routed(keys, best_view[0], best_view[1], now)
+        return best, best_view[1]
 
     def _held(self, worker: Worker, result: MatchResult) -> tuple[int, int, ViewId | None]:
         """The worker's longest held run over its views, that view's load, and the view
@@ -292,7 +349,7 @@ class KvAwareCollector(Collector):
         )
         missing = CounterMetricFamily(
             "router_kv_aware_no_prediction",
-            "kv_aware requests placed by load alone, by why: no_tokens (text without --kv-tokenizer, batches), chat_template (chat: the engine's template is not rendered here), no_index (no event of the model yet), short_prompt (under one block)",
+            "kv_aware requests placed by load alone, by why: no_tokens (text without --kv-tokenizer, batches), chat_template (chat not rendered here: no template, Anthropic Messages, media, ...), template_error (the chat template raised or ran past its bounds), no_index (no event of the model yet), short_prompt (under one block)",
             labels=["role", "reason"],
         )
         picks = CounterMetricFamily(
