@@ -45,7 +45,7 @@ from router.pipeline.dispatch import (
 from router.pipeline.plan import Plan
 from router.pipeline.resolve import GenerationRequest
 from router.pipeline.stall_watch import StallWatch
-from router.policies.policy import Policy, PolicyKey, pick_excluding
+from router.policies.policy import Policy, PolicyKey, RankedPick, pick_excluding
 
 # Attempts log under the name operators already filter on (docs/failover-and-breaker.md).
 log = logging.getLogger("router.failover")
@@ -188,15 +188,32 @@ class AttemptRunner:
         self._worker_api_key = worker_api_key
         self._on_release = on_release
 
-    def pick(self, plan: Plan, role: Role, ctx: RequestContext) -> Worker | None:
-        """The role's policy pick among the plan's candidates the request has not tried."""
+    def pick(self, plan: Plan, role: Role, ctx: RequestContext) -> tuple[Worker, int | None] | None:
+        """The role's policy pick among the plan's candidates the request has not tried,
+        and its DP rank: the policy's own choice if it makes one, else the least-loaded
+        rank (`RankChooser`; None for a worker that picks its own). None when every
+        candidate was tried."""
         generation = ctx.generation
         key = PolicyKey(
             generation.model, role, ctx.key_bytes, generation.routing_text, generation.body
         )
-        return pick_excluding(
-            self.policies[role], key, plan.legs[role].candidates, ctx.log.tried[role]
-        )
+        # A policy that also chooses the DP rank (kv_aware: the rank holding the prompt's
+        # blocks) has a `pick_ranked`.
+        ranked: RankedPick | None = getattr(self.policies[role], "pick_ranked", None)
+        if ranked is None:
+            worker = pick_excluding(
+                self.policies[role], key, plan.legs[role].candidates, ctx.log.tried[role]
+            )
+            return None if worker is None else (worker, self.ranks.choose(worker))
+        tried = ctx.log.tried[role]
+        candidates = plan.legs[role].candidates
+        remaining = [w for w in candidates if w.id not in tried] if tried else candidates
+        if not remaining:
+            return None
+        worker, rank = ranked(key, remaining)
+        if rank is None or not worker.record.rank_multiplexed:
+            return worker, self.ranks.choose(worker)
+        return worker, rank
 
     def take(
         self, worker: Worker, forced: bool, now: float, rank: int | None, leases: list[Lease]

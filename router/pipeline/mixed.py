@@ -17,10 +17,10 @@ class MixedStrategy:
 
     async def attempt(self, plan: Plan, ctx: RequestContext) -> int | None:
         runner = self.runner
-        worker = runner.pick(plan, Role.MIXED, ctx)
-        if worker is None:
+        picked = runner.pick(plan, Role.MIXED, ctx)
+        if picked is None:
             return None
-        rank = runner.ranks.choose(worker)
+        worker, rank = picked
         leases: list[Lease] = []
         try:
             lease = runner.take(

@@ -171,13 +171,12 @@ class PDStrategy:
         runner = self.runner
         generation = ctx.generation
         check_batch(generation, self.max_n)
-        prefill = runner.pick(plan, Role.PREFILL, ctx)
-        decode = runner.pick(plan, Role.DECODE, ctx)
-        if prefill is None or decode is None:
+        prefill_pick = runner.pick(plan, Role.PREFILL, ctx)
+        decode_pick = runner.pick(plan, Role.DECODE, ctx)
+        if prefill_pick is None or decode_pick is None:
             return None
+        (prefill, prefill_rank), (decode, decode_rank) = prefill_pick, decode_pick
         # Everything that can fail on the client's input runs before a lease is taken.
-        prefill_rank = runner.ranks.choose(prefill)
-        decode_rank = runner.ranks.choose(decode)
         raw = pd_body(generation, handoff_fields(generation, prefill, prefill_rank, self.rng))
         now = trio.current_time()
         leases: list[Lease] = []

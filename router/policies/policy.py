@@ -4,7 +4,7 @@ role.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +30,10 @@ class Policy(Protocol):
         """One of `candidates` (never empty) for the request described by `key`."""
         ...
 
+
+# A policy's `pick_ranked`: its pick and, for a rank-multiplexed worker, the DP rank it
+# chose (None: no preference; the pipeline then takes the least-loaded rank).
+RankedPick = Callable[[PolicyKey, Sequence[Worker]], tuple[Worker, int | None]]
 
 _StateKey = tuple[str, Role]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import orjson
@@ -52,6 +52,7 @@ class ScriptedPool:
     def __init__(self, scripts: dict[str, Script]) -> None:
         self.scripts = scripts
         self.dispatched: list[tuple[str, float]] = []
+        self.headers: list[list[tuple[bytes, bytes]]] = []
 
     @asynccontextmanager
     async def request(
@@ -65,6 +66,7 @@ class ScriptedPool:
         connect_timeout_s: float | None = None,
     ) -> AsyncIterator[ScriptedResponse]:
         self.dispatched.append((base_url, trio.current_time()))
+        self.headers.append(headers)
         script = self.scripts[base_url]
         await trio.sleep(script.latency_s)
         if script.status == "refuse":
@@ -329,3 +331,33 @@ async def test_only_failures_followed_by_another_attempt_count_as_retries(
     assert (
         registry.get_sample_value("router_retries_total", {"reason": "status_503"}) or 0
     ) == retries
+
+
+class RankedScript(Scripted):
+    """A policy that also names the DP rank of its pick, as kv_aware does."""
+
+    def __init__(self, rank: int | None) -> None:
+        super().__init__([])
+        self.rank = rank
+
+    def pick_ranked(
+        self, key: PolicyKey, candidates: Sequence[Worker]
+    ) -> tuple[Worker, int | None]:
+        return self.pick(key, candidates), self.rank
+
+
+@pytest.mark.parametrize(("policy_rank", "dispatched"), [(1, [b"1", b"1"]), (None, [b"0", b"1"])])
+async def test_a_policys_own_rank_choice_is_the_rank_dispatched_to(
+    autojump_clock: trio.testing.MockClock, policy_rank: int | None, dispatched: list[bytes]
+) -> None:
+    router = make_router({A: Script(latency_s=0)})
+    worker = router.fleet.get(A)
+    assert worker is not None
+    router.fleet.upsert(replace(worker.record, dp_size=2))
+    router.service.policies[Role.MIXED] = RankedScript(policy_rank)
+    ranks = []
+    for _ in range(2):
+        await router.send()
+        ranks.append(dict(router.pool.headers[-1]).get(b"x-data-parallel-rank"))
+    # The policy's rank both times; without one, the least-loaded rank, in turn.
+    assert ranks == dispatched

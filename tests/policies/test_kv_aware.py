@@ -153,6 +153,28 @@ def test_the_rank_holding_the_blocks_scores_a_rank_multiplexed_worker() -> None:
     assert index.match(index.block_keys(tokens(0, 6)), 0.0).runs[("dp", 1)] == 6
 
 
+def test_the_rank_holding_the_blocks_is_the_rank_the_policy_names() -> None:
+    indexes = KvIndexes()
+    index = indexes.for_model(MODEL)
+    # Rank 1 holds the prompt and is the busier one: the held run still decides.
+    dp = Worker(
+        record=WorkerRecord(id="dp", url="http://dp.test:8000", models=(MODEL,), dp_size=2),
+        inflight=2,
+        rank_inflight=[0, 2],
+    )
+    for view in (("dp", 0), ("dp", 1)):
+        index.apply_cleared(view)
+    store(indexes, "dp", tokens(0, 6), rank=1)
+    policy = KvAware(KvAwareSettings(), indexes, lambda: 0.0)
+    worker, rank = policy.pick_ranked(ids_key(tokens(0, 6)), [dp])
+    assert (worker.id, rank) == ("dp", 1)
+    # Nothing held anywhere: the least-loaded known rank.
+    assert policy.pick_ranked(ids_key(tokens(500, 6)), [dp])[1] == 0
+    # No prediction (chat without a tokenizer): no rank named, the pipeline chooses.
+    chat = PolicyKey(MODEL, Role.MIXED, body={"messages": [{"role": "user", "content": "hi"}]})
+    assert policy.pick_ranked(chat, [dp]) == (dp, None)
+
+
 def test_a_cleared_cache_stops_the_match() -> None:
     policy, indexes, fleet, _ = setup(0, 1)
     store(indexes, "w1", tokens(0, 8))
