@@ -77,6 +77,8 @@ class PlaneReport:
     capabilities: tuple[str, ...]
     cases: tuple[CaseResult, ...] = field(default_factory=tuple)
     fleet: str = "fake"
+    run_seconds: float = 0.0
+    """The wall time of the run that made the report (all of its planes together)."""
 
     @property
     def column(self) -> str:
@@ -113,6 +115,7 @@ class PlaneReport:
             "version": self.version,
             "fleet": self.fleet,
             "date": self.date,
+            "run_seconds": round(self.run_seconds),
             "spec_version": self.spec_version,
             "command": self.command,
             "capabilities": list(self.capabilities),
@@ -130,6 +133,7 @@ def build_report(
     command: str,
     date: datetime.date | None = None,
     fleet: str = "fake",
+    run_seconds: float = 0.0,
 ) -> PlaneReport:
     """The report of one plane from its outcomes (other planes' outcomes are ignored)."""
     results = []
@@ -148,6 +152,7 @@ def build_report(
         capabilities=tuple(sorted(capabilities)),
         cases=tuple(results),
         fleet=fleet,
+        run_seconds=run_seconds,
     )
 
 
@@ -195,6 +200,7 @@ def load_report(path: Path) -> PlaneReport:
             capabilities=tuple(str(c) for c in data.get("capabilities", ())),
             cases=cases,
             fleet=str(data.get("fleet", "fake")),
+            run_seconds=float(data.get("run_seconds", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ReportError(f"{path}: not a report: {exc!r}") from None
@@ -237,13 +243,16 @@ def parity_markdown(
         f"{', '.join(spec_versions) or 'unknown'}; {len(case_ids)} cases. "
         "See `docs/writing-spec-cases.md` for what the verdicts mean.",
         "",
-        "| plane | version | fleet | date | spec | case time (s) | " + " | ".join(VERDICTS) + " |",
-        "|---|---|---|---|---|--:|" + "---|" * len(VERDICTS),
+        "| plane | version | fleet | date | spec | run wall time (s) | case time (s) | "
+        + " | ".join(VERDICTS)
+        + " |",
+        "|---|---|---|---|---|--:|--:|" + "---|" * len(VERDICTS),
     ]
     for r in reports:
         counts = r.summary
+        wall = f"{r.run_seconds:.0f}" if r.run_seconds else "?"
         lines.append(
-            f"| {r.plane} | {r.version} | {r.fleet} | {r.date} | {r.spec_version} | "
+            f"| {r.plane} | {r.version} | {r.fleet} | {r.date} | {r.spec_version} | {wall} | "
             f"{r.case_seconds:.0f} | " + " | ".join(str(counts[v]) for v in VERDICTS) + " |"
         )
     for column, text in (notes or {}).items():

@@ -33,6 +33,7 @@ def reports(outcomes: Sequence[Outcome], info: RunInfo) -> list[PlaneReport]:
             info.spec_version,
             info.command,
             fleet=info.fleet,
+            run_seconds=info.seconds,
         )
         for plane, version in info.planes.items()
     ]

@@ -123,3 +123,12 @@ def test_a_real_engine_report_has_its_own_file_and_column(tmp_path: Path) -> Non
     matrix = parity_markdown([fake, vllm], "two reports")
     assert "| case | smg 1.13.0 | smg 1.13.0 on vllm |" in matrix
     assert "| smg | 1.13.0 | vllm |" in matrix
+
+
+def test_a_report_keeps_its_runs_wall_time_and_an_unknown_one_says_so(tmp_path: Path) -> None:
+    timed = PlaneReport("smg", "1.13.0", "2026-12-01", "1", "run", (), run_seconds=714.2)
+    untimed = PlaneReport("smg", "1.12.0", "2026-11-30", "1", "run", ())
+    assert load_report(write_report(tmp_path, timed)).run_seconds == 714.0
+    matrix = parity_markdown([timed, untimed], "two reports")
+    assert "| smg | 1.13.0 | fake | 2026-12-01 | 1 | 714 |" in matrix
+    assert "| smg | 1.12.0 | fake | 2026-11-30 | 1 | ? |" in matrix  # unknown, not 0
