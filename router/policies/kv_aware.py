@@ -45,7 +45,8 @@ from router.fleet.records import Role
 from router.fleet.registry import Worker
 from router.kv_events.fleet_views import KvEventsStatistics, KvIndexes
 from router.kv_events.index import MatchResult, ViewId
-from router.policies.chat_template import ChatTemplate, NotRendered, TemplateFailed
+from router.policies.chat_request import NotRendered
+from router.policies.chat_template import ChatTemplate, TemplateFailed
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,8 @@ from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Worker
 from router.kv_events import BlockStored
 from router.kv_events.fleet_views import KvIndexes
-from router.policies.chat_template import ChatTemplate, NotRendered, RenderLimits, TemplateFailed
+from router.policies.chat_request import NotRendered
+from router.policies.chat_template import ChatTemplate, RenderLimits, TemplateFailed
 from router.policies.kv_aware import (
     CHAT,
     TEMPLATE_ERROR,
@@ -583,3 +584,18 @@ def test_the_reasons_are_the_policys(tmp_path: Path) -> None:
     tokenizer = HfTokenizer(str(write_model(tmp_path / "model", raising)))
     assert tokens_or_reason({"messages": SYSTEM_USER}, tokenizer) == TEMPLATE_ERROR
     assert tokens_or_reason({"messages": SYSTEM_USER}, None) == CHAT
+
+
+def test_a_message_of_many_tool_calls_spends_the_budget_before_it_is_rebuilt() -> None:
+    from router.policies.chat_template import DEFAULT_OPERATIONS
+
+    template = ChatTemplate({"default": TEMPLATE}, {"bos_token": BOS, "eos_token": EOS})
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call] * (DEFAULT_OPERATIONS + 1)},
+        ]
+    }
+    with pytest.raises(TemplateFailed, match="tool calls than the operation budget"):
+        template.render(body)
