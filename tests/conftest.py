@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from tests.support.etcd_server import EtcdServer, etcd_available, open_etcd_server
 
@@ -22,3 +23,11 @@ async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
     )
     async with open_etcd_server(tmp_path / "etcd") as server:
         yield server
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A ZMQ context of the test's own, destroyed (linger 0) afterwards."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)

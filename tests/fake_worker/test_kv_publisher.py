@@ -4,7 +4,7 @@ that starts late rebuilds the view from the replay socket."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -38,13 +38,6 @@ VIEW = ("fake", None)
 GUARD_S = 10
 
 
-@pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 @dataclass
 class Pair:
     cache: PrefixCache
@@ -63,13 +56,13 @@ class Pair:
         await subscription.wait_until(lambda: subscription.statistics().last_seq >= last)
 
     async def subscribe(
-        self, nursery: trio.Nursery, context: zmq.Context[zmq.Socket[bytes]]
+        self, nursery: trio.Nursery, zmq_context: zmq.Context[zmq.Socket[bytes]]
     ) -> None:
         source = KvEventSource(
             "fake", None, self.publisher.endpoint, self.publisher.replay_endpoint
         )
         self.subscription = KvSubscription(
-            source, self.index, SubscriptionSettings(replay_timeout_s=1.0), context=context
+            source, self.index, SubscriptionSettings(replay_timeout_s=1.0), context=zmq_context
         )
         await nursery.start(serve_kv_subscription, self.subscription)
         subscription = self.subscription
@@ -79,11 +72,11 @@ class Pair:
 
 @asynccontextmanager
 async def open_pair(
-    context: zmq.Context[zmq.Socket[bytes]], capacity_tokens: int = 10_000
+    zmq_context: zmq.Context[zmq.Socket[bytes]], capacity_tokens: int = 10_000
 ) -> AsyncIterator[tuple[Pair, trio.Nursery]]:
     cache = PrefixCache(capacity_tokens)
     publisher = KvEventPublisher(
-        KvPublisherSettings("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"), context
+        KvPublisherSettings("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"), zmq_context
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_kv_publisher, cache, publisher)
@@ -100,11 +93,11 @@ def serve(cache: PrefixCache, prompt: list[int]) -> None:
 
 
 async def test_stores_evictions_and_flushes_arrive_as_the_engines_events(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_pair(context, capacity_tokens=6 * BLOCK_TOKENS) as (pair, nursery):
-            await pair.subscribe(nursery, context)
+        async with open_pair(zmq_context, capacity_tokens=6 * BLOCK_TOKENS) as (pair, nursery):
+            await pair.subscribe(nursery, zmq_context)
             serve(pair.cache, ids(0, 4))
             await pair.caught_up()
             assert pair.index.view_state(VIEW) is ViewState.KNOWN
@@ -128,12 +121,12 @@ async def test_stores_evictions_and_flushes_arrive_as_the_engines_events(
 
 
 async def test_text_prompts_publish_their_token_ids(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     text = "abcd" * BLOCK_TOKENS * 2
     with trio.fail_after(GUARD_S):
-        async with open_pair(context) as (pair, nursery):
-            await pair.subscribe(nursery, context)
+        async with open_pair(zmq_context) as (pair, nursery):
+            await pair.subscribe(nursery, zmq_context)
             pair.cache.serve(tokenize("completions", {"prompt": text}))
             await pair.caught_up()
             token = int.from_bytes(b"abcd", "little")
@@ -141,14 +134,14 @@ async def test_text_prompts_publish_their_token_ids(
 
 
 async def test_a_late_subscriber_rebuilds_the_view_from_the_replay_socket(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_pair(context) as (pair, nursery):
+        async with open_pair(zmq_context) as (pair, nursery):
             serve(pair.cache, ids(0, 3))
             serve(pair.cache, ids(500, 2))
             # Nobody listened to those: only the replay buffer has them.
-            await pair.subscribe(nursery, context)
+            await pair.subscribe(nursery, zmq_context)
             assert pair.index.view_state(VIEW) is ViewState.KNOWN
             assert pair.held(ids(0, 3)) == 3 and pair.held(ids(500, 2)) == 2
             assert pair.publisher.replays >= 1

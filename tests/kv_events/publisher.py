@@ -19,23 +19,9 @@ from contextlib import asynccontextmanager
 import trio
 import zmq
 
+from router.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-async def recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes]:
-    fd = sock.getsockopt(zmq.FD)
-    assert isinstance(fd, int)
-    while True:
-        events = sock.getsockopt(zmq.EVENTS)
-        assert isinstance(events, int)
-        if events & zmq.POLLIN:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            await trio.lowlevel.checkpoint()
-            return frames
-        await trio.lowlevel.wait_readable(fd)
 
 
 def _endpoint(sock: zmq.Socket[bytes]) -> str:
@@ -79,7 +65,7 @@ class TestPublisher:
     def cut(self) -> None:
         """Drop the PUB side (subscribers see their connection go); `resume` rebinds the
         same port, and ZMQ reconnects them."""
-        _close(self.pub)
+        close_socket(self.pub)
         self.subscribed = 0
         self._resumed = trio.Event()
 
@@ -124,7 +110,7 @@ class TestPublisher:
     async def serve_subscriptions(self) -> None:
         while True:
             try:
-                (message,) = await recv_multipart(self.pub)
+                (message,) = await recv_multipart(self.pub, socket_fd(self.pub))
             except (trio.ClosedResourceError, zmq.ZMQError):
                 await self._resumed.wait()  # cut: wait for the new socket
                 continue
@@ -137,7 +123,7 @@ class TestPublisher:
 
     async def serve_replay(self) -> None:
         while True:
-            frames = await recv_multipart(self.replay)
+            frames = await recv_multipart(self.replay, socket_fd(self.replay))
             identity, empty, start = frames
             assert empty == b"" and len(start) == 8
             self.replay_requests.append(int.from_bytes(start, "big"))
@@ -150,17 +136,8 @@ class TestPublisher:
             self.replay.send_multipart([identity, b"", END_SEQ, b""])
 
     def close(self) -> None:
-        _close(self.pub)
-        _close(self.replay)
-
-
-def _close(sock: zmq.Socket[bytes]) -> None:
-    if sock.closed:
-        return
-    fd = sock.getsockopt(zmq.FD)
-    assert isinstance(fd, int)
-    trio.lowlevel.notify_closing(fd)
-    sock.close(linger=0)
+        close_socket(self.pub)
+        close_socket(self.replay)
 
 
 @asynccontextmanager

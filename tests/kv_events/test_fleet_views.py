@@ -4,9 +4,7 @@ fleet, from its record's endpoints or the static ports; a departed worker's view
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
-import pytest
 import trio
 import zmq
 
@@ -26,13 +24,6 @@ from tests.support.waiting import wait_until
 
 BS = 4
 GUARD_S = 10
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def test_static_ports_give_one_source_per_rank_on_the_workers_own_host() -> None:
@@ -73,10 +64,10 @@ def test_the_records_endpoints_win_over_the_static_ports() -> None:
 
 
 async def test_a_subscription_follows_the_worker_in_and_out_of_the_fleet(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_test_publisher(context) as publisher:
+        async with open_test_publisher(zmq_context) as publisher:
             publisher.publish(encode([stored([1, 2], None, blocks(0, 2, BS), BS)]))
             fleet = Fleet()
             indexes = KvIndexes()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -28,13 +28,6 @@ BS = 4
 VIEW: ViewId = ("w1", 0)
 SETTINGS = SubscriptionSettings(replay_timeout_s=0.3, retry_initial_s=0.05, retry_max_s=0.2)
 GUARD_S = 10
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @dataclass
@@ -71,13 +64,13 @@ class Running:
 
 @asynccontextmanager
 async def open_running(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
     *,
     buffer_steps: int = 10_000,
     before: Callable[[TestPublisher], None] | None = None,
     form: Form = Form.MAP,
 ) -> AsyncIterator[Running]:
-    async with open_test_publisher(context, buffer_steps=buffer_steps) as publisher:
+    async with open_test_publisher(zmq_context, buffer_steps=buffer_steps) as publisher:
         if before is not None:
             before(publisher)
         index = KvIndex(IndexSettings())
@@ -87,7 +80,7 @@ async def open_running(
             endpoint=publisher.endpoint,
             replay_endpoint=publisher.replay_endpoint,
         )
-        subscription = KvSubscription(source, index, SETTINGS, context=context)
+        subscription = KvSubscription(source, index, SETTINGS, context=zmq_context)
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_kv_subscription, subscription)
             yield Running(publisher, index, subscription, nursery)
@@ -103,7 +96,7 @@ def store_payload(first_token: int, count: int, hashes: list[int], parent: int |
 
 
 async def test_start_replays_the_buffer_then_live_events_flow(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     def warm(publisher: TestPublisher) -> None:
         # Published before the router existed: only the replay buffer has it.
@@ -111,7 +104,7 @@ async def test_start_replays_the_buffer_then_live_events_flow(
         publisher.publish(encode([stored([3], 2, blocks(8, 1, BS), BS)], Form.ARRAY))
 
     with trio.fail_after(GUARD_S):
-        async with open_running(context, before=warm) as run:
+        async with open_running(zmq_context, before=warm) as run:
             await run.until(run.known)
             assert run.held(0, 3) == 3
             await run.live()
@@ -126,9 +119,9 @@ async def test_start_replays_the_buffer_then_live_events_flow(
             assert stats.replays == len(run.publisher.replay_requests)
 
 
-async def test_a_gap_is_replayed_in_order(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+async def test_a_gap_is_replayed_in_order(zmq_context: zmq.Context[zmq.Socket[bytes]]) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_running(context) as run:
+        async with open_running(zmq_context) as run:
             await run.until(run.known)
             await run.live()
             run.publisher.publish(store_payload(0, 1, [1], None))
@@ -146,9 +139,11 @@ async def test_a_gap_is_replayed_in_order(context: zmq.Context[zmq.Socket[bytes]
             assert stats.replayed_batches >= 2
 
 
-async def test_an_engine_restart_rebuilds_the_view(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+async def test_an_engine_restart_rebuilds_the_view(
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_running(context) as run:
+        async with open_running(zmq_context) as run:
             await run.until(run.known)
             await run.live()
             run.publisher.publish(store_payload(0, 2, [1, 2], None))
@@ -165,10 +160,10 @@ async def test_an_engine_restart_rebuilds_the_view(context: zmq.Context[zmq.Sock
 
 
 async def test_a_gap_the_buffer_lost_is_unknown_until_cleared(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_running(context, buffer_steps=2) as run:
+        async with open_running(zmq_context, buffer_steps=2) as run:
             await run.until(run.known)
             await run.live()
             run.publisher.publish(store_payload(0, 1, [1], None))
@@ -192,25 +187,25 @@ async def test_a_gap_the_buffer_lost_is_unknown_until_cleared(
 
 
 async def test_a_router_start_after_the_buffer_wrapped_is_unknown(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     def old(publisher: TestPublisher) -> None:
         for n in range(3):
             publisher.publish(store_payload(10 * n, 1, [n], None))
 
     with trio.fail_after(GUARD_S):
-        async with open_running(context, buffer_steps=2, before=old) as run:
+        async with open_running(zmq_context, buffer_steps=2, before=old) as run:
             await run.until(lambda: run.subscription.statistics().replayed_batches == 2)
             assert not run.known()
             assert run.index.view_reason(VIEW) == "replay buffer no longer reaches seq 0"
 
 
 async def test_garbage_is_counted_logged_once_and_the_subscription_goes_on(
-    context: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
+    zmq_context: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="router.kv_events")
     with trio.fail_after(GUARD_S):
-        async with open_running(context) as run:
+        async with open_running(zmq_context) as run:
             await run.until(run.known)
             await run.live()
             run.publisher.send_raw([b"one frame"])
@@ -231,12 +226,12 @@ async def test_garbage_is_counted_logged_once_and_the_subscription_goes_on(
 
 
 async def test_unknown_event_types_are_counted_not_fatal(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     import msgspec
 
     with trio.fail_after(GUARD_S):
-        async with open_running(context) as run:
+        async with open_running(zmq_context) as run:
             await run.until(run.known)
             await run.live()
             payload = msgspec.msgpack.encode(
@@ -251,14 +246,14 @@ async def test_unknown_event_types_are_counted_not_fatal(
 
 
 async def test_a_silent_replay_socket_is_unknown_then_retried(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     def silent(publisher: TestPublisher) -> None:
         publisher.replay_enabled = False
         publisher.publish(store_payload(0, 2, [1, 2], None))
 
     with trio.fail_after(GUARD_S):
-        async with open_running(context, before=silent) as run:
+        async with open_running(zmq_context, before=silent) as run:
             await run.until(lambda: run.subscription.statistics().replay_failures >= 1)
             assert run.held(0, 2) is None
             run.publisher.replay_enabled = True
@@ -267,46 +262,48 @@ async def test_a_silent_replay_socket_is_unknown_then_retried(
             assert run.publisher.replay_requests[-1] == 0
 
 
-async def _term(context: zmq.Context[zmq.Socket[bytes]]) -> None:
-    # term() returns only once every socket of the context is closed.
-    await trio.to_thread.run_sync(context.term, abandon_on_cancel=True)
+async def _term(zmq_context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    # term() returns only once every socket of the zmq_context is closed.
+    await trio.to_thread.run_sync(zmq_context.term, abandon_on_cancel=True)
 
 
-async def test_cancellation_closes_every_socket(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+async def test_cancellation_closes_every_socket(
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_test_publisher(context) as publisher:
+        async with open_test_publisher(zmq_context) as publisher:
             source = KvEventSource("w1", 0, publisher.endpoint, publisher.replay_endpoint)
-            subscription = KvSubscription(source, KvIndex(), SETTINGS, context=context)
+            subscription = KvSubscription(source, KvIndex(), SETTINGS, context=zmq_context)
             async with trio.open_nursery() as nursery:
                 await nursery.start(serve_kv_subscription, subscription)
                 await publisher.wait_subscribed()
                 nursery.cancel_scope.cancel()
             await publisher.wait_unsubscribed()  # the SUB's connection went away
-        await _term(context)
+        await _term(zmq_context)
 
 
 async def test_cancellation_during_a_replay_closes_its_socket(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_test_publisher(context) as publisher:
+        async with open_test_publisher(zmq_context) as publisher:
             publisher.replay_enabled = False
             source = KvEventSource("w1", 0, publisher.endpoint, publisher.replay_endpoint)
             subscription = KvSubscription(
-                source, KvIndex(), SubscriptionSettings(replay_timeout_s=60), context=context
+                source, KvIndex(), SubscriptionSettings(replay_timeout_s=60), context=zmq_context
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(serve_kv_subscription, subscription)
                 await publisher.replay_wanted.wait()  # the replay is waiting for its answer
                 nursery.cancel_scope.cancel()
-        await _term(context)
+        await _term(zmq_context)
 
 
 async def test_a_cut_connection_is_caught_up_on_reconnect(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_running(context) as run:
+        async with open_running(zmq_context) as run:
             await run.until(run.known)
             await run.live()
             run.publisher.publish(store_payload(0, 1, [1], None))
@@ -324,12 +321,12 @@ async def test_a_cut_connection_is_caught_up_on_reconnect(
             assert run.known()
 
 
-async def test_each_dp_rank_is_its_own_view(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+async def test_each_dp_rank_is_its_own_view(zmq_context: zmq.Context[zmq.Socket[bytes]]) -> None:
     index = KvIndex()
     with trio.fail_after(GUARD_S):
         async with (
-            open_test_publisher(context) as rank0,
-            open_test_publisher(context) as rank1,
+            open_test_publisher(zmq_context) as rank0,
+            open_test_publisher(zmq_context) as rank1,
             trio.open_nursery() as nursery,
         ):
             rank0.publish(encode([stored([1, 2], None, blocks(0, 2, BS), BS)], dp_rank=0))
@@ -337,7 +334,7 @@ async def test_each_dp_rank_is_its_own_view(context: zmq.Context[zmq.Socket[byte
             subscriptions = []
             for rank, publisher in enumerate((rank0, rank1)):
                 source = KvEventSource("w", rank, publisher.endpoint, publisher.replay_endpoint)
-                subscription = KvSubscription(source, index, SETTINGS, context=context)
+                subscription = KvSubscription(source, index, SETTINGS, context=zmq_context)
                 await nursery.start(serve_kv_subscription, subscription)
                 subscriptions.append(subscription)
             for subscription in subscriptions:
@@ -349,13 +346,13 @@ async def test_each_dp_rank_is_its_own_view(context: zmq.Context[zmq.Socket[byte
 
 
 async def test_without_a_replay_socket_the_view_is_unknown_until_cleared(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_test_publisher(context) as publisher:
+        async with open_test_publisher(zmq_context) as publisher:
             index = KvIndex()
             source = KvEventSource("w1", 0, publisher.endpoint, None)
-            subscription = KvSubscription(source, index, SETTINGS, context=context)
+            subscription = KvSubscription(source, index, SETTINGS, context=zmq_context)
             async with trio.open_nursery() as nursery:
                 await nursery.start(serve_kv_subscription, subscription)
                 await publisher.wait_subscribed()
@@ -371,24 +368,24 @@ async def test_without_a_replay_socket_the_view_is_unknown_until_cleared(
 
 
 async def test_a_bad_endpoint_leaves_the_view_unknown_without_crashing(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     index = KvIndex()
     source = KvEventSource("w1", 0, "tcp://no port here", None)
-    subscription = KvSubscription(source, index, SETTINGS, context=context)
+    subscription = KvSubscription(source, index, SETTINGS, context=zmq_context)
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_kv_subscription, subscription)
             assert index.view_state(VIEW) is ViewState.UNKNOWN
             nursery.cancel_scope.cancel()
-    await _term(context)
+    await _term(zmq_context)
 
 
 async def test_a_repaired_gap_does_not_hide_an_earlier_loss(
-    context: zmq.Context[zmq.Socket[bytes]],
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     with trio.fail_after(GUARD_S):
-        async with open_running(context) as run:
+        async with open_running(zmq_context) as run:
             await run.until(run.known)
             await run.live()
             run.publisher.publish(b"\xc1 lost for good")  # seq 0: its events are gone
