@@ -31,9 +31,12 @@ lint: setup
 # CI runs two planes (python, smg); the vllm-router plane runs in `make conformance` (and
 # its whole-suite test under a plain `pytest`): all three (`conformance run --plane all`)
 # took 115-186 s of wall time (144-162 CPU-s) on a shared, loaded 2-core machine, not
-# reliably under the two minutes a CI run may give them.
+# reliably under the two minutes a CI run may give them. Two pytest workers (pytest-xdist),
+# one per core of the CI machine: most tests are one event loop on one core, or wait on a
+# subprocess, so one worker leaves the second core mostly idle (10 min 36 s on one worker,
+# 7 min 30 s on two with an engine starting beside them).
 test: setup system-deps lint
-	$(BIN)/pytest -m "not vllm_router and not engine"
+	$(BIN)/pytest -n 2 -m "not vllm_router and not engine"
 
 # LiteLLM's proxy, the fourth plane, in a venv of its own: `litellm[proxy]` pins
 # openai>=2.20,<3 (and its botocore python-dateutil<3), older than the main venv's openai 3
@@ -99,7 +102,7 @@ $(ENGINE_MODEL)/.tiny-model-complete: conformance/tiny_model.py | $(ENGINE_VENV)
 engine-env: $(ENGINE_VENV)/.installed $(ENGINE_MODEL)/.tiny-model-complete
 
 # An engine takes 35-280 s to start on 2 cores (the longer while other work runs): the stack
-# dump of pytest's faulthandler waits longer than the suite's 120 s here. -rP prints what the
+# dump of pytest's faulthandler waits longer than the suite's 300 s here. -rP prints what the
 # passing tests measured (docs/real-engines.md quotes it).
 engine-test: setup engine-env
 	$(BIN)/pytest -p no:cacheprovider -o faulthandler_timeout=900 -rP tests/engine
