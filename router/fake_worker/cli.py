@@ -14,18 +14,19 @@ import trio
 
 from router.fake_worker.behaviour import FailMode
 from router.fake_worker.engine import FakeWorker, serve_fake_worker
-from router.fake_worker.kv_publisher import (
-    KvEventPublisher,
-    publisher_settings,
-    serve_kv_publisher,
-)
 from router.fake_worker.registration import (
     FakeRegistration,
     add_registration_arguments,
     register_and_drain,
     registration_options,
 )
-from router.fake_worker.settings import ENGINES, PD_PROTOCOLS, ROLES, FakeWorkerSettings
+from router.fake_worker.settings import (
+    ENGINES,
+    PD_PROTOCOLS,
+    ROLES,
+    FakeWorkerSettings,
+    publisher_settings,
+)
 
 EXIT_BIND_FAILED = 3
 
@@ -87,10 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="time to first token grows by this per prompt token not found in the cache",
     )
     pace.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish the prefix cache's KV events as vLLM does (ZMQ PUB and replay ROUTER on ports the kernel picks, listed on /kv_event_sources)",
+    )
+    pace.add_argument(
         "--kv-events-port",
         type=int,
         default=0,
-        help="publish the prefix cache's KV events as vLLM does (ZMQ PUB on this port, replay on port + 1); 0 = off",
+        help="publish them on this port instead (replay on port + 1); implies --kv-events; 0 = the kernel's choice",
     )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
@@ -164,11 +170,21 @@ async def _serve(
     worker = FakeWorker(settings)
     try:
         async with trio.open_nursery() as nursery:
-            if settings.kv_events_port and worker.prefix_cache is not None:
-                await nursery.start(
+            if settings.publishes_kv_events and worker.prefix_cache is not None:
+                # Imported only here: ZMQ and the KV-event code cost a fake worker that
+                # publishes nothing a third of its start (a conformance run starts hundreds).
+                from router.fake_worker.kv_publisher import KvEventPublisher, serve_kv_publisher
+
+                publisher = await nursery.start(
                     serve_kv_publisher,
                     worker.prefix_cache,
                     KvEventPublisher(publisher_settings(settings)),
+                )
+                worker.kv_endpoints = (publisher.endpoint, publisher.replay_endpoint)
+                print(
+                    f"fake-worker publishing KV events on {publisher.endpoint}, "
+                    f"replay on {publisher.replay_endpoint}",
+                    flush=True,
                 )
             await serve_fake_worker(
                 settings, worker=worker, shutdown=shutdown, task_status=task_status

@@ -120,6 +120,9 @@ class FakeWorker:
         self.prefix_cache = (
             PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
         )
+        self.kv_endpoints: tuple[str, str | None] | None = None
+        """The KV-event publisher's PUB and replay endpoints once it listens (whoever
+        starts the publisher sets them); `/kv_event_sources` lists them."""
         self._vllm = settings.engine == "vllm"
         listing = info.models(settings)
         self._models_body = orjson.dumps(
@@ -428,7 +431,7 @@ class FakeWorker:
         await _respond_json(writer, 200, info.version())
 
     async def _kv_event_sources(self, request: Request, writer: ResponseWriter) -> None:
-        await _respond_json(writer, 200, info.kv_event_sources(self.settings))
+        await _respond_json(writer, 200, info.kv_event_sources(self.settings, self.kv_endpoints))
 
     async def _loads(self, request: Request, writer: ResponseWriter) -> None:
         await _respond_json(writer, 200, info.loads(self.settings, self.routing.loads))

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.fake_worker.kv_publisher import publisher_settings
-from router.fake_worker.settings import FakeWorkerSettings
+from router.fake_worker.settings import FakeWorkerSettings, publisher_settings
 from router.fake_worker.stats import RankLoad
 
 FAKE_VERSION = "0.0.0+fake"
@@ -53,18 +52,31 @@ def version() -> dict[str, Any]:
     return {"version": FAKE_VERSION}
 
 
-def kv_event_sources(settings: FakeWorkerSettings) -> dict[str, Any]:
+def kv_event_sources(
+    settings: FakeWorkerSettings, bound: tuple[str, str | None] | None = None
+) -> dict[str, Any]:
     """`GET /kv_event_sources` (vLLM only): the publishers by DP rank, each as vLLM
     serializes its `KVEventsConfig`; `{}` without `--kv-events-port`, as vLLM answers
     without `--kv-events-config`. The fake's one publisher is rank 0's, whatever
     `--dp-size` says. A worker bound on every interface lists a `*` host, as vLLM's
-    config says it; the reader puts the worker's own host in its place."""
-    if not settings.kv_events_port:
+    config says it; the reader puts the worker's own host in its place.
+
+    `bound`: the publisher's endpoints as bound (the ports the kernel picked); without
+    them only fixed ports (`--kv-events-port`) can be listed, and kernel-picked ones that
+    are not bound yet are not listed at all."""
+    if not settings.publishes_kv_events:
         return {}
     publisher = publisher_settings(settings)
-    endpoints = [publisher.endpoint, publisher.replay_endpoint or ""]
+    if bound is not None:
+        endpoints = [bound[0], bound[1] or ""]
+    elif settings.kv_events_port:
+        endpoints = [publisher.endpoint, publisher.replay_endpoint or ""]
+    else:
+        return {}
     if settings.host in ("", "0.0.0.0", "::"):
-        endpoints = [f"tcp://*:{endpoint.rsplit(':', 1)[1]}" for endpoint in endpoints]
+        endpoints = [
+            f"tcp://*:{endpoint.rsplit(':', 1)[1]}" if endpoint else "" for endpoint in endpoints
+        ]
     return {
         str(publisher.dp_rank): {
             "enable_kv_cache_events": True,

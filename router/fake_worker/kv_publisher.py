@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -31,31 +30,10 @@ import trio
 import zmq
 
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_token_ids
-from router.fake_worker.settings import FakeWorkerSettings
+from router.fake_worker.settings import KvPublisherSettings
 from router.kv_events.zmq_trio import recv_multipart, socket_fd
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-@dataclass(frozen=True, slots=True)
-class KvPublisherSettings:
-    endpoint: str
-    """Where the PUB socket binds, e.g. `tcp://127.0.0.1:5557` (`*` port: any)."""
-    replay_endpoint: str | None
-    """Where the replay ROUTER binds; None: no replay socket."""
-    buffer_steps: int = 10_000
-    """Batches kept for replay (vLLM's default)."""
-    dp_rank: int = 0
-    topic: bytes = b""
-
-
-def publisher_settings(settings: FakeWorkerSettings) -> KvPublisherSettings:
-    """`--kv-events-port P`: PUB on the worker's host at P, replay at P + 1."""
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    return KvPublisherSettings(
-        endpoint=f"tcp://{host}:{settings.kv_events_port}",
-        replay_endpoint=f"tcp://{host}:{settings.kv_events_port + 1}",
-    )
 
 
 class KvEventPublisher:

@@ -1,4 +1,5 @@
-"""The settings of one fake worker: its identity, its shape, and its starting behaviour."""
+"""The settings of one fake worker: its identity, its shape, its starting behaviour, and
+where its KV-event publisher binds."""
 
 from __future__ import annotations
 
@@ -47,9 +48,17 @@ class FakeWorkerSettings:
     """vLLM's context length (`--engine vllm`): what `/v1/models` and `/tokenize` report and
     the bound on `max_tokens`. 2048 is the tiny model's of the engine tests
     (docs/real-engines.md); `--engine sglang` keeps its own `context_length`."""
+    kv_events: bool = False
+    """Publish the prefix cache's KV events (`router.fake_worker.kv_publisher`) on two
+    ports the kernel picks, listed on `/kv_event_sources`. Needs the prefix cache
+    (`cache_tokens`)."""
     kv_events_port: int = 0
-    """The KV-event PUB port (replay ROUTER at port + 1); 0: no events
-    (`router.fake_worker.kv_publisher`). Needs the prefix cache (`cache_tokens`)."""
+    """The KV-event PUB port instead (replay ROUTER at port + 1); implies `kv_events`.
+    0: the kernel's choice, when `kv_events` is on."""
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.kv_events or self.kv_events_port > 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -76,8 +85,9 @@ class FakeWorkerSettings:
             raise ValueError(
                 f"kv_events_port must be between 0 and 65534, got {self.kv_events_port}"
             )
-        if self.kv_events_port and not self.cache_tokens:
-            raise ValueError("kv_events_port needs a prefix cache: set cache_tokens")
+        if self.publishes_kv_events and not self.cache_tokens:
+            what = "kv_events_port" if self.kv_events_port else "kv_events"
+            raise ValueError(f"{what} needs a prefix cache: set cache_tokens")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not self.prefill_us_per_token >= 0:
@@ -98,3 +108,28 @@ class FakeWorkerSettings:
             fail_mode=FailMode(self.fail_mode),
             fail_after_chunks=self.fail_after_chunks,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class KvPublisherSettings:
+    """Where the fake's KV-event publisher (`router.fake_worker.kv_publisher`) binds."""
+
+    endpoint: str
+    """Where the PUB socket binds, e.g. `tcp://127.0.0.1:5557` (`*` port: any)."""
+    replay_endpoint: str | None
+    """Where the replay ROUTER binds; None: no replay socket."""
+    buffer_steps: int = 10_000
+    """Batches kept for replay (vLLM's default)."""
+    dp_rank: int = 0
+    topic: bytes = b""
+
+
+def publisher_settings(settings: FakeWorkerSettings) -> KvPublisherSettings:
+    """`--kv-events-port P`: PUB on the worker's host at P, replay at P + 1; `--kv-events`
+    alone: two ports the kernel picks (ZMQ's `*` port), so no two workers can collide."""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    port = settings.kv_events_port
+    return KvPublisherSettings(
+        endpoint=f"tcp://{host}:{port or '*'}",
+        replay_endpoint=f"tcp://{host}:{port + 1 if port else '*'}",
+    )

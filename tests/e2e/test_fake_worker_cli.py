@@ -10,7 +10,9 @@ import sys
 import httpx
 import pytest
 import trio
+import zmq
 
+from router.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
 from tests.support.cli_process import REPO, read_line, run_cli
 
 
@@ -93,3 +95,44 @@ async def test_bad_arguments_fail_at_parsing_with_status_2(args: list[str], comp
     assert result.returncode == 2
     assert complaint in result.stderr.decode()
     assert result.stdout == b""
+
+
+async def test_kv_events_bind_ports_the_kernel_picks_and_the_listing_names_them(
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Two fakes with `--kv-events` on one host: each binds two ports of its own (no
+    collision is possible), prints them, and `/kv_event_sources` lists exactly those; the
+    listed replay socket is the live one: it replays the batch of a request just served."""
+    args = ("--engine", "vllm", "--cache-tokens", "1024", "--kv-events")
+    processes = [await _start(*args), await _start(*args)]
+    ports: list[int] = []
+    try:
+        for process in processes:
+            assert process.stdout is not None
+            with trio.fail_after(20):
+                published = (await read_line(process.stdout)).split()
+                url = (await read_line(process.stdout)).split()[-1]
+            pub, replay = published[5].rstrip(","), published[-1]
+            async with httpx.AsyncClient(base_url=url) as client:
+                listing = (await client.get("/kv_event_sources")).json()
+                assert listing["0"]["endpoint"] == pub
+                assert listing["0"]["replay_endpoint"] == replay
+                body = {"model": "fake-model", "prompt": list(range(100, 132)), "max_tokens": 1}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+            ports += [int(pub.rsplit(":", 1)[1]), int(replay.rsplit(":", 1)[1])]
+            dealer = zmq_context.socket(zmq.DEALER)
+            try:
+                dealer.connect(replay)
+                dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+                with trio.fail_after(10):
+                    first = await recv_multipart(dealer, socket_fd(dealer))
+                    end = await recv_multipart(dealer, socket_fd(dealer))
+            finally:
+                close_socket(dealer)
+            assert first[1] == (0).to_bytes(8, "big") and b"BlockStored" in first[2]
+            assert end[1] == (-1).to_bytes(8, "big", signed=True)
+    finally:
+        for process in processes:
+            process.kill()
+            await process.wait()
+    assert len(set(ports)) == 4 and 0 not in ports

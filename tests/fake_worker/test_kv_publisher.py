@@ -15,14 +15,13 @@ import zmq
 
 from router.discovery.engine_facts import kv_event_endpoints
 from router.fake_worker.info import kv_event_sources
-from router.fake_worker.kv_publisher import (
-    KvEventPublisher,
+from router.fake_worker.kv_publisher import KvEventPublisher, serve_kv_publisher
+from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, tokenize
+from router.fake_worker.settings import (
+    FakeWorkerSettings,
     KvPublisherSettings,
     publisher_settings,
-    serve_kv_publisher,
 )
-from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, tokenize
-from router.fake_worker.settings import FakeWorkerSettings
 from router.fleet.records import KvEventEndpoint
 from router.kv_events import (
     KvEventSource,

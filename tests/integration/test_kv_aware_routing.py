@@ -13,12 +13,9 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.cli.serve import RunningRouter
-from router.fake_worker.kv_publisher import (
-    KvEventPublisher,
-    KvPublisherSettings,
-    serve_kv_publisher,
-)
+from router.fake_worker.kv_publisher import KvEventPublisher, serve_kv_publisher
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache
+from router.fake_worker.settings import KvPublisherSettings
 from router.fleet.records import KvEventEndpoint
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
