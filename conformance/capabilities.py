@@ -27,6 +27,7 @@ CAPABILITIES: Mapping[str, str] = {
     "policy.power_of_two": "two random candidates, the less loaded one",
     "policy.consistent_hash": "the same session or prompt lands on the same worker",
     "policy.cache_aware": "the SGLang gateway's cache-aware policy and its threshold flags",
+    "policy.kv_aware": "routing by the KV-cache events the engines publish (vLLM's ZMQ events, found on /kv_event_sources)",
     "cache_aware.smallest_tree": "cache_aware below its threshold picks the worker whose tree is smallest",
     # Prefill/decode disaggregation
     "pd": "prefill and decode pools, both legs of a request",

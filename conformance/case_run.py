@@ -20,6 +20,7 @@ from conformance.model import (
     FaultStep,
     FleetChangeStep,
     PollStep,
+    RequestSpec,
     SendStep,
     SetBehaviourStep,
     StreamingStep,
@@ -95,7 +96,9 @@ async def drive_steps(run: CaseRun) -> list[str]:
                 nursery.start_soon(collect, step, done, answers, started)
             elif isinstance(step, SendStep):
                 before = await settled_routing(fleet, client) if step.expect.reads_workers else None
-                answers = await send_many(client, run.url, step.request, model)
+                answers = await send_many(
+                    client, target_url(run, step.request), step.request, model
+                )
                 lines = check_answers(step.expect, run.noted(f"step {index} {step.label}", answers))
                 if before is not None:
                     after = await settled_routing(fleet, client)
@@ -115,6 +118,13 @@ async def drive_steps(run: CaseRun) -> list[str]:
             if problems:
                 raise CaseError(f"after step {index}: " + "\n".join(problems))
     return failures
+
+
+def target_url(run: CaseRun, request: RequestSpec) -> str:
+    """Where a send goes: the plane, or the fleet worker it names (past the plane)."""
+    if request.worker is None:
+        return run.url
+    return next(worker.url for worker in run.fleet if worker.name == request.worker)
 
 
 async def streaming(started: Progress, case: Case, step: StreamingStep) -> list[str]:

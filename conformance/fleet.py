@@ -31,6 +31,8 @@ LISTENING = re.compile(r"fake-worker listening on (http://\S+)")
 # Prefill workers advertise a bootstrap port nobody listens on (KV transfer is not faked).
 FIRST_BOOTSTRAP_PORT = 20000
 START_TIMEOUT_S = 20.0
+# The prefix cache of a worker with `kv_events`: room for every prompt a case sends it.
+KV_CACHE_TOKENS = 65536
 
 
 class FleetError(RuntimeError):
@@ -223,6 +225,9 @@ def worker_argv(
     ]
     if bootstrap_port is not None:
         argv += ["--bootstrap-port", str(bootstrap_port)]
+    if spec.kv_events:
+        # vLLM's engine kind: `/kv_event_sources` is where a plane learns the publisher.
+        argv += ["--engine", "vllm", "--cache-tokens", str(KV_CACHE_TOKENS), "--kv-events"]
     return argv
 
 

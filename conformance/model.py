@@ -26,7 +26,15 @@ ROUTES = {
 # How an error is written down: OpenAI's `{"error": {...}}` or Anthropic's
 # `{"type": "error", "error": {"type", "message"}}` (bodies and a stream's error event).
 ERROR_SHAPES = ("openai", "anthropic")
-POLICIES = ("round_robin", "random", "least_load", "power_of_two", "consistent_hash", "cache_aware")
+POLICIES = (
+    "round_robin",
+    "random",
+    "least_load",
+    "power_of_two",
+    "consistent_hash",
+    "cache_aware",
+    "kv_aware",
+)
 ALL_OPEN_MODES = ("dispatch", "reject")
 FAIL_MODES = ("status", "reset", "hang", "garbage", "midstream")
 STREAM_ENDS = ("done", "error", "truncated")
@@ -87,6 +95,9 @@ class WorkerSpec:
     bootstrap_port: int | None = None
     status: str = "active"
     behaviour: Mapping[str, Any] = field(default_factory=dict)
+    kv_events: bool = False
+    """Keeps a prefix cache and publishes its KV-cache events as vLLM does (ZMQ, a replay
+    socket, `/kv_event_sources`): what `kv_aware` routes by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +225,9 @@ class RequestSpec:
     raw: RawBody | None = None
     # Started and left running under this name; an `await` step collects the answers.
     background: str | None = None
+    # Sent to this fake worker itself, past the plane, as another router's request would
+    # be: what the worker's cache then holds, the plane never saw.
+    worker: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,6 +153,8 @@ class CaseReader:
                 if worker.role != "mixed"
                 else f"has dp_size {worker.dp_size}"
                 if worker.dp_size != 1
+                else "publishes KV events (kv_events)"
+                if worker.kv_events
                 else None
             )
             if problem is not None:

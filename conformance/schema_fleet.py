@@ -21,7 +21,7 @@ from conformance.model import (
 )
 from conformance.nodes import NodeReader, join
 
-WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour")
+WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour", "kv_events")
 
 
 class FleetReader:
@@ -76,6 +76,9 @@ class FleetReader:
             if "status" in m
             else "active",
             behaviour=behaviour,
+            kv_events=r.boolean(m["kv_events"], join(field, "kv_events"))
+            if "kv_events" in m
+            else False,
         )
 
     def behaviour(self, node: Node, field: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ REQUEST_FIELDS = (
     "timeout_s",
     "raw",
     "background",
+    "worker",
 )
 POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "within_s", "interval_s")
 RAW_FIELDS = ("text", "nested", "size", "content_type")
@@ -136,6 +137,7 @@ class RequestReader:
             background=r.string(m["background"], join(field, "background"))
             if "background" in m
             else None,
+            worker=r.string(m["worker"], join(field, "worker")) if "worker" in m else None,
         )
 
     def expect(

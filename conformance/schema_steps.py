@@ -100,6 +100,19 @@ class StepReader:
         if action == "send":
             request = self.requests.request(m["send"], where)
             expect = self.requests.expect(m.get("expect"), join(field, "expect"), names, request)
+            if request.worker is not None:
+                if request.worker not in names:
+                    raise r.fail(
+                        m["send"],
+                        join(where, "worker"),
+                        f"{request.worker!r} is not a worker of the fleet",
+                    )
+                if request.background is not None:
+                    raise r.fail(
+                        m["send"],
+                        join(where, "worker"),
+                        "a request sent to a worker itself is not a background send",
+                    )
             if request.background is not None:
                 if "expect" in m:
                     raise r.fail(

@@ -55,6 +55,7 @@ class PythonPlane(Plane):
             "discovery.kubernetes",
             "policy.cache_aware",
             "cache_aware.smallest_tree",
+            "policy.kv_aware",
             # Every route of the engines' APIs, and a body limit (`--max-body-bytes`).
             *(
                 f"route.{name}"

@@ -93,6 +93,7 @@ class VllmRouterPlane(SmgPlane):
         "discovery.kubernetes": "it has --service-discovery (Kubernetes Pods); the Kubernetes cases have not "
         "been mapped to it or run against it yet",
         "policy.cache_aware": "it has a cache_aware policy; the cache_aware cases have not been run against it yet",
+        "policy.kv_aware": "it has a kv_aware policy; the kv_aware cases have not been mapped to it or run against it yet",
         "auth.client_key": "its --api-key is the key it sends to workers, not one it asks of clients: "
         "with --api-key set, requests without an Authorization header were served (200) and dispatched",
     }

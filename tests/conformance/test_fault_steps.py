@@ -88,6 +88,31 @@ def test_fault_and_streaming_steps_and_the_fleet_kinds_load(tmp_path: Path) -> N
         (ENGINES.replace("  b: {}", "  b: {dp_size: 2}"), 6, "fleet.b", "has dp_size 2"),
         (ENGINES.replace("  b: {}", "  b: {model: other}"), 6, "fleet.b", "serves 'other'"),
         (
+            ENGINES.replace("  b: {}", "  b: {kv_events: true}"),
+            6,
+            "fleet.b",
+            "publishes KV events (kv_events); a real engine (fleets: vllm) cannot",
+        ),
+        (
+            ENGINES.replace("  b: {}", "  b: {kv_events: sometimes}"),
+            6,
+            "fleet.b.kv_events",
+            "must be true or false",
+        ),
+        # A request sent to a worker itself, past the plane.
+        (
+            ENGINES.replace("  - fault: {worker: a, action: kill}", "  - send: {worker: c}"),
+            10,
+            "steps[2].send.worker",
+            "'c' is not a worker of the fleet",
+        ),
+        (
+            ENGINES.replace("background: long}", "background: long, worker: a}"),
+            8,
+            "steps[0].send.worker",
+            "is not a background send",
+        ),
+        (
             ENGINES.replace("fleets: [fake, vllm]\n", "fleets: [fake, vllm]\nmodel: other\n"),
             4,
             "model",

@@ -105,6 +105,7 @@ class NoBodyLimit(PythonPlane):
                 "breaker/success-resets-count",
                 "classification/4xx-verbatim-no-failover",
                 "failover/single-attempt-no-retry",
+                "kv_aware/blocks-held-elsewhere-attract",
             ],
             ["classification/unknown-model-404"],
         ),
