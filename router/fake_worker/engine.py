@@ -120,6 +120,7 @@ class FakeWorker:
         self.prefix_cache = (
             PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
         )
+        self._held: trio.Event | None = None
         self.kv_endpoints: tuple[str, str | None] | None = None
         """The KV-event publisher's PUB and replay endpoints once it listens (whoever
         starts the publisher sets them); `/kv_event_sources` lists them."""
@@ -286,6 +287,8 @@ class FakeWorker:
         load.prompt_tokens += gen.prompt_tokens
         load.cached_tokens += gen.cached_tokens or 0
         try:
+            if self._held is not None:
+                await self._held.wait()
             if gen.stream:
                 await self._stream(writer, gen, load)
             else:
@@ -294,6 +297,19 @@ class FakeWorker:
             load.running -= 1
             if limiter is not None:
                 limiter.release()
+
+    def hold_answers(self) -> None:
+        """From now on generation requests wait, in flight, until `release_answers`: an
+        in-process test's gate for "a whole burst in flight at once" that no machine load
+        opens early, as a long time to first token would."""
+        if self._held is None:
+            self._held = trio.Event()
+
+    def release_answers(self) -> None:
+        """Every held request goes on, and new ones are no longer held."""
+        if self._held is not None:
+            self._held.set()
+            self._held = None
 
     def _prefill(self, api: Api, body: object, gen: Generation) -> Generation:
         """The prompt as the prefix cache sees it: its tokens, those cached, the prefill time."""

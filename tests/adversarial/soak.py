@@ -48,6 +48,9 @@ class SoakReport:
     lost_examples: list[str] = field(default_factory=list)
     dispatches_at_reset_worker: int = 0
     dispatches_at_wedged_worker: int = 0
+    first_burst_at_reset_worker: int | None = None
+    """Its dispatches once its breaker opened and its count settled; None: never opened."""
+    first_burst_at_wedged_worker: int | None = None
     inflight_after: dict[str, int] = field(default_factory=dict)
     connections_in_use_after: int | None = None
     connections_idle_after: int | None = None
@@ -243,6 +246,7 @@ async def run_soak(duration_s: float, streams: int) -> SoakReport:
                 async with trio.open_nursery() as clients:
                     for index in range(streams):
                         clients.start_soon(_client_loop, address, index, until, report)
+                    clients.start_soon(_first_bursts, http, resetting, wedged, until, report)
                     await trio.sleep(duration_s * 0.2)
                     report.rss_after_warmup_kib = _rss_kib(router.pid)
                 await _wait_idle(http, workers)
@@ -268,6 +272,35 @@ async def run_soak(duration_s: float, streams: int) -> SoakReport:
                     ).json()["dispatches"]
         nursery.cancel_scope.cancel()
     return report
+
+
+async def _first_bursts(
+    http: httpx.AsyncClient, resetting: str, wedged: str, until: float, report: SoakReport
+) -> None:
+    """Each bad worker's dispatches at the end of the first burst: once the router shows
+    its breaker open and the worker's own count stopped moving (requests sent before
+    the breaker opened have arrived). From then on only the breaker's probes reach it."""
+    bad = {resetting: "first_burst_at_reset_worker", wedged: "first_burst_at_wedged_worker"}
+    async with httpx.AsyncClient(timeout=5) as direct:
+        with trio.move_on_at(until):
+            while bad:
+                scrape = (await http.get("/metrics")).text
+                for url in list(bad):
+                    state = _gauge(scrape, "router_worker_breaker_state", f'{{worker="{url}"}}')
+                    if state == 1:
+                        count = await _settled_dispatches(direct, url)
+                        setattr(report, bad.pop(url), count)
+                await trio.sleep(0.05)
+
+
+async def _settled_dispatches(direct: httpx.AsyncClient, url: str) -> int:
+    previous = -1
+    while True:
+        count = int((await direct.get(url + "/debug/routing")).json()["dispatches"])
+        if count == previous:
+            return count
+        previous = count
+        await trio.sleep(0.5)
 
 
 async def _wait_idle(http: httpx.AsyncClient, workers: list[str], timeout_s: float = 15) -> None:

@@ -4,17 +4,30 @@ against a resetting worker and a 503-wedged one, a fifth of the clients leaving 
 
 from __future__ import annotations
 
+import math
+
 import trio
 
 from tests.adversarial.soak import run_soak
 
+DURATION_S = 10
+STREAMS = 200
+BREAKER_COOLDOWN_S = 5.0  # the router's default (`--breaker-cooldown-s`)
+
 
 async def test_ten_second_soak_loses_nothing_and_keeps_nothing() -> None:
     with trio.fail_after(120):
-        report = await run_soak(duration_s=10, streams=200)
+        report = await run_soak(duration_s=DURATION_S, streams=STREAMS)
     assert report.problems() == []
     assert report.sent > 200 and report.left_by_client > 0
     # Round robin without breakers would send a quarter of all first attempts to each bad
-    # worker; the breakers keep them to the first burst and the probes.
-    assert report.dispatches_at_reset_worker < report.sent * 0.1
-    assert report.dispatches_at_wedged_worker < report.sent * 0.1
+    # worker; the breakers keep them to the first burst (at most one request per client
+    # in flight) and the probes after it: one per cooldown (5 s, doubling on failure).
+    probes = math.ceil(DURATION_S / BREAKER_COOLDOWN_S) + 1
+    for first_burst, total in (
+        (report.first_burst_at_reset_worker, report.dispatches_at_reset_worker),
+        (report.first_burst_at_wedged_worker, report.dispatches_at_wedged_worker),
+    ):
+        assert first_burst is not None, "the breaker never opened"
+        assert first_burst <= STREAMS
+        assert total - first_burst <= probes, (first_burst, total)

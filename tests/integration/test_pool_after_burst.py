@@ -72,14 +72,17 @@ async def test_after_a_burst_the_pool_keeps_its_bound_and_reuses_it() -> None:
             await _c1_traffic(c1)
             assert pool.statistics().opened == 1  # c1 traffic rides one pooled connection
 
-            # Each answer waits long enough for the whole burst to be in flight at once
-            # (checked below from the worker's own count, not assumed from the time).
-            fleet[0].worker.behaviour.ttft_ms = 3000
+            # Every answer waits until the whole burst is in flight at once, by the
+            # worker's own count: an event, whatever the machine's load.
+            worker = fleet[0].worker
+            worker.hold_answers()
             statuses: list[int] = []
             async with trio.open_nursery() as nursery:
                 for _ in range(BURST):
                     nursery.start_soon(_one_of_the_burst, router.port, statuses)
-            fleet[0].worker.behaviour.ttft_ms = 0
+                while worker.routing.inflight < BURST:
+                    await trio.sleep(0.01)
+                worker.release_answers()
             burst = await _settled(pool)
 
             await _c1_traffic(c1)
