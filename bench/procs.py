@@ -27,6 +27,11 @@ NOFILE_WANTED = 65536
 STOP_GRACE_S = 3.0
 
 
+# A process starts in about a second on a quiet machine; a CI run's smoke test once saw
+# over 30 s at load 18 (three engines beside the suite). Only a bound on a hang.
+START_TIMEOUT_S = 90.0
+
+
 class BenchError(RuntimeError):
     """The bench cannot go on: a process did not start, a tool is missing."""
 
@@ -126,7 +131,9 @@ class Proc:
         except OSError:
             return ""
 
-    def wait_for_log(self, pattern: str, count: int = 1, timeout_s: float = 30.0) -> list[str]:
+    def wait_for_log(
+        self, pattern: str, count: int = 1, timeout_s: float = START_TIMEOUT_S
+    ) -> list[str]:
         """The first `count` matches of `pattern` in the log, polled until `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -138,7 +145,7 @@ class Proc:
                 raise BenchError(f"{self.name}: no {pattern!r} within {timeout_s}s\n{self._tail()}")
             time.sleep(0.05)
 
-    def wait_for_answer(self, url: str, body: bytes, timeout_s: float = 30.0) -> None:
+    def wait_for_answer(self, url: str, body: bytes, timeout_s: float = START_TIMEOUT_S) -> None:
         """Poll `url` with a POST of `body` until it answers 200."""
         deadline = time.monotonic() + timeout_s
         last = ""

@@ -53,7 +53,7 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=False,
     )
     assert completed.returncode == 0, completed.stderr + completed.stdout
@@ -108,7 +108,7 @@ def test_the_tracing_cost_bench_prints_both_figures() -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=True,
     )
     assert re.search(rf"^tracing off: {NUMBER} us per request", result.stdout, re.M), result.stdout
