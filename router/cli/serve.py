@@ -52,13 +52,8 @@ from router.pipeline.dispatch import Timeouts
 from router.pipeline.service import FailoverSettings, GenerationService
 from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
-from router.policies.kv_aware import (
-    HfTokenizer,
-    KvAware,
-    KvAwareCollector,
-    KvAwareSettings,
-    KvPolicyInputs,
-)
+from router.policies.kv_aware import HfTokenizer, KvAware, KvAwareSettings, KvPolicyInputs
+from router.policies.kv_aware_metrics import KvAwareCollector
 
 log = logging.getLogger("router")
 EXIT_BAD_SETTINGS = 2

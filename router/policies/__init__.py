@@ -2,7 +2,8 @@
 
 from router.policies.by_name import POLICY_NAMES, make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
-from router.policies.kv_aware import KvAware, KvAwareCollector, KvAwareSettings, KvPolicyInputs
+from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs
+from router.policies.kv_aware_metrics import KvAwareCollector
 from router.policies.policy import Policy, PolicyKey, pick_excluding
 from router.policies.routing_keys import routing_key, routing_text
 

@@ -33,17 +33,14 @@ Pure and synchronous: `clock` (the caller's, trio's in the router) is read once 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from router.fleet.records import Role
 from router.fleet.registry import Worker
-from router.kv_events.fleet_views import KvEventsStatistics, KvIndexes
+from router.kv_events.fleet_views import KvIndexes
 from router.kv_events.index import MatchResult, ViewId
 from router.policies.chat_request import NotRendered
 from router.policies.chat_template import ChatTemplate, TemplateFailed
@@ -198,6 +195,8 @@ class KvAware:
         "indexes",
         "no_prediction",
         "picks",
+        "predicted_hit_tokens",
+        "predicted_prompt_tokens",
         "predictions",
         "settings",
         "tokenizer",
@@ -223,6 +222,10 @@ class KvAware:
         self.picks: dict[str, int] = dict.fromkeys(PICK_REASONS, 0)
         self.unknown_candidates = 0
         """Candidates scored as holding nothing because their views are unknown."""
+        self.predicted_prompt_tokens = 0
+        """Tokens of the requests predicted."""
+        self.predicted_hit_tokens = 0
+        """Of those, the ones the chosen engine should find in its prefix cache."""
 
     def pick(self, key: RequestKey, candidates: Sequence[Worker]) -> Worker:
         return self.pick_ranked(key, candidates)[0]
@@ -272,6 +275,13 @@ class KvAware:
                 best, best_score, best_view, best_held = worker, score, view, held
         assert best is not None
         self.picks["match" if best_held > 0 else "load"] += 1
+        self.predicted_prompt_tokens += len(tokens)
+        # What the engine's prefix cache will count as hits: whole blocks, and never the
+        # last prompt token (an engine always computes it, so a fully cached prompt
+        # gives back its last block).
+        block_size = index.block_size or 0
+        hit_blocks = min(best_held, (len(tokens) - 1) // block_size) if block_size else 0
+        self.predicted_hit_tokens += hit_blocks * block_size
         if best_view is None:
             return best, None
         index.note_routed(keys, best_view[0], best_view[1], now)
@@ -304,121 +314,11 @@ class KvAware:
         stats = {
             "predictions": self.predictions,
             "unknown_candidates": self.unknown_candidates,
+            "predicted_prompt_tokens": self.predicted_prompt_tokens,
+            "predicted_hit_tokens": self.predicted_hit_tokens,
         }
         for reason, count in self.no_prediction.items():
             stats[f"no_prediction_{reason}"] = count
         for reason, count in self.picks.items():
             stats[f"picks_by_{reason}"] = count
         return stats
-
-
-_NO_STREAMS = KvEventsStatistics(
-    subscriptions=0,
-    events={},
-    batches=0,
-    decode_errors=0,
-    unknown_event_types=0,
-    replays=0,
-    replay_failures=0,
-    gaps=0,
-    restarts=0,
-    reconnects=0,
-    disconnects=0,
-    unknown_views=0,
-)
-
-
-class KvAwareCollector(Collector):
-    """The kv_aware policies' decisions, one series per role whose policy it is, and the
-    event streams and indexes behind them (read at scrape time)."""
-
-    def __init__(
-        self,
-        policies: Mapping[Role, KvAware],
-        events: Callable[[], KvEventsStatistics] | None = None,
-        indexes: KvIndexes | None = None,
-    ) -> None:
-        self._policies = policies
-        self._events = events
-        self._indexes = indexes
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        predictions = CounterMetricFamily(
-            "router_kv_aware_predictions",
-            "kv_aware requests whose blocks were looked up in the engines' own KV index",
-            labels=["role"],
-        )
-        missing = CounterMetricFamily(
-            "router_kv_aware_no_prediction",
-            "kv_aware requests placed by load alone, by why: no_tokens (text without --kv-tokenizer, batches), chat_template (chat not rendered here: no template, Anthropic Messages, media, ...), template_error (the chat template raised or ran past its bounds), no_index (no event of the model yet), short_prompt (under one block)",
-            labels=["role", "reason"],
-        )
-        picks = CounterMetricFamily(
-            "router_kv_aware_picks",
-            "kv_aware picks by reason: match (the winner holds blocks), load (no candidate's held blocks outweighed its load), no_prediction",
-            labels=["role", "reason"],
-        )
-        unknown = CounterMetricFamily(
-            "router_kv_aware_unknown_candidates",
-            "Candidates scored as holding nothing because their engine's view is unknown or not subscribed",
-            labels=["role"],
-        )
-        for role, policy in self._policies.items():
-            stats = policy.statistics()
-            predictions.add_metric([role.value], stats["predictions"])
-            unknown.add_metric([role.value], stats["unknown_candidates"])
-            for reason in NO_PREDICTION_REASONS:
-                missing.add_metric([role.value, reason], stats[f"no_prediction_{reason}"])
-            for reason in PICK_REASONS:
-                picks.add_metric([role.value, reason], stats[f"picks_by_{reason}"])
-        yield predictions
-        yield missing
-        yield picks
-        yield unknown
-        streams = self._events() if self._events is not None else _NO_STREAMS
-        subscriptions = GaugeMetricFamily(
-            "router_kv_events_subscriptions", "KV event subscriptions running (worker ranks)"
-        )
-        subscriptions.add_metric([], streams.subscriptions)
-        yield subscriptions
-        events = CounterMetricFamily(
-            "router_kv_events_received",
-            "KV-cache events applied to the index, by type",
-            labels=["type"],
-        )
-        for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-            events.add_metric([kind], streams.events.get(kind, 0))
-        yield events
-        for name, help_text in (
-            ("batches", "KV event batches applied"),
-            ("decode_errors", "KV event messages that could not be decoded"),
-            ("unknown_event_types", "KV events of a type the router does not know (ignored)"),
-            ("replays", "Replays asked of the engines' replay sockets"),
-            ("replay_failures", "Replays that got no answer in time"),
-            ("gaps", "Sequence gaps seen on the live streams"),
-            ("restarts", "Engine restarts seen (sequence back to 0)"),
-            ("reconnects", "Reconnects of a subscription to its publisher"),
-            ("disconnects", "Connections to a publisher lost (the view unknown until replayed)"),
-            ("unknown_views", "Times a worker rank's view became unknown"),
-        ):
-            family = CounterMetricFamily(f"router_kv_events_{name}", help_text)
-            family.add_metric([], getattr(streams, name))
-            yield family
-        if self._indexes is not None:
-            entries = GaugeMetricFamily(
-                "router_kv_index_entries",
-                "(worker rank, block) entries held by the KV index, per model",
-                labels=["model"],
-            )
-            views = GaugeMetricFamily(
-                "router_kv_index_views",
-                "Worker-rank views of the KV index, per model and state",
-                labels=["model", "state"],
-            )
-            for model, index in self._indexes.items():
-                held = index.statistics()
-                entries.add_metric([model], held.entries)
-                views.add_metric([model, "known"], held.views_known)
-                views.add_metric([model, "unknown"], held.views_unknown)
-            yield entries
-            yield views

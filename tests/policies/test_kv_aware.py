@@ -16,6 +16,7 @@ from router.kv_events import AllBlocksCleared, BlockStored
 from router.kv_events.fleet_views import KvIndexes
 from router.policies.by_name import POLICY_NAMES, make_policy
 from router.policies.kv_aware import HfTokenizer, KvAware, KvAwareSettings, request_tokens
+from router.policies.kv_aware_metrics import KvAwareCollector
 from router.policies.policy import PolicyKey
 
 BS = 4
@@ -253,3 +254,25 @@ def test_a_tokenizer_file_that_cannot_be_loaded_is_refused(tmp_path: Path) -> No
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="cannot load"):
         HfTokenizer(str(bad))
+
+
+def test_the_predicted_hits_are_what_the_engines_prefix_cache_will_count() -> None:
+    """Whole held blocks of the chosen worker, never the prompt's last token (an engine
+    always computes it): the numerator of the router's match rate, on /metrics."""
+    policy, indexes, fleet, _ = setup(0, 0)
+    store(indexes, "w1", tokens(0, 10))
+    policy.pick(ids_key([*tokens(0, 8), 9999, 9998]), fleet)  # 8 held blocks + 2 of its own
+    assert policy.statistics()["predicted_hit_tokens"] == 8 * BS
+    policy.pick(ids_key(tokens(0, 10)), fleet)  # all 10 held: the last block is computed
+    policy.pick(ids_key(tokens(500, 3)), fleet)  # held nowhere
+    stats = policy.statistics()
+    assert stats["predicted_hit_tokens"] == 8 * BS + 9 * BS
+    assert stats["predicted_prompt_tokens"] == (8 * BS + 2) + 10 * BS + 3 * BS
+    families = {
+        family.name: family
+        for family in KvAwareCollector({Role.MIXED: policy}, indexes=indexes).collect()
+    }
+    (hits,) = families["router_kv_aware_predicted_hit_tokens"].samples
+    (prompt,) = families["router_kv_aware_prompt_tokens"].samples
+    assert (hits.labels, hits.value) == ({"role": "mixed"}, 17 * BS)
+    assert prompt.value == stats["predicted_prompt_tokens"]
