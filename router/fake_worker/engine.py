@@ -121,6 +121,8 @@ class FakeWorker:
             PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
         )
         self._held: trio.Event | None = None
+        self._held_waiting = 0
+        self._held_until: int | None = None
         self.kv_endpoints: tuple[str, str | None] | None = None
         """The KV-event publisher's PUB and replay endpoints once it listens (whoever
         starts the publisher sets them); `/kv_event_sources` lists them."""
@@ -287,8 +289,12 @@ class FakeWorker:
         load.prompt_tokens += gen.prompt_tokens
         load.cached_tokens += gen.cached_tokens or 0
         try:
-            if self._held is not None:
-                await self._held.wait()
+            held = self._held
+            if held is not None:
+                self._held_waiting += 1
+                if self._held_until is not None and self._held_waiting >= self._held_until:
+                    self.release_answers()
+                await held.wait()
             if gen.stream:
                 await self._stream(writer, gen, load)
             else:
@@ -298,18 +304,22 @@ class FakeWorker:
             if limiter is not None:
                 limiter.release()
 
-    def hold_answers(self) -> None:
-        """From now on generation requests wait, in flight, until `release_answers`: an
-        in-process test's gate for "a whole burst in flight at once" that no machine load
-        opens early, as a long time to first token would."""
+    def hold_answers(self, until: int | None = None) -> None:
+        """From now on generation requests wait, in flight, until `release_answers`, or
+        with `until` until that many wait: an in-process test's gate for "a whole burst
+        in flight at once" that no machine load opens early, as a long time to first
+        token would."""
         if self._held is None:
             self._held = trio.Event()
+            self._held_waiting = 0
+        self._held_until = until
 
     def release_answers(self) -> None:
         """Every held request goes on, and new ones are no longer held."""
         if self._held is not None:
             self._held.set()
             self._held = None
+            self._held_until = None
 
     def _prefill(self, api: Api, body: object, gen: Generation) -> Generation:
         """The prompt as the prefix cache sees it: its tokens, those cached, the prefill time."""

@@ -74,15 +74,11 @@ async def test_after_a_burst_the_pool_keeps_its_bound_and_reuses_it() -> None:
 
             # Every answer waits until the whole burst is in flight at once, by the
             # worker's own count: an event, whatever the machine's load.
-            worker = fleet[0].worker
-            worker.hold_answers()
+            fleet[0].worker.hold_answers(until=BURST)
             statuses: list[int] = []
             async with trio.open_nursery() as nursery:
                 for _ in range(BURST):
                     nursery.start_soon(_one_of_the_burst, router.port, statuses)
-                while worker.routing.inflight < BURST:
-                    await trio.sleep(0.01)
-                worker.release_answers()
             burst = await _settled(pool)
 
             await _c1_traffic(c1)
