@@ -195,7 +195,12 @@ class AttemptRunner:
         candidate was tried."""
         generation = ctx.generation
         key = PolicyKey(
-            generation.model, role, ctx.key_bytes, generation.routing_text, generation.body
+            generation.model,
+            role,
+            ctx.key_bytes,
+            generation.routing_text,
+            generation.body,
+            generation.route,
         )
         # A policy that also chooses the DP rank (kv_aware: the rank holding the prompt's
         # blocks) has a `pick_ranked`.

@@ -40,10 +40,13 @@ Responses bodies are rendered when their `input` is a string or a list of plain 
 (role and text content), without `previous_response_id`, `conversation`, `prompt`,
 tools or reasoning: vLLM turns them into chat messages (`instructions` first, as a system
 message) and tokenizes the prompt with special tokens added (`chat_from_responses`).
+Anthropic Messages bodies (the `messages` route) are rendered when they are text only,
+without tools, `output_config`, disabled thinking or system messages inside `messages`
+(vLLM probes the template for those two): vLLM turns them into a chat request, `system`
+first (`chat_from_messages`).
 
 `NotRendered` (counted as `chat_template`): what the router does not reproduce. No
-template; Anthropic Messages bodies (vLLM converts them after probing the template for
-its handling of thinking and of inline system messages); media parts; a request's own
+template; Messages bodies of the shapes above; media parts; a request's own
 `chat_template`; `truncate_prompt_tokens`; decode-side `kv_transfer_params` token ids;
 anything of a type the engine would refuse. `TemplateFailed` (`template_error`): the
 template raised (`raise_exception`, an undefined call, a type error) or ran past its
@@ -70,6 +73,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from router.policies.chat_content_format import loops_over_content
+from router.policies.chat_from_messages import read_messages_request
 from router.policies.chat_from_responses import read_responses_request
 from router.policies.chat_messages import template_message, with_developer_as_system
 from router.policies.chat_model_dir import (
@@ -209,12 +213,15 @@ class ChatTemplate:
             names_developer='"developer"' in source or "'developer'" in source,
         )
 
-    def render(self, body: Mapping[str, Any]) -> RenderedPrompt:
-        """The prompt the engine renders for a chat or Responses `body`.
+    def render(self, body: Mapping[str, Any], *, anthropic: bool = False) -> RenderedPrompt:
+        """The prompt the engine renders for a chat or Responses `body`, or with
+        `anthropic` an Anthropic Messages body.
 
         Raises NotRendered when the router does not reproduce this request's rendering,
         TemplateFailed when the template raises or runs past `limits`."""
-        if "messages" not in body:
+        if anthropic:
+            request = read_messages_request(body)
+        elif "messages" not in body:
             request = read_responses_request(body)
         else:
             request = read_chat_request(body)

@@ -10,12 +10,12 @@ computes itself). Per request:
    string and `/generate`'s `text` are encoded with the model's tokenizer when one is
    given (`--kv-tokenizer`: a `tokenizer.json` for the `tokenizers` library, or the
    model's directory holding one; special tokens added as vLLM and SGLang add them).
-   Given the model's directory, chat (and plain Responses) bodies are rendered with the
-   model's chat template as vLLM renders them (`router.policies.chat_template`) and the
-   prompt encoded as vLLM encodes it. A request whose tokens the router cannot compute
-   (text without a tokenizer, chat without a template or of a shape the router does not
-   render, Anthropic Messages, a template that raised for it) gets no prediction and is
-   placed by load alone, counted by reason.
+   Given the model's directory, chat, plain Responses and text-only Messages bodies are
+   rendered with the model's chat template as vLLM renders them
+   (`router.policies.chat_template`) and the prompt encoded as vLLM encodes it. A
+   request whose tokens the router cannot compute (text without a tokenizer, chat
+   without a template or of a shape the router does not render, a template that raised
+   for it) gets no prediction and is placed by load alone, counted by reason.
 2. Its full blocks' keys are matched against the model's index: per known view (worker,
    rank), the consecutive blocks held from the first.
 3. Each candidate costs `overlap_weight x uncached blocks + in-flight requests` (the
@@ -68,10 +68,11 @@ class TextTokenizer(Protocol):
         """The token ids an engine computes for a completions prompt `text`."""
         ...
 
-    def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
-        """The token ids vLLM computes for a chat or Responses `body`; NotRendered when the
-        router does not render it as the engine does, TemplateFailed when the template
-        raises for it or runs past its bounds."""
+    def chat_tokens(self, body: Mapping[str, Any], anthropic: bool = False) -> list[int]:
+        """The token ids vLLM computes for a chat or Responses `body` (an Anthropic
+        Messages body with `anthropic`); NotRendered when the router does not render it as
+        the engine does, TemplateFailed when the template raises for it or runs past its
+        bounds."""
         ...
 
 
@@ -103,10 +104,10 @@ class HfTokenizer:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
-    def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
+    def chat_tokens(self, body: Mapping[str, Any], anthropic: bool = False) -> list[int]:
         if self.chat is None:
             raise NotRendered("no chat template")
-        prompt = self.chat.render(body)
+        prompt = self.chat.render(body, anthropic=anthropic)
         return self.encode(prompt.text, prompt.add_special_tokens)
 
 
@@ -122,14 +123,17 @@ class RequestKey(Protocol):
     @property
     def body(self) -> Mapping[str, Any] | None: ...
 
+    @property
+    def route(self) -> str: ...
+
 
 # Why a request got no prediction (the `reason` label of the counter).
 NO_TOKENS = "no_tokens"
 """The router cannot compute the engine's tokens (text without a tokenizer, batches)."""
 CHAT = "chat_template"
 """Chat, Responses and Messages the router does not render as the engine does: no chat
-template (a `tokenizer.json` alone), Anthropic Messages, a shape it does not reproduce
-(media, a request's own template, ...; `router.policies.chat_template`)."""
+template (a `tokenizer.json` alone), a shape it does not reproduce (media, tools in
+Messages, a request's own template, ...; `router.policies.chat_template`)."""
 TEMPLATE_ERROR = "template_error"
 """The chat template raised for the request, or ran past its render bounds."""
 NO_INDEX = "no_index"
@@ -145,18 +149,18 @@ def is_chat(body: Mapping[str, Any] | None) -> bool:
 
 
 def request_tokens(
-    body: Mapping[str, Any] | None, tokenizer: TextTokenizer | None = None
+    body: Mapping[str, Any] | None, tokenizer: TextTokenizer | None = None, route: str = ""
 ) -> list[int] | None:
     """The token ids the engine computes for `body`: `input_ids` of `/generate`, a
     completions prompt of ids, and with a tokenizer a completions prompt string,
     `/generate`'s `text`, and chat rendered with the model's template. None otherwise
     (a batch of prompts, text without a tokenizer, chat the router does not render)."""
-    tokens = tokens_or_reason(body, tokenizer)
+    tokens = tokens_or_reason(body, tokenizer, route)
     return tokens if isinstance(tokens, list) else None
 
 
 def tokens_or_reason(
-    body: Mapping[str, Any] | None, tokenizer: TextTokenizer | None
+    body: Mapping[str, Any] | None, tokenizer: TextTokenizer | None, route: str = ""
 ) -> list[int] | str:
     """`request_tokens`, or why there are none (one of `NO_PREDICTION_REASONS`)."""
     if body is None:
@@ -165,7 +169,7 @@ def tokens_or_reason(
         if tokenizer is None:
             return CHAT
         try:
-            return tokenizer.chat_tokens(body)
+            return tokenizer.chat_tokens(body, anthropic=route == "messages")
         except NotRendered:
             return CHAT
         except TemplateFailed:
@@ -236,7 +240,7 @@ class KvAware:
         """The pick and, for a rank-multiplexed worker, the DP rank whose view holds the
         longest run (the least loaded of equal runs); None without a prediction, so the
         pipeline takes its least-loaded rank."""
-        found = tokens_or_reason(key.body, self.tokenizer)
+        found = tokens_or_reason(key.body, self.tokenizer, key.route)
         tokens = found if isinstance(found, list) else []
         reason = found if isinstance(found, str) else None
         index = self.indexes.get(key.model)

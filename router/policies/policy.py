@@ -23,6 +23,9 @@ class PolicyKey:
     """The whole prompt (`router.policies.routing_keys`), given only to policies that read it."""
     body: Mapping[str, Any] | None = None
     """The parsed request body (`kv_aware` reads its token ids)."""
+    route: str = ""
+    """The route's label (`chat`, `messages`, ...; `router.api.routes`): `kv_aware` reads
+    a Messages body as Anthropic's, not as a chat body."""
 
 
 class Policy(Protocol):

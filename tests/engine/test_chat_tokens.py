@@ -4,8 +4,9 @@ for each body, the router's ids (the model directory's template rendered by
 chat endpoint reports them (`return_token_ids`) and as its `/tokenize` answers for the same
 messages. Templates other than the model's come with the request (the engine trusts them
 here) and are rendered by the router from the same source, so the dumps of every message
-field, tools and documents are compared too. Responses bodies are held to the engine's
-count of input tokens."""
+field, tools and documents are compared too. Responses and Anthropic Messages bodies are
+held to the engine's count of input tokens and to `/tokenize` of the chat messages the
+engine makes of them."""
 
 from __future__ import annotations
 
@@ -406,4 +407,75 @@ async def test_responses_bodies_are_counted_and_tokenized_as_the_engine_does(
                 if len(ours) != counted or ours != answer:
                     mismatches.append(f"{name}: router {ours} counted {counted} /tokenize {answer}")
     _report("responses, input_tokens and /tokenize", len(RESPONSES_BODIES), mismatches)
+    assert mismatches == []
+
+
+# (name, Messages body, the chat messages vLLM makes of it)
+MESSAGES_BODIES: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = [
+    (
+        "a system string and one turn",
+        {"system": "You are a router.", "messages": [TURNS[1]]},
+        TURNS[:2],
+    ),
+    (
+        "system blocks with a billing header, turns of text blocks",
+        {
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=5"},
+                {"type": "text", "text": "Be brief."},
+            ],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "first part"},
+                        {"type": "text", "text": "second part"},
+                    ],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": "It routes."}]},
+                {"role": "user", "content": "and the cache?"},
+            ],
+        },
+        [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "first part"},
+                    {"type": "text", "text": "second part"},
+                ],
+            },
+            {"role": "assistant", "content": "It routes."},
+            {"role": "user", "content": "and the cache?"},
+        ],
+    ),
+    (
+        "a user message without text left out",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": ""}]},
+                {"role": "user", "content": "hello"},
+            ]
+        },
+        [{"role": "user", "content": "hello"}],
+    ),
+]
+
+
+async def test_messages_bodies_are_counted_and_tokenized_as_the_engine_does(
+    engine: Engine, tokenizer: HfTokenizer
+) -> None:
+    mismatches: list[str] = []
+    with trio.fail_after(300):
+        async with httpx.AsyncClient(timeout=60) as client:
+            for name, body, chat in MESSAGES_BODIES:
+                ours = tokenizer.chat_tokens(body, anthropic=True)
+                request = {"model": MODEL, "max_tokens": 1, "temperature": 0, **body}
+                response = await client.post(f"{engine.url}/v1/messages", json=request)
+                assert response.status_code == 200, response.text
+                counted = response.json()["usage"]["input_tokens"]
+                answer = await _tokenize_ids(client, engine, {"messages": chat})
+                if len(ours) != counted or ours != answer:
+                    mismatches.append(f"{name}: router {ours} counted {counted} /tokenize {answer}")
+    _report("messages, input_tokens and /tokenize", len(MESSAGES_BODIES), mismatches)
     assert mismatches == []

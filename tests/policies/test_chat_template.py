@@ -294,8 +294,8 @@ class InMemoryTokenizer:
         ids: list[int] = self.model.encode(text).ids
         return ids
 
-    def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
-        prompt = self.chat.render(body)
+    def chat_tokens(self, body: Mapping[str, Any], anthropic: bool = False) -> list[int]:
+        prompt = self.chat.render(body, anthropic=anthropic)
         ids: list[int] = self.model.encode(
             prompt.text, add_special_tokens=prompt.add_special_tokens
         ).ids
@@ -321,6 +321,8 @@ IN_MEMORY = InMemoryTokenizer()
                 "instructions",
                 "truncation",
                 "kv_transfer_params",
+                "system",
+                "thinking",
                 "other",
             ]
         ),
@@ -329,8 +331,12 @@ IN_MEMORY = InMemoryTokenizer()
     ),
 )
 def test_any_json_for_messages_is_ids_or_a_reason(messages: Any, extra: dict[str, Any]) -> None:
-    for body in ({**extra, "messages": messages}, {**extra, "input": messages}):
-        found = tokens_or_reason(body, IN_MEMORY)
+    for body, route in (
+        ({**extra, "messages": messages}, "chat"),
+        ({**extra, "input": messages}, "responses"),
+        ({**extra, "messages": messages}, "messages"),
+    ):
+        found = tokens_or_reason(body, IN_MEMORY, route)
         assert isinstance(found, str) or all(isinstance(i, int) for i in found)
 
 
