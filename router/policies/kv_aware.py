@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from router.fleet.records import Role
 from router.fleet.registry import Worker
+from router.kv_events.decode import ExtraKey
 from router.kv_events.fleet_views import KvIndexes
 from router.kv_events.index import MatchResult, ViewId
 from router.policies.chat_request import NotRendered
@@ -186,6 +187,12 @@ def tokens_or_reason(
     return NO_TOKENS
 
 
+def _salt_keys(body: Mapping[str, Any] | None) -> list[ExtraKey | None] | None:
+    """vLLM's `cache_salt` as its events carry it: the first block's extra key, alone."""
+    salt = body.get("cache_salt") if body is not None else None
+    return [(salt,)] if isinstance(salt, str) and salt else None
+
+
 def _is_ids(value: list[Any]) -> bool:
     return all(isinstance(item, int) and not isinstance(item, bool) for item in value)
 
@@ -263,7 +270,7 @@ class KvAware:
                     best_idle = worker
             return best_idle, None
         now = self._clock()
-        keys = index.block_keys(tokens)
+        keys = index.block_keys(tokens, extra_keys=_salt_keys(key.body))
         result = index.match(keys, now)
         self.predictions += 1
         weight = self.settings.overlap_weight

@@ -276,3 +276,26 @@ def test_the_predicted_hits_are_what_the_engines_prefix_cache_will_count() -> No
     (prompt,) = families["router_kv_aware_prompt_tokens"].samples
     assert (hits.labels, hits.value) == ({"role": "mixed"}, 17 * BS)
     assert prompt.value == stats["predicted_prompt_tokens"]
+
+
+def test_a_cache_salt_keys_the_first_block_as_the_engines_events_do() -> None:
+    """vLLM salts a request's first block (`cache_salt`), and its BlockStored carries the
+    salt as that block's extra key: a salted prompt matches only blocks stored under the
+    same salt, and an unsalted one never matches salted blocks."""
+    policy, indexes, fleet, _ = setup(0, 0, 0)
+    ids = tokens(0, 4)
+    indexes.for_model(MODEL).apply(
+        ("w2", None),
+        [BlockStored([1, 2, 3, 4], None, ids, BS, extra_keys=[("s1",), None, None, None])],
+    )
+    store(indexes, "w1", ids)  # the same tokens, unsalted
+
+    def body(**salt: str) -> PolicyKey:
+        return PolicyKey(model=MODEL, role=Role.MIXED, body={"input_ids": [*ids, 7], **salt})
+
+    assert policy.pick(body(cache_salt="s1"), fleet).id == "w2"
+    assert policy.pick(body(), fleet).id == "w1"
+    assert policy.statistics()["predicted_hit_tokens"] == 2 * 4 * BS
+    policy.pick(body(cache_salt="s2"), fleet)
+    stats = policy.statistics()
+    assert stats["predicted_hit_tokens"] == 2 * 4 * BS and stats["picks_by_load"] == 1
