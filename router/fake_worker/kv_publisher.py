@@ -7,7 +7,8 @@ current map form, `{"ts", "events", "data_parallel_rank"}` with each event a map
 by `type` (`BlockStored` with `block_hashes`, `parent_block_hash`, `token_ids`,
 `block_size`, `lora_id`, `medium`, `lora_name`; `BlockRemoved`; `AllBlocksCleared`).
 A ROUTER socket answers a replay request `(identity, b"", start_seq)` with every
-buffered batch from `start_seq`, then the end marker seq -1 with an empty payload.
+buffered batch from `start_seq` as `(identity, b"", topic, seq, payload)`, then the end
+marker `(identity, b"", b"", seq -1, b"")`, as vLLM 0.32 does.
 
 One batch per prefix-cache change (a request's new blocks, its evictions, a flush),
 sent at once from the request's own task: no queue, so a batch is on the wire before
@@ -139,10 +140,11 @@ class KvEventPublisher:
                 continue  # not a replay request: vLLM ignores it too
             identity, start = frames[0], int.from_bytes(frames[2], "big")
             self.replays += 1
+            topic = self.settings.topic
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    sock.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-            sock.send_multipart([identity, b"", END_OF_REPLAY, b""])
+                    sock.send_multipart([identity, b"", topic, seq.to_bytes(8, "big"), payload])
+            sock.send_multipart([identity, b"", b"", END_OF_REPLAY, b""])
 
 
 async def serve_kv_publisher(

@@ -6,8 +6,10 @@ counting from 0 per publisher process; every payload is also kept in an in-memor
 deque of the last `buffer_steps` (default 10,000) batches. A ROUTER socket
 (`_service_replay`) takes a request of exactly three frames `(identity, b"",
 start_seq)` -- so a DEALER sends `[b"", start_seq.to_bytes(8, "big")]` -- and answers
-`(identity, b"", seq, payload)` for every buffered batch with `seq >= start_seq`, in
-order, then `(identity, b"", (-1).to_bytes(8, "big", signed=True), b"")`. The replay
+`(identity, b"", topic, seq, payload)` for every buffered batch with `seq >= start_seq`,
+in order, then `(identity, b"", b"", (-1).to_bytes(8, "big", signed=True), b"")`
+(vLLM 0.32, observed; earlier releases sent the same without the topic frame, and both
+are read here: `replay_frames`). The replay
 socket is serviced from the publisher's loop between queue polls of 0.1 s, so an answer
 can take that long on an idle engine. Asking from a seq older than the buffer is not an
 error: the answer simply starts later, which is how a lost gap is detected here.
@@ -82,6 +84,17 @@ REASON_DISCONNECTED = "publisher disconnected: its cache may change unseen"
 _REPAIRABLE = (REASON_REPLAYING, REASON_REPLAY_FAILED, REASON_DISCONNECTED)
 # What the monitor pump sends for a lost connection (None: a connection made).
 _DISCONNECTED: list[bytes] = []
+
+
+def replay_frames(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """The seq and payload frames of one replay answer as a DEALER receives it:
+    `(b"", topic, seq, payload)` (vLLM 0.32) or `(b"", seq, payload)` (earlier); None
+    for anything else."""
+    if len(frames) == 4 and frames[0] == b"":
+        return frames[2], frames[3]
+    if len(frames) == 3 and frames[0] == b"":
+        return frames[1], frames[2]
+    return None
 
 
 @dataclass(frozen=True)
@@ -381,13 +394,17 @@ class KvSubscription:
                     frames = await recv_multipart(dealer, fd)
                 if frames is None:
                     raise _ReplayFailed(f"no answer within {self.settings.replay_timeout_s:.1f}s")
-                if len(frames) != 3 or frames[0] != b"":
-                    self._decode_error(DecodeError("replay frame is not (b'', seq, payload)"), None)
+                parts = replay_frames(frames)
+                if parts is None:
+                    self._decode_error(
+                        DecodeError("replay frame is not (b'', [topic,] seq, payload)"), None
+                    )
                     continue
-                if frames[1] == END_OF_REPLAY_SEQ:
+                seq_frame, payload = parts
+                if seq_frame == END_OF_REPLAY_SEQ:
                     break
                 try:
-                    seq = decode_seq(frames[1])
+                    seq = decode_seq(seq_frame)
                 except DecodeError as exc:
                     self._decode_error(exc, None)
                     continue
@@ -404,7 +421,7 @@ class KvSubscription:
                         else f"replay buffer lost seqs {self._last_applied + 1}..{seq - 1}"
                     )
                 try:
-                    batch: EventBatch | None = decode_batch(frames[2])
+                    batch: EventBatch | None = decode_batch(payload)
                 except DecodeError as exc:
                     self._decode_error(exc, seq)
                     batch = None

@@ -2,8 +2,9 @@
 
 It sends `(topic, seq as 8 bytes big-endian, payload)` on a PUB-compatible socket,
 keeps every payload in a bounded buffer, and serves the replay ROUTER protocol from it
-(`[identity, b"", start_seq]` in; every buffered `(seq, payload)` with seq >= start,
-then the `-1` end marker with an empty payload, out).
+(`[identity, b"", start_seq]` in; every buffered `(topic, seq, payload)` with seq >=
+start, then the `-1` end marker with an empty topic and payload, out, as vLLM 0.32
+frames them; with `replay_topic=False` without the topic frame, as earlier releases).
 
 The PUB socket is an XPUB: on the wire it is a PUB, but it also reports each
 subscription as it reaches the publisher, so a test can wait for the subscriber to be
@@ -33,9 +34,16 @@ def _endpoint(sock: zmq.Socket[bytes]) -> str:
 class TestPublisher:
     __test__ = False  # not a pytest class
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], buffer_steps: int, topic: bytes):
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        buffer_steps: int,
+        topic: bytes,
+        replay_topic: bool = True,
+    ):
         self.context = context
         self.topic = topic
+        self.replay_topic = replay_topic
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.next_seq = 0
         self.replay_requests: list[int] = []
@@ -130,10 +138,13 @@ class TestPublisher:
             self.replay_wanted.set()
             if not self.replay_enabled:
                 continue  # a publisher that does not answer
+            topic = [self.topic] if self.replay_topic else []
             for seq, payload in list(self.buffer):
                 if seq >= int.from_bytes(start, "big"):
-                    self.replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-            self.replay.send_multipart([identity, b"", END_SEQ, b""])
+                    self.replay.send_multipart(
+                        [identity, b"", *topic, seq.to_bytes(8, "big"), payload]
+                    )
+            self.replay.send_multipart([identity, b"", *([b""] if topic else []), END_SEQ, b""])
 
     def close(self) -> None:
         close_socket(self.pub)
@@ -146,8 +157,9 @@ async def open_test_publisher(
     *,
     buffer_steps: int = 10_000,
     topic: bytes = b"",
+    replay_topic: bool = True,
 ) -> AsyncIterator[TestPublisher]:
-    publisher = TestPublisher(context or zmq.Context.instance(), buffer_steps, topic)
+    publisher = TestPublisher(context or zmq.Context.instance(), buffer_steps, topic, replay_topic)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publisher.serve_subscriptions)
