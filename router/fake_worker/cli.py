@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix cache capacity in prompt tokens (LRU, 16-token blocks); 0 = off",
     )
     pace.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="MODEL_DIR",
+        help="count the prefix cache in this model's tokens (its tokenizer.json and chat template, as vLLM renders them), as a router's --kv-tokenizer does; default: 4 bytes a token",
+    )
+    pace.add_argument(
         "--prefill-us-per-token",
         type=float,
         default=0.0,

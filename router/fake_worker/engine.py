@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import trio
@@ -48,6 +48,9 @@ from router.fake_worker.stats import RankLoad, RoutingStats
 from router.http.server.loop import serve_http
 from router.http.server.messages import ClientDisconnected, Headers, Request, ResponseWriter
 from router.http.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from router.fake_worker.model_tokens import ModelTokens
 
 TEXT_HEADERS: Headers = ((b"content-type", b"text/plain; charset=utf-8"),)
 METRICS_HEADERS: Headers = ((b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),)
@@ -100,6 +103,16 @@ def _json_error_position(raw: bytes) -> int:
     return 0
 
 
+def _model_tokens(settings: FakeWorkerSettings) -> ModelTokens | None:
+    if not settings.tokenizer:
+        return None
+    # Imported only here: the model's tokenizer and templates cost a fake that counts
+    # bytes a share of its start.
+    from router.fake_worker.model_tokens import ModelTokens
+
+    return ModelTokens(settings.tokenizer)
+
+
 class FakeWorker:
     """One fake engine: its settings, live behaviour, counters and HTTP handler.
 
@@ -123,6 +136,7 @@ class FakeWorker:
         self._held: trio.Event | None = None
         self._held_waiting = 0
         self._held_until: int | None = None
+        self._model_tokens = _model_tokens(settings)
         self.kv_endpoints: tuple[str, str | None] | None = None
         """The KV-event publisher's PUB and replay endpoints once it listens (whoever
         starts the publisher sets them); `/kv_event_sources` lists them."""
@@ -326,7 +340,9 @@ class FakeWorker:
         cached = None
         tokens = gen.prompt_tokens
         if self.prefix_cache is not None:
-            prompt = tokenize(api.value, body)
+            prompt = self._model_tokens.prompt(api.value, body) if self._model_tokens else None
+            if prompt is None:
+                prompt = tokenize(api.value, body)
             tokens, cached = prompt.tokens, self.prefix_cache.serve(prompt)
         prefill_s = (tokens - (cached or 0)) * self.settings.prefill_us_per_token / 1e6
         return dataclasses.replace(

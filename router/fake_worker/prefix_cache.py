@@ -6,7 +6,10 @@ The tokenisation rule (deterministic, documented in docs/fake-worker.md):
   message (text parts of multimodal content joined); completions' `prompt` (a batch of
   strings joined by newlines); `/generate`'s `text`;
 - one token per 4 bytes of that text in UTF-8 (the last token may be shorter);
-- token-id prompts (`input_ids`, or a completions prompt of ids) are their own tokens.
+- token-id prompts (`input_ids`, or a completions prompt of ids) are their own tokens;
+- with `--tokenizer` (`router.fake_worker.model_tokens`), text and chat are the token
+  ids a vLLM engine serving that model computes; what that does not cover keeps the
+  rules above.
 
 Tokens are cached in blocks of `BLOCK_TOKENS`, like an engine's KV pages: a block is
 keyed by a hash chained over every block before it, so a block hits only when the whole
@@ -59,12 +62,17 @@ def tokenize(path_api: str, body: Any) -> Prompt:
     if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
         return _text_prompt("\n".join(value))
     if isinstance(value, list) and all(isinstance(item, int) for item in value):
-        blocks = tuple(
-            tuple(value[i : i + BLOCK_TOKENS])
-            for i in range(0, len(value) - BLOCK_TOKENS + 1, BLOCK_TOKENS)
-        )
-        return Prompt(blocks, len(value))
+        return ids_prompt(value)
     return Prompt((), 0)
+
+
+def ids_prompt(ids: Sequence[int]) -> Prompt:
+    """A prompt of token ids: its full blocks, each a tuple of its ids."""
+    blocks = tuple(
+        tuple(ids[i : i + BLOCK_TOKENS])
+        for i in range(0, len(ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS)
+    )
+    return Prompt(blocks, len(ids))
 
 
 def _chat_text(messages: Any) -> str:

@@ -4,6 +4,7 @@ where its KV-event publisher binds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from router.fake_worker.behaviour import Behaviour, FailMode
 
@@ -48,6 +49,10 @@ class FakeWorkerSettings:
     """vLLM's context length (`--engine vllm`): what `/v1/models` and `/tokenize` report and
     the bound on `max_tokens`. 2048 is the tiny model's of the engine tests
     (docs/real-engines.md); `--engine sglang` keeps its own `context_length`."""
+    tokenizer: str = ""
+    """A model directory (or its tokenizer.json): the prefix cache counts in that model's
+    tokens (`router.fake_worker.model_tokens`); empty: the byte rule. Needs the prefix
+    cache (`cache_tokens`)."""
     kv_events: bool = False
     """Publish the prefix cache's KV events (`router.fake_worker.kv_publisher`) on two
     ports the kernel picks, listed on `/kv_event_sources`. Needs the prefix cache
@@ -85,6 +90,10 @@ class FakeWorkerSettings:
             raise ValueError(
                 f"kv_events_port must be between 0 and 65534, got {self.kv_events_port}"
             )
+        if self.tokenizer and not self.cache_tokens:
+            raise ValueError("tokenizer needs a prefix cache: set cache_tokens")
+        if self.tokenizer and not Path(self.tokenizer).exists():
+            raise ValueError(f"tokenizer {self.tokenizer}: no such file or directory")
         if self.publishes_kv_events and not self.cache_tokens:
             what = "kv_events_port" if self.kv_events_port else "kv_events"
             raise ValueError(f"{what} needs a prefix cache: set cache_tokens")

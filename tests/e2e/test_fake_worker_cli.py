@@ -87,6 +87,11 @@ async def test_a_port_that_cannot_be_bound_exits_3_with_a_clear_message() -> Non
         (["--pd-protocol", "mooncak"], "invalid choice: 'mooncak'"),
         (["--fail-mode", "explode"], "invalid choice: 'explode'"),
         (["--dp-size", "0"], "dp_size must be >= 1"),
+        (["--tokenizer", "/nonexistent/model"], "tokenizer needs a prefix cache"),
+        (
+            ["--cache-tokens", "64", "--tokenizer", "/nonexistent/model"],
+            "tokenizer /nonexistent/model: no such file or directory",
+        ),
     ],
 )
 async def test_bad_arguments_fail_at_parsing_with_status_2(args: list[str], complaint: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import trio
@@ -17,6 +18,8 @@ from router.fake_worker.kv_publisher import KvEventPublisher, serve_kv_publisher
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache
 from router.fake_worker.settings import KvPublisherSettings
 from router.fleet.records import KvEventEndpoint
+from router.policies.kv_aware import HfTokenizer
+from tests.policies.test_chat_template import write_model
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
 
@@ -223,3 +226,44 @@ async def test_the_engines_events_route_survive_a_router_restart_and_a_dead_publ
 
 def router_id(router: RunningRouter, handle: FakeWorkerHandle) -> str:
     return next(w.id for w in router.fleet.workers() if w.url == handle.url)
+
+
+async def test_fakes_counting_in_a_models_tokens_route_chat_as_engines_would(
+    tmp_path: Path,
+) -> None:
+    """Fakes with `--tokenizer` (a real tokenizer.json and chat template) publish blocks of
+    the token ids a vLLM engine would compute, and a router with the same `--kv-tokenizer`
+    sends a chat conversation to the fake whose cache holds it: kv_aware on text at fleet
+    scale, with no engine. The router's predicted hits are the fake's cached tokens."""
+    model = str(write_model(tmp_path / "model"))
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "you are a router " * 12},
+            {"role": "user", "content": "tell me about the cache " * 8},
+        ],
+        "max_tokens": 2,
+    }
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet(2, cache_tokens=100_000, tokenizer=model) as fleet,
+            open_publishers(fleet) as (pubs, _),
+        ):
+            async with httpx.AsyncClient(base_url=fleet[1].url) as direct:
+                warmed = await direct.post("/v1/chat/completions", json=body)
+            assert warmed.status_code == 200, warmed.text
+            expected = HfTokenizer(model).chat_tokens(body)
+            assert warmed.json()["usage"]["prompt_tokens"] == len(expected)
+            urls = [handle.url for handle in fleet]
+            async with open_router(urls, policy="kv_aware", kv_tokenizer=model) as router:
+                async with httpx.AsyncClient(base_url=router.url) as client:
+                    announce(router, fleet, pubs)
+                    await wait_views(client, known=2)
+                    for _ in range(3):
+                        answer = await client.post("/v1/chat/completions", json=body)
+                        assert answer.headers["x-router-worker"] == fleet[1].url
+                    samples = await scrape(client)
+    assert dispatches(fleet) == [0, 4]
+    hits = samples[("router_kv_aware_predicted_hit_tokens_total", (("role", "mixed"),))]
+    cached = fleet[1].worker.routing.loads[0].cached_tokens
+    assert hits == cached == 3 * ((len(expected) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
