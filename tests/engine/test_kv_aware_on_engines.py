@@ -104,3 +104,48 @@ async def test_the_engine_holding_the_prompt_gets_it_before_and_after_a_router_r
                 assert (metric_sum(samples, "router_kv_events_batches_total") or 0) >= 1
                 print(f"{attempt}: {SENDS} of {SENDS} to the warm engine, {hits:.0f} hit tokens")
                 before = after
+
+
+async def test_a_multi_turn_chat_is_predicted_as_the_engine_counts_its_hits(
+    host: EngineHost,
+) -> None:
+    """A conversation through the router with `--kv-tokenizer` (the model's directory):
+    each turn goes back to the engine that holds the turns before, and the router's
+    predicted hits equal the engine's hit tokens, turn after turn: the router computes
+    the engine's own tokens for chat, the model's answers included."""
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are the router's assistant. " * 12},
+    ]
+    args = ("--worker", host.engines[0].url, "--worker", host.engines[1].url)
+    model_dir = str(host.engines[0].environment.model_dir)
+    with trio.fail_after(300):
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            open_router(*args, "--policy", "kv_aware", "--kv-tokenizer", model_dir) as router,
+        ):
+            await views_known(client, router, 2)
+            served: list[str] = []
+            before = {e.url: await counters(client, e) for e in host.engines}
+            predicted_before = 0.0
+            for turn in range(4):
+                messages.append({"role": "user", "content": f"Question {turn}: " + "why? " * 20})
+                body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+                answer = await client.post(f"{router.url}/v1/chat/completions", json=body)
+                assert answer.status_code == 200, answer.text
+                served.append(answer.headers["x-router-worker"])
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": answer.json()["choices"][0]["message"]["content"],
+                    }
+                )
+                samples = await scrape(client, router.url)
+                predicted = metric_sum(samples, "router_kv_aware_predicted_hit_tokens_total") or 0
+                after = {e.url: await counters(client, e) for e in host.engines}
+                hits = sum(after[url][1] - before[url][1] for url in after)
+                print(
+                    f"turn {turn}: to {served[-1]}, predicted {predicted - predicted_before:.0f}, engine hits {hits:.0f}"
+                )
+                assert predicted - predicted_before == hits, (turn, predicted, hits)
+                before, predicted_before = after, predicted
+            assert len(set(served[1:])) == 1 and served[1] == served[0], served
