@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test engine-bench conformance-engines
+.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test engine-bench engine-kv-bench conformance-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -110,3 +110,7 @@ engine-test: setup engine-env
 # direct, ours and smg in front of one real engine; its own block of docs/performance.md.
 engine-bench: setup system-deps engine-env
 	$(BIN)/python -m bench --engines
+
+# kv_aware against cache_aware, round_robin and smg on three real engines; docs/policies.md.
+engine-kv-bench: setup system-deps engine-env
+	$(BIN)/python -m bench --kv-engines

@@ -75,8 +75,11 @@ class ClientStats:
     requests: int = 0
 
 
-async def play(url: str, workload: Workload, *, timeout_s: float = 60.0) -> ClientStats:
-    """Play every conversation against `url`; returns what the clients saw."""
+async def play(
+    url: str, workload: Workload, *, model: str = MODEL, timeout_s: float = 60.0
+) -> ClientStats:
+    """Play every conversation against `url`, asking for `model`; returns what the clients
+    saw."""
     stats = ClientStats()
     system = workload.system_prompt()
     queue = list(range(workload.conversations))
@@ -86,7 +89,7 @@ async def play(url: str, workload: Workload, *, timeout_s: float = 60.0) -> Clie
         async def user() -> None:
             while queue:
                 conversation = queue.pop(0)
-                await _converse(client, workload, system, conversation, stats)
+                await converse(client, workload, system, conversation, stats, model)
 
         async with trio.open_nursery() as nursery:
             for _ in range(workload.users):
@@ -94,18 +97,19 @@ async def play(url: str, workload: Workload, *, timeout_s: float = 60.0) -> Clie
     return stats
 
 
-async def _converse(
+async def converse(
     client: httpx.AsyncClient,
     workload: Workload,
     system: str,
     conversation: int,
     stats: ClientStats,
+    model: str = MODEL,
 ) -> None:
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     for turn in range(workload.turns):
         messages.append({"role": "user", "content": workload.user_message(conversation, turn)})
         body = {
-            "model": MODEL,
+            "model": model,
             "messages": messages,
             "max_tokens": workload.answer_tokens,
             "stream": True,

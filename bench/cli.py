@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the cache-aware benchmark instead (bench/cache.py): multi-turn conversations on fake workers with prefix caches; writes its own section of --out and of policies.md beside it",
     )
+    parser.add_argument(
+        "--kv-engines",
+        action="store_true",
+        help="run the kv_aware benchmark on real engines instead (bench/kv_engines.py): ours kv_aware, cache_aware and round_robin and smg cache_aware in front of three vLLM engines (make engine-env), with caches that evict and caches that do not, --processes 2 and a router restart; writes its own block of policies.md beside --out",
+    )
     return parser
 
 
@@ -116,6 +121,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out,
             args.quick,
             lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+        )
+    if args.kv_engines:
+        from bench import kv_engines
+
+        started = time.monotonic()
+        return kv_engines.run(
+            args.out.with_name("policies.md"),
+            args.quick,
+            lambda message: print(
+                f"[{datetime.now():%H:%M:%S} {time.monotonic() - started:6.1f}s] {message}",
+                flush=True,
+            ),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         )
     if args.engines:
         from bench import engines
