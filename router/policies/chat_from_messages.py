@@ -48,9 +48,10 @@ def read_messages_request(body: Mapping[str, Any]) -> ChatRequest:
     if system:
         chat.append({"role": "system", "content": system})
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:  # a list or a dict is unhashable
             raise NotRendered("a message that is not a user or assistant message")
-        role, content = message["role"], message.get("content")
+        content = message.get("content")
         if isinstance(content, str):
             chat.append({"role": role, "content": content})
             continue
@@ -88,7 +89,7 @@ def _texts(blocks: Any) -> list[str]:
     texts: list[str] = []
     for block in blocks:
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind in _SKIPPED_BLOCKS:
+        if isinstance(kind, str) and kind in _SKIPPED_BLOCKS:
             continue
         if kind != "text":
             raise NotRendered(f"a {kind} block" if isinstance(kind, str) else "a block")

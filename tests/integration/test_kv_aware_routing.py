@@ -262,8 +262,14 @@ async def test_fakes_counting_in_a_models_tokens_route_chat_as_engines_would(
                     for _ in range(3):
                         answer = await client.post("/v1/chat/completions", json=body)
                         assert answer.headers["x-router-worker"] == fleet[1].url
+                    # A Messages block whose type is not a name: no prediction, not a 500.
+                    odd = {**body, "messages": [{"role": "user", "content": [{"type": []}]}]}
+                    answer = await client.post("/v1/messages", json=odd)
+                    assert answer.status_code != 500, answer.text
                     samples = await scrape(client)
-    assert dispatches(fleet) == [0, 4]
+    unpredicted = (("reason", "chat_template"), ("role", "mixed"))
+    assert samples[("router_kv_aware_no_prediction_total", unpredicted)] == 1
+    assert dispatches(fleet)[1] == 4
     hits = samples[("router_kv_aware_predicted_hit_tokens_total", (("role", "mixed"),))]
     cached = fleet[1].worker.routing.loads[0].cached_tokens
     assert hits == cached == 3 * ((len(expected) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)

@@ -96,6 +96,11 @@ def test_the_chat_route_still_refuses_anthropic_fields(tokenizer: HfTokenizer) -
         ),
         ({"messages": [USER, {"role": "assistant", "content": []}]}, "without text"),
         ({"system": 5}, "neither a string nor a list"),
+        # Unhashable values where a name is expected: no prediction, never a TypeError.
+        ({"messages": [{"role": []}]}, "not a user or assistant"),
+        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "not a user or assistant"),
+        ({"messages": [{"role": "user", "content": [{"type": []}]}]}, "a block"),
+        ({"system": [{"type": {"a": 1}, "text": "x"}]}, "a block"),
     ],
 )
 def test_what_vllm_converts_otherwise_is_not_rendered(fields: dict[str, Any], why: str) -> None:
