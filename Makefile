@@ -36,7 +36,7 @@ lint: setup
 # subprocess, so one worker leaves the second core mostly idle (10 min 36 s on one worker,
 # 7 min 30 s on two with an engine starting beside them).
 test: setup system-deps lint
-	$(BIN)/pytest -n 2 -m "not vllm_router and not engine"
+	$(BIN)/pytest -n 2 -m "not vllm_router and not engine" --hypothesis-profile=suite
 
 # LiteLLM's proxy, the fourth plane, in a venv of its own: `litellm[proxy]` pins
 # openai>=2.20,<3 (and its botocore python-dateutil<3), older than the main venv's openai 3
@@ -73,8 +73,11 @@ bench: setup system-deps
 	$(BIN)/python -m bench
 
 # The long adversarial runs; the suite runs short versions of both. Bounded in count and time.
+# Then every property test once more with examples the suite's fixed seed never draws.
+PROPERTY_TESTS = $(shell grep -rl "^from hypothesis import" tests)
 fuzz: setup system-deps
 	ROUTER_FUZZ_EXAMPLES=10000 timeout 3600 $(BIN)/pytest -q -p no:cacheprovider -o faulthandler_timeout=0 tests/adversarial -k fuzz
+	timeout 1200 $(BIN)/pytest -q -p no:cacheprovider -n 2 $(PROPERTY_TESTS)
 
 soak: setup system-deps
 	timeout 600 $(BIN)/python -m tests.adversarial.soak --duration-s 60 --streams 1000
