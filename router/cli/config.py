@@ -100,7 +100,7 @@ class Settings:
     max_tree_size: int = 2**26
     kv_events_port: int = 0
     kv_events_replay_port: int = 0
-    kv_overlap_weight: float = 1.0
+    kv_overlap_weight: float = 2.0
     kv_tokenizer: str = ""
     api_key: str = ""
     api_keys_file: str = ""

@@ -235,8 +235,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "kv_overlap_weight",
         float,
-        1.0,
-        "kv_aware: cost of one uncached KV block, in requests in flight (cost = weight x uncached blocks + in-flight)",
+        2.0,
+        "kv_aware: cost of recomputing a typical prompt, in requests in flight (cost = weight x uncached blocks / the typical prompt's blocks + in-flight)",
         minimum=0,
     ),
     Option(

@@ -18,12 +18,16 @@ computes itself). Per request:
    for it) gets no prediction and is placed by load alone, counted by reason.
 2. Its full blocks' keys are matched against the model's index: per known view (worker,
    rank), the consecutive blocks held from the first.
-3. Each candidate costs `overlap_weight x uncached blocks + in-flight requests` (the
-   router's own accounting; for a rank-multiplexed worker its best rank's run with that
-   rank's load); the lowest cost wins, ties to the lower load, then in turn (the
-   scan starts one candidate further on each pick, as `least_load`'s does). A candidate whose views are all unknown (a gap the replay could not
-   repair, a publisher that is gone) or absent (no subscription) is scored as holding
-   nothing and counted, never read as a hit.
+3. Each candidate costs `overlap_weight x uncached blocks / typical prompt blocks +
+   in-flight requests` (the load is the router's own accounting; for a rank-multiplexed
+   worker its best rank's run with that rank's load); the lowest cost wins, ties to the
+   lower load, then in turn (the scan starts one candidate further on each pick, as
+   `least_load`'s does). The typical prompt is a moving average of the predicted
+   requests' blocks, so the weight reads the same whatever the block size and prompt
+   length: recomputing a typical prompt from scratch costs `overlap_weight` requests in
+   flight. A candidate whose views are all unknown (a gap the replay could not repair, a
+   publisher that is gone) or absent (no subscription) is scored as holding nothing and
+   counted, never read as a hit.
 4. The chosen view's blocks count as held for a short time (`KvIndex.note_routed`), so a
    burst of one new prefix does not spread before the engine's events arrive.
 
@@ -49,8 +53,15 @@ from router.policies.chat_template import ChatTemplate, TemplateFailed
 
 @dataclass(frozen=True, slots=True)
 class KvAwareSettings:
-    overlap_weight: float = 1.0
-    """Cost of one uncached block in units of one request in flight."""
+    overlap_weight: float = 2.0
+    """Cost of recomputing a typical prompt (its blocks all uncached), in requests in
+    flight: a candidate holding half a typical prompt saves `overlap_weight / 2`."""
+
+
+TYPICAL_BLOCKS_WINDOW = 64
+"""Predicted requests the typical prompt's moving average spans (its smoothing factor is
+1 / this): long enough that one huge prompt does not swing the cost, short enough to
+follow a change of workload within a few hundred requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +222,7 @@ class KvAware:
         "predictions",
         "settings",
         "tokenizer",
+        "typical_blocks",
         "unknown_candidates",
     )
 
@@ -237,6 +249,9 @@ class KvAware:
         """Tokens of the requests predicted."""
         self.predicted_hit_tokens = 0
         """Of those, the ones the chosen engine should find in its prefix cache."""
+        self.typical_blocks: float | None = None
+        """The moving average of the predicted requests' full blocks; None before the
+        first prediction (that request's own blocks stand in for it)."""
 
     def pick(self, key: RequestKey, candidates: Sequence[Worker]) -> Worker:
         return self.pick_ranked(key, candidates)[0]
@@ -273,7 +288,7 @@ class KvAware:
         keys = index.block_keys(tokens, extra_keys=_salt_keys(key.body))
         result = index.match(keys, now)
         self.predictions += 1
-        weight = self.settings.overlap_weight
+        weight = self.settings.overlap_weight / self._typical(result.blocks)
         best: Worker | None = None
         best_score: tuple[float, int] = (0.0, 0)
         best_view: ViewId | None = None
@@ -297,6 +312,16 @@ class KvAware:
             return best, None
         index.note_routed(keys, best_view[0], best_view[1], now)
         return best, best_view[1]
+
+    def _typical(self, blocks: int) -> float:
+        """The typical prompt's blocks, this request's `blocks` folded in (at least 1)."""
+        typical = self.typical_blocks
+        if typical is None:
+            typical = float(blocks)
+        else:
+            typical += (blocks - typical) / TYPICAL_BLOCKS_WINDOW
+        self.typical_blocks = typical
+        return max(typical, 1.0)
 
     def _held(self, worker: Worker, result: MatchResult) -> tuple[int, int, ViewId | None]:
         """The worker's longest held run over its views, that view's load, and the view

@@ -269,7 +269,8 @@ async def test_fakes_counting_in_a_models_tokens_route_chat_as_engines_would(
                     samples = await scrape(client)
     unpredicted = (("reason", "chat_template"), ("role", "mixed"))
     assert samples[("router_kv_aware_no_prediction_total", unpredicted)] == 1
-    assert dispatches(fleet)[1] == 4
+    # The unpredicted one went to either fake (by load, in turn): the chat to fleet[1].
+    assert sum(dispatches(fleet)) == 5 and dispatches(fleet)[1] >= 4
     hits = samples[("router_kv_aware_predicted_hit_tokens_total", (("role", "mixed"),))]
     cached = fleet[1].worker.routing.loads[0].cached_tokens
     assert hits == cached == 3 * ((len(expected) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)

@@ -36,7 +36,7 @@ class Clock:
 
 
 def setup(
-    *loads: int, weight: float = 1.0, known: bool = True
+    *loads: int, weight: float = KvAwareSettings().overlap_weight, known: bool = True
 ) -> tuple[KvAware, KvIndexes, list[Worker], Clock]:
     indexes = KvIndexes()
     index = indexes.for_model(MODEL)
@@ -76,14 +76,43 @@ def test_the_worker_holding_the_prefix_wins_and_the_pick_is_counted_as_a_match()
 
 
 def test_load_beyond_the_blocks_saved_goes_elsewhere() -> None:
-    policy, indexes, fleet, _ = setup(0, 5, weight=1.0)
+    policy, indexes, fleet, _ = setup(0, 5, weight=4.0)
     store(indexes, "w1", tokens(0, 4))
-    # w1 saves 4 blocks but carries 5 requests: cost 0 + 5 > 4 + 0.
+    # w1 saves the whole (typical) prompt, worth 4 requests, but carries 5: w0.
     assert policy.pick(ids_key(tokens(0, 4)), fleet).id == "w0"
-    # At weight 2 the same blocks are worth 8: w1 again.
-    heavy, indexes2, fleet2, _ = setup(0, 5, weight=2.0)
+    # At weight 6 the same blocks are worth 6 requests: w1.
+    heavy, indexes2, fleet2, _ = setup(0, 5, weight=6.0)
     store(indexes2, "w1", tokens(0, 4))
     assert heavy.pick(ids_key(tokens(0, 4)), fleet2).id == "w1"
+
+
+def test_the_weight_reads_the_same_whatever_the_prompts_length() -> None:
+    # The same share of a typical prompt held against the same load decides the same
+    # way, for prompts of 4 blocks and of 40 (as for a block size 10 times smaller).
+    def pick(blocks: int, load: int) -> str:
+        policy, indexes, fleet, _ = setup(0, load, weight=4.0)
+        store(indexes, "w1", tokens(0, blocks))
+        prompt = tokens(0, blocks)[: blocks * BS * 3 // 4] + tokens(10_000, blocks // 4)
+        return policy.pick(ids_key(prompt), fleet).id
+
+    for blocks in (4, 40):
+        # w1 holds 3/4 of a typical prompt, worth 3 requests: it wins carrying 2, and
+        # ties (to the lower load) carrying 3.
+        assert (pick(blocks, 2), pick(blocks, 3)) == ("w1", "w0"), blocks
+
+
+def test_a_prefix_shared_by_every_conversation_does_not_herd_them_onto_its_holder() -> None:
+    # Only w0 holds the shared system prompt (7 of each new conversation's 12 blocks):
+    # saving 7 blocks per request must not outweigh any load 6 clients can make.
+    policy, indexes, fleet, _ = setup(0, 0, 0)
+    system = tokens(0, 7)
+    store(indexes, "w0", system)
+    for conversation in range(6):
+        own = tokens(10_000 * (conversation + 1), 5)
+        policy.pick(ids_key([*system, *own]), fleet).inflight += 1  # as at dispatch
+    loads = sorted(worker.inflight for worker in fleet)
+    assert loads[-1] <= 3, loads
+    assert loads[-2] >= 2, loads  # spread over a second engine at least
 
 
 def test_ties_go_to_the_lower_load() -> None:
