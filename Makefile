@@ -73,8 +73,8 @@ bench: setup system-deps
 	$(BIN)/python -m bench
 
 # The long adversarial runs; the suite runs short versions of both. Bounded in count and time.
-# Then every property test once more with examples the suite's fixed seed never draws.
-PROPERTY_TESTS = $(shell grep -rl "^from hypothesis import" tests)
+# Then every other property test with examples the suite's fixed seed never draws.
+PROPERTY_TESTS = $(shell grep -rl --exclude-dir=adversarial --include="test_*.py" "^from hypothesis import" tests)
 fuzz: setup system-deps
 	ROUTER_FUZZ_EXAMPLES=10000 timeout 3600 $(BIN)/pytest -q -p no:cacheprovider -o faulthandler_timeout=0 tests/adversarial -k fuzz
 	timeout 1200 $(BIN)/pytest -q -p no:cacheprovider -n 2 $(PROPERTY_TESTS)
