@@ -208,6 +208,6 @@ def test_the_wheel_the_dockerfile_installs_has_the_router_entrypoint(tmp_path: P
         "router/cli/main.py",
         "router/cli/serve.py",
         "router/discovery/kubernetes.py",
-        "router/discovery/engine_facts.py",
+        "router/engines/facts.py",
     ):
         assert module in names

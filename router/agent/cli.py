@@ -2,7 +2,7 @@
 
 Runs beside the engine (same machine or Pod). It waits for the engine's `/health`, learns
 the engine's kind from its answers unless `--engine` names it (the rule is
-`router.discovery.engine_facts.engine_kind`; the kind picks the `/metrics` names a drain
+`router.engines.facts.engine_kind`; the kind picks the `/metrics` names a drain
 reads), then registers; on SIGTERM or SIGINT it announces DRAINING, waits until the engine's own
 `/metrics` show no work, deregisters and exits 0. A second signal cuts the wait short
 (the worker still deregisters). It never stops the engine: that is the caller's job.
@@ -30,10 +30,10 @@ from router.agent.advertise import (
     worker_record,
 )
 from router.agent.drain import DrainSettings, read_engine_load
-from router.agent.engine_metrics import ENGINES, UNREADABLE, EngineLoad
 from router.agent.flags import add_registration_flags, registration_flags
 from router.agent.registration import run_registered
-from router.discovery.engine_facts import FactsUnavailable, detect_engine
+from router.engines.facts import FactsUnavailable, detect_engine
+from router.engines.metrics import ENGINES, UNREADABLE, EngineLoad
 from router.fleet.records import Role, WorkerRecord
 from router.observability.logs import configure_logging
 

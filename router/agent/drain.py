@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from router.agent.engine_metrics import UNREADABLE, EngineLoad, metric_names, parse_engine_load
+from router.engines.metrics import UNREADABLE, EngineLoad, metric_names, parse_engine_load
 
 logger = logging.getLogger("router.agent.drain")
 

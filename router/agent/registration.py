@@ -19,10 +19,10 @@ import orjson
 import trio
 
 from router.agent.drain import DrainReport, DrainSettings, wait_engine_idle
-from router.agent.engine_metrics import EngineLoad
-from router.discovery.backoff import Backoff
 from router.discovery.etcd_client import EtcdClient, EtcdError, EtcdUnavailable, open_etcd_client
+from router.engines.metrics import EngineLoad
 from router.fleet.records import Status, WorkerRecord
+from router.http.backoff import Backoff
 
 log = logging.getLogger("router.agent.registration")
 

@@ -25,7 +25,6 @@ from router.api.errors import answer_refusal
 from router.cli.config import ConfigError, Settings, add_arguments, load_settings
 from router.cli.fleet_pruning import DepartedWorkerPruner
 from router.discovery import DiscoveryHealth
-from router.discovery.engine_facts import FactsSettings, serve_engine_facts
 from router.discovery.kube_config import KubeConfigError
 from router.discovery.kube_pods import pod_sources
 from router.discovery.kubernetes import KubeDiscoverySettings, serve_kubernetes_discovery
@@ -34,6 +33,13 @@ from router.edge.admin import AdminApi
 from router.edge.admission import AdmissionCollector, AdmissionGate, AdmissionSettings
 from router.edge.app import RouterApp
 from router.edge.auth import ClientKeys, KeysFileError, serve_key_reloads
+from router.engines.facts import FactsSettings, serve_engine_facts
+from router.engines.kv_events.fleet_views import (
+    KvEvents,
+    KvEventsSettings,
+    KvIndexes,
+    serve_kv_events,
+)
 from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.candidates import AllOpenMode
 from router.fleet.health import serve_health_checks
@@ -42,7 +48,6 @@ from router.http.server.load import ServerLoad
 from router.http.server.loop import serve_http
 from router.http.server.settings import ServerSettings
 from router.http.upstream.pool import PoolSettings, open_upstream_pool
-from router.kv_events.fleet_views import KvEvents, KvEventsSettings, KvIndexes, serve_kv_events
 from router.observability.logs import configure_logging
 from router.observability.metrics import BreakerMetrics, DiscoveryMetrics, RouterMetrics
 from router.observability.request_id import current_request_id
@@ -52,8 +57,9 @@ from router.pipeline.dispatch import Timeouts
 from router.pipeline.service import FailoverSettings, GenerationService
 from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
-from router.policies.kv_aware import HfTokenizer, KvAware, KvAwareSettings, KvPolicyInputs
+from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs
 from router.policies.kv_aware_metrics import KvAwareCollector
+from router.prompts.tokenizer import HfTokenizer
 
 log = logging.getLogger("router")
 EXIT_BAD_SETTINGS = 2

@@ -22,7 +22,6 @@ import orjson
 import trio
 
 from router.discovery import DiscoveryHealth
-from router.discovery.backoff import Backoff
 from router.discovery.etcd_client import (
     EtcdClient,
     EtcdError,
@@ -34,6 +33,7 @@ from router.discovery.etcd_client import (
 from router.discovery.liveness import SilenceWatch
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
 from router.fleet.registry import Fleet
+from router.http.backoff import Backoff
 from router.observability.metrics import DiscoveryMetrics
 
 log = logging.getLogger("router.discovery.etcd")

@@ -23,11 +23,11 @@ import orjson
 import trio
 
 from router.discovery import DiscoveryHealth
-from router.discovery.backoff import Backoff
 from router.discovery.kube_config import KubeConfigError, KubeConnection, load_kube_connection
 from router.discovery.kube_pods import PodMirror, PodSource
-from router.discovery.streams import StreamTooLarge, close_stream, read_capped
 from router.fleet.registry import Fleet
+from router.http.backoff import Backoff
+from router.http.capped_reads import StreamTooLarge, close_stream, read_capped
 from router.observability.metrics import DiscoveryMetrics
 
 log = logging.getLogger("router.discovery.kubernetes")

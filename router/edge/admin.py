@@ -22,8 +22,9 @@ import orjson
 import trio
 
 from router.api.errors import BadRequest, Conflict, MethodNotAllowed, NotFound
-from router.discovery.static import fetch_models, parse_worker_spec
+from router.discovery.static import parse_worker_spec
 from router.edge.auth import ClientKeys
+from router.engines.models import fetch_models
 from router.fleet.records import InvalidWorkerRecord, Status, WorkerRecord
 from router.fleet.registry import Fleet, Worker
 from router.http.server.messages import Request

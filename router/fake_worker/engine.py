@@ -167,7 +167,7 @@ class FakeWorker:
             ("/debug/routing", self._debug_routing),
         ):
             self._routes[path] = (get, route)
-        # What tells the engines apart (router.discovery.engine_facts): SGLang serves its
+        # What tells the engines apart (router.engines.facts): SGLang serves its
         # server info; vLLM serves neither path, and lists its KV-event publishers.
         if settings.engine == "sglang":
             self._routes["/get_server_info"] = (get, self._server_info)

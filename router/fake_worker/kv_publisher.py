@@ -1,6 +1,6 @@
 """The fake worker's KV-cache events: what its prefix cache does, published as vLLM does.
 
-vLLM's `ZmqEventPublisher` framing (`router.kv_events.subscription` describes the
+vLLM's `ZmqEventPublisher` framing (`router.engines.kv_events.subscription` describes the
 consumer's side): a PUB socket sends `(topic, seq, payload)` per batch, `seq` an 8-byte
 big-endian count from 0 for the process; `payload` a msgpack `KVEventBatch` in the
 current map form, `{"ts", "events", "data_parallel_rank"}` with each event a map tagged
@@ -30,9 +30,9 @@ import msgspec
 import trio
 import zmq
 
+from router.engines.kv_events.zmq_trio import recv_multipart, socket_fd
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_token_ids
 from router.fake_worker.settings import KvPublisherSettings
-from router.kv_events.zmq_trio import recv_multipart, socket_fd
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
@@ -168,7 +168,7 @@ async def serve_kv_publisher(
         publisher.close()
 
 
-# pyzmq under trio, as in `router.kv_events.subscription`: ZMQ_FD is edge-triggered, so
+# pyzmq under trio, as in `router.engines.kv_events.subscription`: ZMQ_FD is edge-triggered, so
 # ZMQ_EVENTS is checked (and every ready message taken) before each wait on it.
 
 

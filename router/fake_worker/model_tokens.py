@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from router.fake_worker.prefix_cache import Prompt, ids_prompt
-from router.policies.chat_request import NotRendered
-from router.policies.chat_template import TemplateFailed
-from router.policies.kv_aware import HfTokenizer
+from router.prompts.chat_request import NotRendered
+from router.prompts.chat_template import TemplateFailed
+from router.prompts.tokenizer import HfTokenizer
 
 CHAT_APIS = ("chat", "messages", "responses")
 

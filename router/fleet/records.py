@@ -3,7 +3,7 @@
 A `WorkerRecord` comes from static flags, a fleet file, an etcd key or a Pod. It is
 validated here (URL, role, DP size, handoff address), so nothing downstream meets a record
 the pool or the PD pairing cannot use. Facts a record leaves to the engine are listed in
-`unknown_facts` and filled in by `router.discovery.engine_facts`: until the facts routing
+`unknown_facts` and filled in by `router.engines.facts`: until the facts routing
 needs are known (`BLOCKING_FACTS`) the worker is pending; the ones that only describe it
 (`DESCRIPTIVE_FACTS`: the engine's kind and what that kind states of itself) are learned
 while it routes. Unknown stays unknown: a record that names no engine has `engine` None.
@@ -88,7 +88,7 @@ class WorkerRecord:
     status: Status = Status.ACTIVE
     unknown_facts: frozenset[str] = frozenset()
     """Facts the record leaves to the engine (`FACTS`): the worker joins the fleet once
-    they are learned (router.discovery.engine_facts); until then it is pending."""
+    they are learned (router.engines.facts); until then it is pending."""
     max_model_len: dict[str, int] = field(default_factory=dict)
     """Per served model, the longest sequence the engine takes (vLLM's `/v1/models`); empty
     while unknown."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from router.kv_events.fleet_views import KvIndexes
+from router.engines.kv_events.fleet_views import KvIndexes
 from router.policies.cache_aware import CacheAware, CacheAwareSettings
 from router.policies.consistent_hash import ConsistentHash
 from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs

@@ -1,7 +1,7 @@
 """`kv_aware`: send a request to the worker (and DP rank) whose engine reports holding the
 longest run of its prompt's KV blocks, unless its load costs more than the blocks save.
 
-The holdings are the engines' own (`router.kv_events`: their `BlockStored` /
+The holdings are the engines' own (`router.engines.kv_events`: their `BlockStored` /
 `BlockRemoved` / `AllBlocksCleared` events, indexed per model under keys the router
 computes itself). Per request:
 
@@ -12,7 +12,7 @@ computes itself). Per request:
    model's directory holding one; special tokens added as vLLM and SGLang add them).
    Given the model's directory, chat, plain Responses and text-only Messages bodies are
    rendered with the model's chat template as vLLM renders them
-   (`router.policies.chat_template`) and the prompt encoded as vLLM encodes it. A
+   (`router.prompts.chat_template`) and the prompt encoded as vLLM encodes it. A
    request whose tokens the router cannot compute (text without a tokenizer, chat
    without a template or of a shape the router does not render, a template that raised
    for it) gets no prediction and is placed by load alone, counted by reason.
@@ -36,19 +36,18 @@ Pure and synchronous: `clock` (the caller's, trio's in the router) is read once 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
+from router.engines.kv_events.decode import ExtraKey
+from router.engines.kv_events.fleet_views import KvIndexes
+from router.engines.kv_events.index import MatchResult, ViewId
 from router.fleet.records import Role
 from router.fleet.registry import Worker
-from router.kv_events.decode import ExtraKey
-from router.kv_events.fleet_views import KvIndexes
-from router.kv_events.index import MatchResult, ViewId
-from router.policies.chat_request import NotRendered
-from router.policies.chat_template import ChatTemplate, TemplateFailed
+from router.prompts.chat_request import NotRendered
+from router.prompts.chat_template import TemplateFailed
+from router.prompts.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,54 +74,6 @@ class KvPolicyInputs:
     tokenizer: TextTokenizer | None = None
 
 
-class TextTokenizer(Protocol):
-    def encode(self, text: str) -> list[int]:
-        """The token ids an engine computes for a completions prompt `text`."""
-        ...
-
-    def chat_tokens(self, body: Mapping[str, Any], anthropic: bool = False) -> list[int]:
-        """The token ids vLLM computes for a chat or Responses `body` (an Anthropic
-        Messages body with `anthropic`); NotRendered when the router does not render it as
-        the engine does, TemplateFailed when the template raises for it or runs past its
-        bounds."""
-        ...
-
-
-class HfTokenizer:
-    """The model's tokenizer through the `tokenizers` library (an optional dependency):
-    `path` is a `tokenizer.json`, or the model's directory holding one and, for chat,
-    the chat template and special tokens (`tokenizer_config.json`, `chat_template.jinja`;
-    rendering needs the `jinja2` package). Completions text is encoded with special tokens
-    added: what vLLM's completions and SGLang's `/generate` compute."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            module = importlib.import_module("tokenizers")
-        except ModuleNotFoundError:
-            raise ValueError("needs the `tokenizers` package (pip install tokenizers)") from None
-        directory = Path(path)
-        file = directory / "tokenizer.json" if directory.is_dir() else directory
-        try:
-            self._tokenizer = module.Tokenizer.from_file(str(file))
-        except Exception as exc:  # the library raises its own Exception types
-            raise ValueError(f"cannot load {file}: {exc}") from None
-        self.chat: ChatTemplate | None = None
-        """The model's chat template; None for a tokenizer.json alone, or a directory
-        without a template the router renders (chat then gets no prediction)."""
-        if directory.is_dir():
-            self.chat = ChatTemplate.from_model_dir(directory)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return ids
-
-    def chat_tokens(self, body: Mapping[str, Any], anthropic: bool = False) -> list[int]:
-        if self.chat is None:
-            raise NotRendered("no chat template")
-        prompt = self.chat.render(body, anthropic=anthropic)
-        return self.encode(prompt.text, prompt.add_special_tokens)
-
-
 class RequestKey(Protocol):
     """What the policy reads of a request's `PolicyKey`."""
 
@@ -145,7 +96,7 @@ NO_TOKENS = "no_tokens"
 CHAT = "chat_template"
 """Chat, Responses and Messages the router does not render as the engine does: no chat
 template (a `tokenizer.json` alone), a shape it does not reproduce (media, tools in
-Messages, a request's own template, ...; `router.policies.chat_template`)."""
+Messages, a request's own template, ...; `router.prompts.chat_template`)."""
 TEMPLATE_ERROR = "template_error"
 """The chat template raised for the request, or ran past its render bounds."""
 NO_INDEX = "no_index"

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.engines.kv_events.fleet_views import KvEventsStatistics, KvIndexes
 from router.fleet.records import Role
-from router.kv_events.fleet_views import KvEventsStatistics, KvIndexes
 from router.policies.kv_aware import NO_PREDICTION_REASONS, PICK_REASONS, KvAware
 
 _NO_STREAMS = KvEventsStatistics(

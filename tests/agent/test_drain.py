@@ -17,7 +17,7 @@ from router.agent.drain import (
     read_engine_load,
     wait_engine_idle,
 )
-from router.agent.engine_metrics import EngineLoad, parse_engine_load
+from router.engines.metrics import EngineLoad, parse_engine_load
 
 SETTINGS = DrainSettings(poll_interval_s=0.5, settle_s=6.0, timeout_s=300.0)
 

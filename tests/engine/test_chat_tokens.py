@@ -1,6 +1,6 @@
 """The token ids `kv_aware` computes for chat bodies are the ones a real vLLM engine computes:
 for each body, the router's ids (the model directory's template rendered by
-`router.policies.chat_template`, encoded by `HfTokenizer`) equal the engine's own, as its
+`router.prompts.chat_template`, encoded by `HfTokenizer`) equal the engine's own, as its
 chat endpoint reports them (`return_token_ids`) and as its `/tokenize` answers for the same
 messages. Templates other than the model's come with the request (the engine trusts them
 here) and are rendered by the router from the same source, so the dumps of every message
@@ -18,8 +18,8 @@ import pytest
 import trio
 
 from conformance.engines import Engine, EngineSettings
-from router.policies.chat_template import ChatTemplate, TemplateFailed
-from router.policies.kv_aware import HfTokenizer
+from router.prompts.chat_template import ChatTemplate, TemplateFailed
+from router.prompts.tokenizer import HfTokenizer
 from tests.engine.conftest import EngineHost, host_engines
 
 MODEL = "tiny"

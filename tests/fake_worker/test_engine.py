@@ -10,7 +10,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.discovery.engine_facts import is_sglang_server_info, is_vllm_version
+from router.engines.facts import is_sglang_server_info, is_vllm_version
 from router.fake_worker.behaviour import Behaviour, FailMode, InvalidBehaviour
 from router.fake_worker.engine import FakeWorker
 from router.fake_worker.formats import expected_text

@@ -13,7 +13,15 @@ import pytest
 import trio
 import zmq
 
-from router.discovery.engine_facts import kv_event_endpoints
+from router.engines.facts import kv_event_endpoints
+from router.engines.kv_events import (
+    KvEventSource,
+    KvIndex,
+    KvSubscription,
+    SubscriptionSettings,
+    ViewState,
+    serve_kv_subscription,
+)
 from router.fake_worker.info import kv_event_sources
 from router.fake_worker.kv_publisher import KvEventPublisher, serve_kv_publisher
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, tokenize
@@ -23,14 +31,6 @@ from router.fake_worker.settings import (
     publisher_settings,
 )
 from router.fleet.records import KvEventEndpoint
-from router.kv_events import (
-    KvEventSource,
-    KvIndex,
-    KvSubscription,
-    SubscriptionSettings,
-    ViewState,
-    serve_kv_subscription,
-)
 from tests.support.fake_fleet import open_fake_fleet
 
 VIEW = ("fake", None)

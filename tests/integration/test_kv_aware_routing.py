@@ -18,9 +18,9 @@ from router.fake_worker.kv_publisher import KvEventPublisher, serve_kv_publisher
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache
 from router.fake_worker.settings import KvPublisherSettings
 from router.fleet.records import KvEventEndpoint
-from router.policies.kv_aware import HfTokenizer
-from tests.policies.test_chat_template import write_model
+from router.prompts.tokenizer import HfTokenizer
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
+from tests.support.model_dir import write_model
 from tests.support.router_instance import open_router
 
 GUARD_S = 30

@@ -7,9 +7,9 @@ import pytest
 import trio
 
 from router.agent.drain import DrainResult, DrainSettings
-from router.agent.engine_metrics import EngineLoad
 from router.agent.registration import Registration, drain_and_deregister, serve_registration
 from router.discovery.etcd_client import EtcdClient, open_etcd_client
+from router.engines.metrics import EngineLoad
 from tests.support.etcd_server import EtcdServer
 from tests.support.etcd_workers import PREFIX, record_for
 from tests.support.waiting import wait_until

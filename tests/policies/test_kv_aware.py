@@ -10,14 +10,15 @@ from typing import Any
 import pytest
 import tokenizers
 
+from router.engines.kv_events import AllBlocksCleared, BlockStored
+from router.engines.kv_events.fleet_views import KvIndexes
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Worker
-from router.kv_events import AllBlocksCleared, BlockStored
-from router.kv_events.fleet_views import KvIndexes
 from router.policies.by_name import POLICY_NAMES, make_policy
-from router.policies.kv_aware import HfTokenizer, KvAware, KvAwareSettings, request_tokens
+from router.policies.kv_aware import KvAware, KvAwareSettings, request_tokens
 from router.policies.kv_aware_metrics import KvAwareCollector
 from router.policies.policy import PolicyKey
+from router.prompts.tokenizer import HfTokenizer
 
 BS = 4
 MODEL = "m"

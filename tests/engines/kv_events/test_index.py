@@ -3,7 +3,7 @@ and the pending hold. Pure and synchronous: time is a plain float passed in."""
 
 from __future__ import annotations
 
-from router.kv_events import (
+from router.engines.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -9,7 +9,7 @@ runs one subscription per worker rank while the worker is in the fleet
 (`router.policies.kv_aware`) reads the indexes.
 """
 
-from router.kv_events.decode import (
+from router.engines.kv_events.decode import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -21,7 +21,7 @@ from router.kv_events.decode import (
     decode_batch,
     decode_message,
 )
-from router.kv_events.fleet_views import (
+from router.engines.kv_events.fleet_views import (
     KvEvents,
     KvEventsSettings,
     KvEventsStatistics,
@@ -29,7 +29,7 @@ from router.kv_events.fleet_views import (
     serve_kv_events,
     worker_sources,
 )
-from router.kv_events.index import (
+from router.engines.kv_events.index import (
     IndexSettings,
     IndexStatistics,
     Key,
@@ -39,7 +39,7 @@ from router.kv_events.index import (
     ViewState,
     chain_key,
 )
-from router.kv_events.subscription import (
+from router.engines.kv_events.subscription import (
     KvEventSource,
     KvSubscription,
     SubscriptionSettings,

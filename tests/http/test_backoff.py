@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.discovery.backoff import Backoff
+from router.http.backoff import Backoff
 
 
 def test_delays_double_up_to_the_cap_and_reset_after_a_success() -> None:

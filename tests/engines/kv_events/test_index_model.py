@@ -9,7 +9,7 @@ from collections import Counter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvIndex, ViewId
+from router.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvIndex, ViewId
 
 BS = 2
 ALPHABET = (1, 2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from router.policies.chat_request import (
+from router.prompts.chat_request import (
     CHAT_ADDS_SPECIAL_TOKENS,
     ChatRequest,
     NotRendered,

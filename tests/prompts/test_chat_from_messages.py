@@ -12,18 +12,19 @@ import pytest
 
 from conformance.tiny_model import BOS, CHAT_TEMPLATE, EOS
 from router.fleet.records import Role
-from router.policies.chat_request import NotRendered
-from router.policies.chat_template import ChatTemplate
-from router.policies.kv_aware import CHAT, HfTokenizer, request_tokens, tokens_or_reason
+from router.policies.kv_aware import CHAT, request_tokens, tokens_or_reason
 from router.policies.policy import PolicyKey
-from tests.policies.test_chat_template import (
+from router.prompts.chat_request import NotRendered
+from router.prompts.chat_template import ChatTemplate
+from router.prompts.tokenizer import HfTokenizer
+from tests.prompts.test_chat_template import (
     MODEL,
     RENDERED,
     encoded,
     setup_policy,
     store,
-    write_model,
 )
+from tests.support.model_dir import write_model
 
 USER = {"role": "user", "content": "tell me about the cache"}
 

@@ -39,9 +39,7 @@ import httpx
 import orjson
 import trio
 
-from router.discovery.backoff import Backoff
-from router.discovery.static import fetch_models
-from router.discovery.streams import StreamTooLarge, read_capped
+from router.engines.models import fetch_models
 from router.fleet.records import (
     BLOCKING_FACTS,
     DESCRIPTIVE_FACTS,
@@ -51,6 +49,8 @@ from router.fleet.records import (
     disagg_meta,
 )
 from router.fleet.registry import Fleet
+from router.http.backoff import Backoff
+from router.http.capped_reads import StreamTooLarge, read_capped
 
 log = logging.getLogger("router.engine_facts")
 

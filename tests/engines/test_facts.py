@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from router.discovery.engine_facts import (
+from router.discovery.static import parse_worker_spec
+from router.engines.facts import (
     NOT_JSON,
     Answer,
     FactsUnavailable,
@@ -18,7 +19,6 @@ from router.discovery.engine_facts import (
     kv_event_endpoints,
     max_model_lens,
 )
-from router.discovery.static import parse_worker_spec
 from router.fleet.records import (
     DESCRIPTIVE_FACTS,
     InvalidWorkerRecord,

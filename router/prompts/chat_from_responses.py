@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from router.policies.chat_request import ChatRequest, NotRendered, merged_kwargs, user_kwargs
+from router.prompts.chat_request import ChatRequest, NotRendered, merged_kwargs, user_kwargs
 
 # Responses never sets `TokenizeParams`' field, so its default of true applies.
 RESPONSES_ADD_SPECIAL_TOKENS = True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from router.kv_events.decode import (
+from router.engines.kv_events.decode import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,

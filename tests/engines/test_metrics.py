@@ -4,7 +4,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from router.agent.engine_metrics import (
+from router.engines.metrics import (
     ENGINE_METRICS,
     ENGINES,
     EngineLoad,

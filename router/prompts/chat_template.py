@@ -72,18 +72,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.policies.chat_content_format import loops_over_content
-from router.policies.chat_from_messages import read_messages_request
-from router.policies.chat_from_responses import read_responses_request
-from router.policies.chat_messages import template_message, with_developer_as_system
-from router.policies.chat_model_dir import (
+from router.prompts.chat_content_format import loops_over_content
+from router.prompts.chat_from_messages import read_messages_request
+from router.prompts.chat_from_responses import read_responses_request
+from router.prompts.chat_messages import template_message, with_developer_as_system
+from router.prompts.chat_model_dir import (
     find_special_tokens,
     find_templates,
     not_renderable,
     read_json,
 )
-from router.policies.chat_request import ChatRequest, NotRendered, read_chat_request
-from router.policies.chat_sandbox import OutOfOperations, sandbox
+from router.prompts.chat_request import ChatRequest, NotRendered, read_chat_request
+from router.prompts.chat_sandbox import OutOfOperations, sandbox
 
 if TYPE_CHECKING:
     import jinja2

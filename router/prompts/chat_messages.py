@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.policies.chat_request import NotRendered
+from router.prompts.chat_request import NotRendered
 
 # Content parts read as text, and the field holding their text (chat_utils'
 # `MM_PARSER_MAP`); "thinking" parts are left out: an Anthropic body carries them too,

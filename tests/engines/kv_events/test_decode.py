@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.kv_events import (
+from router.engines.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -13,7 +13,7 @@ from router.kv_events import (
     decode_batch,
     decode_message,
 )
-from tests.kv_events.wire import Form, cleared, encode, removed, stored
+from tests.engines.kv_events.wire import Form, cleared, encode, removed, stored
 
 
 @pytest.mark.parametrize("form", list(Form))

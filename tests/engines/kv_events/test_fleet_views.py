@@ -8,18 +8,18 @@ import dataclasses
 import trio
 import zmq
 
-from router.fleet.records import KvEventEndpoint, WorkerRecord
-from router.fleet.registry import Fleet, Worker
-from router.kv_events import KvEventSource, SubscriptionSettings, ViewState
-from router.kv_events.fleet_views import (
+from router.engines.kv_events import KvEventSource, SubscriptionSettings, ViewState
+from router.engines.kv_events.fleet_views import (
     KvEvents,
     KvEventsSettings,
     KvIndexes,
     serve_kv_events,
     worker_sources,
 )
-from tests.kv_events.publisher import open_test_publisher
-from tests.kv_events.wire import blocks, encode, stored
+from router.fleet.records import KvEventEndpoint, WorkerRecord
+from router.fleet.registry import Fleet, Worker
+from tests.engines.kv_events.publisher import open_test_publisher
+from tests.engines.kv_events.wire import blocks, encode, stored
 from tests.support.waiting import wait_until
 
 BS = 4

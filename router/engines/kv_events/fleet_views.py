@@ -22,16 +22,16 @@ from urllib.parse import urlsplit
 
 import trio
 
-from router.fleet.registry import Fleet, Worker
-from router.kv_events.index import IndexSettings, KvIndex, ViewId
-from router.kv_events.subscription import (
+from router.engines.kv_events.index import IndexSettings, KvIndex, ViewId
+from router.engines.kv_events.subscription import (
     KvEventSource,
     KvSubscription,
     SubscriptionSettings,
     serve_kv_subscription,
 )
+from router.fleet.registry import Fleet, Worker
 
-logger = logging.getLogger("router.kv_events")
+logger = logging.getLogger("router.engines.kv_events")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import pytest
 import trio
 import zmq
 
-from router.kv_events import (
+from router.engines.kv_events import (
     IndexSettings,
     KvEventSource,
     KvIndex,
@@ -21,8 +21,8 @@ from router.kv_events import (
     ViewState,
     serve_kv_subscription,
 )
-from tests.kv_events.publisher import TestPublisher, open_test_publisher
-from tests.kv_events.wire import Form, blocks, cleared, encode, removed, stored
+from tests.engines.kv_events.publisher import TestPublisher, open_test_publisher
+from tests.engines.kv_events.wire import Form, blocks, cleared, encode, removed, stored
 
 BS = 4
 VIEW: ViewId = ("w1", 0)
@@ -212,7 +212,7 @@ async def test_a_router_start_after_the_buffer_wrapped_is_unknown(
 async def test_garbage_is_counted_logged_once_and_the_subscription_goes_on(
     zmq_context: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="router.kv_events")
+    caplog.set_level(logging.WARNING, logger="router.engines.kv_events")
     with trio.fail_after(GUARD_S):
         async with open_running(zmq_context) as run:
             await run.until(run.known)

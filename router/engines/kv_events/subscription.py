@@ -60,7 +60,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from router.kv_events.decode import (
+from router.engines.kv_events.decode import (
     END_OF_REPLAY_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -70,10 +70,10 @@ from router.kv_events.decode import (
     decode_batch,
     decode_seq,
 )
-from router.kv_events.index import KvIndex, ViewId
-from router.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
+from router.engines.kv_events.index import KvIndex, ViewId
+from router.engines.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
 
-logger = logging.getLogger("router.kv_events")
+logger = logging.getLogger("router.engines.kv_events")
 
 REASON_REPLAYING = "replaying the engine's event buffer"
 REASON_REPLAY_FAILED = "replay socket did not answer: gap not repaired yet"

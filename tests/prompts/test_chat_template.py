@@ -13,33 +13,29 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-import tokenizers
 from hypothesis import given, settings
 
-from conformance.tiny_model import BOS, CHAT_TEMPLATE, EOS
+from conformance.tiny_model import BOS, EOS
+from router.engines.kv_events import BlockStored
+from router.engines.kv_events.fleet_views import KvIndexes
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Worker
-from router.kv_events import BlockStored
-from router.kv_events.fleet_views import KvIndexes
-from router.policies.chat_request import NotRendered
-from router.policies.chat_template import ChatTemplate, RenderLimits, TemplateFailed
 from router.policies.kv_aware import (
     CHAT,
     TEMPLATE_ERROR,
-    HfTokenizer,
     KvAware,
     KvAwareSettings,
     request_tokens,
     tokens_or_reason,
 )
 from router.policies.policy import PolicyKey
+from router.prompts.chat_request import NotRendered
+from router.prompts.chat_template import ChatTemplate, RenderLimits, TemplateFailed
+from router.prompts.tokenizer import HfTokenizer
+from tests.support.model_dir import TEMPLATE, build_tokenizer, write_model
 
 MODEL = "m"
 BS = 4
-WORDS = "you are a router tell me about the cache hello world first last part and it is".split()
-MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|developer|>"]
-# The same template conformance/tiny_model.py gives the engine tests' model.
-TEMPLATE = CHAT_TEMPLATE
 # One that never loops over a message's content: vLLM hands it strings.
 STRING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n"
@@ -53,40 +49,6 @@ RENDERED = (
     f"{BOS}<|system|>\nyou are a router{EOS}\n<|user|>\ntell me about the cache{EOS}\n"
     "<|assistant|>\n"
 )
-
-
-def build_tokenizer() -> tokenizers.Tokenizer:
-    """A word-level tokenizer that adds a BOS token, as many models' tokenizer.json do."""
-    specials = [BOS, EOS, *MARKERS]
-    vocab = {"[UNK]": 0, **{token: n + 1 for n, token in enumerate(specials)}}
-    vocab.update({word: len(vocab) + n for n, word in enumerate(WORDS)})
-    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    model.add_special_tokens(specials)
-    model.post_processor = tokenizers.processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
-    )
-    return model
-
-
-def write_model(
-    directory: Path,
-    template: str | list[dict[str, str]] | None = TEMPLATE,
-    *,
-    jinja: str | None = None,
-    **config: Any,
-) -> Path:
-    """A model directory as the engines read it: tokenizer.json, tokenizer_config.json
-    (special tokens, the template) and, when given, chat_template.jinja."""
-    directory.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save(str(directory / "tokenizer.json"))
-    settings: dict[str, Any] = {"bos_token": BOS, "eos_token": EOS, **config}
-    if template is not None:
-        settings["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    if jinja is not None:
-        (directory / "chat_template.jinja").write_text(jinja)
-    return directory
 
 
 @pytest.fixture
@@ -593,7 +555,7 @@ def test_the_reasons_are_the_policys(tmp_path: Path) -> None:
 
 
 def test_a_message_of_many_tool_calls_spends_the_budget_before_it_is_rebuilt() -> None:
-    from router.policies.chat_template import DEFAULT_OPERATIONS
+    from router.prompts.chat_template import DEFAULT_OPERATIONS
 
     template = ChatTemplate({"default": TEMPLATE}, {"bos_token": BOS, "eos_token": EOS})
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}

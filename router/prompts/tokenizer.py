@@ -1,0 +1,63 @@
+"""The model's tokenizer, as the engines tokenize: completions text and rendered chat.
+
+The `tokenizers` library is an optional dependency (the `kv` extra); chat rendering needs
+`jinja2` too (`router.prompts.chat_template`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from router.prompts.chat_request import NotRendered
+from router.prompts.chat_template import ChatTemplate
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """The token ids an engine computes for a completions prompt `text`."""
+        ...
+
+    def chat_tokens(self, body: Mapping[str, Any], anthropic: bool = False) -> list[int]:
+        """The token ids vLLM computes for a chat or Responses `body` (an Anthropic
+        Messages body with `anthropic`); NotRendered when the router does not render it as
+        the engine does, TemplateFailed when the template raises for it or runs past its
+        bounds."""
+        ...
+
+
+class HfTokenizer:
+    """The model's tokenizer through the `tokenizers` library (an optional dependency):
+    `path` is a `tokenizer.json`, or the model's directory holding one and, for chat,
+    the chat template and special tokens (`tokenizer_config.json`, `chat_template.jinja`;
+    rendering needs the `jinja2` package). Completions text is encoded with special tokens
+    added: what vLLM's completions and SGLang's `/generate` compute."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            module = importlib.import_module("tokenizers")
+        except ModuleNotFoundError:
+            raise ValueError("needs the `tokenizers` package (pip install tokenizers)") from None
+        directory = Path(path)
+        file = directory / "tokenizer.json" if directory.is_dir() else directory
+        try:
+            self._tokenizer = module.Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises its own Exception types
+            raise ValueError(f"cannot load {file}: {exc}") from None
+        self.chat: ChatTemplate | None = None
+        """The model's chat template; None for a tokenizer.json alone, or a directory
+        without a template the router renders (chat then gets no prediction)."""
+        if directory.is_dir():
+            self.chat = ChatTemplate.from_model_dir(directory)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def chat_tokens(self, body: Mapping[str, Any], anthropic: bool = False) -> list[int]:
+        if self.chat is None:
+            raise NotRendered("no chat template")
+        prompt = self.chat.render(body, anthropic=anthropic)
+        return self.encode(prompt.text, prompt.add_special_tokens)
