@@ -101,6 +101,11 @@ class Settings:
     kv_events_port: int = 0
     kv_events_replay_port: int = 0
     kv_overlap_weight: float = 2.0
+    engine_load_interval_s: float = 0.5
+    engine_load_timeout_s: float = 1.0
+    engine_load_window_s: float = 0.25
+    spread_margin: float = 0.5
+    policy_seed: int = -1
     kv_tokenizer: str = ""
     api_key: str = ""
     api_keys_file: str = ""

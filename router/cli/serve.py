@@ -40,6 +40,8 @@ from router.engines.kv_events.fleet_views import (
     KvIndexes,
     serve_kv_events,
 )
+from router.engines.load_metrics import EngineLoadCollector
+from router.engines.load_reader import EngineLoads, LoadReaderSettings, serve_engine_loads
 from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.candidates import AllOpenMode
 from router.fleet.health import serve_health_checks
@@ -59,6 +61,7 @@ from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
 from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs
 from router.policies.kv_aware_metrics import KvAwareCollector
+from router.policies.spread import SpreadSettings
 from router.prompts.tokenizer import HfTokenizer
 
 log = logging.getLogger("router")
@@ -139,6 +142,24 @@ def kv_tokenizer(settings: Settings) -> HfTokenizer | None:
         raise ConfigError(f"--kv-tokenizer: {error}") from None
 
 
+LOAD_POLICIES = frozenset({"least_load", "power_of_two", "cache_aware", "kv_aware"})
+"""The policies that read load (`Worker.load`)."""
+
+
+def engine_load_settings(settings: Settings) -> LoadReaderSettings | None:
+    """How the engines' own load is read; None when no chosen policy reads load, or
+    `--engine-load-interval-s` is 0."""
+    policies = {settings.policy, settings.prefill_policy, settings.decode_policy}
+    if settings.engine_load_interval_s <= 0 or not policies & LOAD_POLICIES:
+        return None
+    return LoadReaderSettings(
+        interval_s=settings.engine_load_interval_s,
+        timeout_s=settings.engine_load_timeout_s,
+        window_s=settings.engine_load_window_s,
+        worker_api_key=settings.worker_api_key,
+    )
+
+
 def failover_settings(settings: Settings) -> FailoverSettings:
     """What the generation path reads of `settings`."""
     all_open = AllOpenMode(settings.breaker_all_open)
@@ -169,6 +190,10 @@ def failover_settings(settings: Settings) -> FailoverSettings:
         retry_after_s=settings.retry_after_s,
         model_memory_s=settings.model_memory_s,
         worker_api_key=settings.worker_api_key,
+        spread=SpreadSettings(
+            margin=settings.spread_margin,
+            seed=None if settings.policy_seed < 0 else settings.policy_seed,
+        ),
     )
 
 
@@ -231,11 +256,13 @@ async def run_router(
     shutdown = shutdown if shutdown is not None else trio.Event()
     keys = client_keys(settings)
     metrics = RouterMetrics(registry=registry, key_label=keys.named)
+    reads_engine_load = engine_load_settings(settings) is not None
     fleet = Fleet(
         _breaker_factory(settings, metrics.breakers),
         model_memory_s=settings.model_memory_s,
         clock=trio.current_time,
         max_inflight=settings.worker_max_inflight,
+        engine_shares=reads_engine_load,
     )
     metrics.watch_fleet(fleet)
     admission = AdmissionGate(admission_settings(settings))
@@ -291,6 +318,13 @@ async def run_router(
                 discovery_owns_fleet=settings.discovery != "static",
                 drain_timeout_s=settings.shutdown_grace_s,
             )
+        load_settings = engine_load_settings(settings)
+        engine_loads: EngineLoads | None = None
+        if load_settings is not None:
+            # The engines' own load, which every process and replica reads alike.
+            engine_loads = EngineLoads(fleet, load_settings)
+            await nursery.start(serve_engine_loads, engine_loads)
+        metrics.registry.register(EngineLoadCollector(engine_loads))
         kv_indexes = KvIndexes()
         kv_events: KvEvents | None = None
         failover = failover_settings(settings)

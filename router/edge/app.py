@@ -200,6 +200,8 @@ class RouterApp:
                 healthy=worker.healthy,
                 inflight=worker.inflight,
                 rank_inflight=worker.rank_inflight if worker.record.rank_multiplexed else None,
+                load=worker.load,
+                engine_load=_engine_load(worker, now),
             )
             if worker.breaker is not None:
                 stats = worker.breaker.statistics(now)
@@ -222,6 +224,18 @@ class RouterApp:
             entry.update(status="PENDING", admitted=False, reason=pending.reason)
             listing.append(entry)
         return 200, b"application/json", orjson.dumps({"workers": listing})
+
+
+def _engine_load(worker: Worker, now: float) -> dict[str, Any] | None:
+    """The engine's own load beyond this process, for `/v1/workers`: None (null) when it
+    is not read; `requests` and `age_s` null while unknown."""
+    if not worker.shares:
+        return None
+    share = worker.engine_share()
+    return {
+        "requests": None if share is None else share[0],
+        "age_s": None if share is None else round(max(0.0, now - share[1]), 3),
+    }
 
 
 def _engine_facts(record: WorkerRecord) -> dict[str, Any]:

@@ -24,7 +24,9 @@ only, never from the port or the name:
 
 What a kind states of itself is learned with it: for vLLM, `max_model_len` per model from
 `/v1/models`, and its KV-event publishers from `/kv_event_sources` (kept on the record as
-data; a `*` host, where the engine binds, becomes the worker's own host). An explicit value
+data; a `*` host, where the engine binds, becomes the worker's own host). An SGLang
+engine's load publishers (`load_event_endpoints`) are asked by the load reader, which
+alone needs them. An explicit value
 always wins: only the facts in `WorkerRecord.unknown_facts` are asked for.
 """
 
@@ -43,7 +45,7 @@ from router.engines.models import fetch_models
 from router.fleet.records import (
     BLOCKING_FACTS,
     DESCRIPTIVE_FACTS,
-    KvEventEndpoint,
+    EventEndpoint,
     Role,
     WorkerRecord,
     disagg_meta,
@@ -245,7 +247,7 @@ def max_model_lens(body: Any) -> dict[str, int]:
     return lengths
 
 
-def kv_event_endpoints(body: Any, worker_url: str) -> tuple[KvEventEndpoint, ...]:
+def kv_event_endpoints(body: Any, worker_url: str) -> tuple[EventEndpoint, ...]:
     """The KV-event publishers in a `/kv_event_sources` answer, one per DP rank.
 
     vLLM 0.32 answers an object keyed by DP rank whose values are its events config
@@ -267,7 +269,7 @@ def kv_event_endpoints(body: Any, worker_url: str) -> tuple[KvEventEndpoint, ...
     host = urlsplit(worker_url).hostname or "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
-    found: dict[int, KvEventEndpoint] = {}
+    found: dict[int, EventEndpoint] = {}
     for raw_rank, entry in entries:
         try:
             rank = int(raw_rank)
@@ -279,13 +281,39 @@ def kv_event_endpoints(body: Any, worker_url: str) -> tuple[KvEventEndpoint, ...
         if not isinstance(endpoint, str) or entry.get("publisher", "zmq") != "zmq":
             continue
         topic = entry.get("topic")
-        found[rank] = KvEventEndpoint(
+        found[rank] = EventEndpoint(
             dp_rank=rank,
             endpoint=_own_host(endpoint, host),
             replay_endpoint=_own_host(replay, host) if isinstance(replay, str) else None,
             topic=topic if isinstance(topic, str) else "",
         )
     return tuple(found[rank] for rank in sorted(found))
+
+
+def load_event_endpoints(server_info: Any, worker_url: str) -> tuple[EventEndpoint, ...]:
+    """SGLang's load publishers from its `/server_info`: the `kv_events` block names
+    `load_endpoint_port_base` (rank r publishes at base + r on the worker's own host: the
+    block's `endpoint_host` is where the engine binds, a wildcard) with `load_topic` and
+    `dp_size`. None advertised (no block, no load port: the stream is opt-in), or a
+    block that does not hold together, gives none."""
+    block = server_info.get("kv_events") if isinstance(server_info, dict) else None
+    if not isinstance(block, dict):
+        return ()
+    base, topic = block.get("load_endpoint_port_base"), block.get("load_topic", "load")
+    dp_size = block.get("dp_size", server_info.get("dp_size", 1))
+    if isinstance(base, bool) or not isinstance(base, int) or not isinstance(topic, str):
+        return ()
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        return ()
+    if not 0 < base or base + dp_size - 1 > 65535:
+        return ()
+    host = urlsplit(worker_url).hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return tuple(
+        EventEndpoint(dp_rank=rank, endpoint=f"tcp://{host}:{base + rank}", topic=topic)
+        for rank in range(dp_size)
+    )
 
 
 def _own_host(endpoint: str, host: str) -> str:

@@ -46,6 +46,8 @@ class Behaviour:
     fail_mode: FailMode = FailMode.STATUS
     fail_after_chunks: int = 0
     healthy: bool = True
+    external_load: int = 0
+    """Requests another sender holds on the engine: added to its running gauge."""
     fail_remaining: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +96,7 @@ _UPDATABLE = (
     "fail_mode",
     "fail_after_chunks",
     "healthy",
+    "external_load",
 )
 
 
@@ -119,6 +122,6 @@ def _check(name: str, value: Any) -> Any:
         raise InvalidBehaviour(f"'fail_first' must be -1 (always) or >= 0, got {value}")
     if name == "fail_status" and not 400 <= value <= 599:
         raise InvalidBehaviour(f"'fail_status' must be an HTTP error status 400-599, got {value}")
-    if name in ("tokens", "fail_after_chunks") and not 0 <= value <= MAX_TOKENS:
+    if name in ("tokens", "fail_after_chunks", "external_load") and not 0 <= value <= MAX_TOKENS:
         raise InvalidBehaviour(f"{name!r} must be between 0 and {MAX_TOKENS}, got {value}")
     return value

@@ -104,6 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="publish them on this port instead (replay on port + 1); implies --kv-events; 0 = the kernel's choice",
     )
+    gauges = parser.add_argument_group("load gauges")
+    gauges.add_argument(
+        "--gauge-step-ms",
+        type=float,
+        default=0.0,
+        help="the load gauges (/metrics, /v1/loads, the load stream) refresh once per step of this length and show the step before, as an engine's lag; 0 = live",
+    )
+    gauges.add_argument(
+        "--load-events",
+        action="store_true",
+        help="publish the load as SGLang's --load-publish-endpoint does (ZMQ PUB per DP rank on consecutive ports, in /server_info's kv_events block); --engine sglang only",
+    )
+    gauges.add_argument(
+        "--external-load",
+        type=int,
+        default=0,
+        help="requests another sender holds on this engine, shown in its running gauge",
+    )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
         "--fail-first",
@@ -190,6 +208,14 @@ async def _serve(
                 print(
                     f"fake-worker publishing KV events on {publisher.endpoint}, "
                     f"replay on {publisher.replay_endpoint}",
+                    flush=True,
+                )
+            if settings.load_events:
+                from router.fake_worker.load_publisher import serve_load_publisher
+
+                base = await nursery.start(serve_load_publisher, worker)
+                print(
+                    f"fake-worker publishing its load on ports {base}-{base + settings.dp_size - 1}",
                     flush=True,
                 )
             await serve_fake_worker(

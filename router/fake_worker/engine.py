@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -137,6 +138,13 @@ class FakeWorker:
         self._held_waiting = 0
         self._held_until: int | None = None
         self._model_tokens = _model_tokens(settings)
+        # What the load gauges show while they step (`gauge_step_ms`): the counts of the
+        # step before, and of this one to show at the next.
+        self._shown: list[tuple[int, int]] | None = None
+        self._next_shown: list[tuple[int, int]] | None = None
+        self.load_port_base: int | None = None
+        """The first port of the load publishers once they listen (rank r at base + r);
+        `/server_info` advertises it."""
         self.kv_endpoints: tuple[str, str | None] | None = None
         """The KV-event publisher's PUB and replay endpoints once it listens (whoever
         starts the publisher sets them); `/kv_event_sources` lists them."""
@@ -318,6 +326,32 @@ class FakeWorker:
             if limiter is not None:
                 limiter.release()
 
+    def _live_counts(self) -> list[tuple[int, int]]:
+        counts = [(load.running, load.queued) for load in self.routing.loads]
+        running, queued = counts[0]
+        counts[0] = (running + self.behaviour.external_load, queued)
+        return counts
+
+    def gauge_loads(self) -> list[RankLoad]:
+        """Per rank, the load the gauges show: the requests it runs and queues (with
+        another sender's on rank 0, `external_load`), live or as of the step before
+        (`gauge_step_ms`); token counters are always live."""
+        shown = self._shown if self._shown is not None else self._live_counts()
+        return [
+            dataclasses.replace(load, running=running, queued=queued)
+            for load, (running, queued) in zip(self.routing.loads, shown, strict=True)
+        ]
+
+    async def step_gauges(self) -> None:
+        """Refresh the gauges once per `gauge_step_ms` until cancelled: each step shows
+        the counts taken at the step before, as an engine's scheduler reports its last
+        step's state."""
+        step_s = self.settings.gauge_step_ms / 1000
+        self._shown = self._next_shown = self._live_counts()
+        while True:
+            await trio.sleep(step_s)
+            self._shown, self._next_shown = self._next_shown, self._live_counts()
+
     def hold_answers(self, until: int | None = None) -> None:
         """From now on generation requests wait, in flight, until `release_answers`, or
         with `until` until that many wait: an in-process test's gate for "a whole burst
@@ -466,7 +500,9 @@ class FakeWorker:
 
     async def _server_info(self, request: Request, writer: ResponseWriter) -> None:
         await _respond_json(
-            writer, 200, info.server_info(self.settings, self.port, self.routing.loads)
+            writer,
+            200,
+            info.server_info(self.settings, self.port, self.gauge_loads(), self.load_port_base),
         )
 
     async def _version(self, request: Request, writer: ResponseWriter) -> None:
@@ -476,10 +512,10 @@ class FakeWorker:
         await _respond_json(writer, 200, info.kv_event_sources(self.settings, self.kv_endpoints))
 
     async def _loads(self, request: Request, writer: ResponseWriter) -> None:
-        await _respond_json(writer, 200, info.loads(self.settings, self.routing.loads))
+        await _respond_json(writer, 200, info.loads(self.settings, self.gauge_loads()))
 
     async def _legacy_load(self, request: Request, writer: ResponseWriter) -> None:
-        await _respond_json(writer, 200, info.legacy_load(self.routing.loads))
+        await _respond_json(writer, 200, info.legacy_load(self.gauge_loads()))
 
     async def _flush_cache(self, request: Request, writer: ResponseWriter) -> None:
         if self.prefix_cache is not None:
@@ -492,7 +528,7 @@ class FakeWorker:
             settings.engine,
             settings.role,
             settings.model,
-            self.routing.loads,
+            self.gauge_loads(),
             info.capacity(settings),
         )
         await writer.respond(200, METRICS_HEADERS, text)
@@ -553,10 +589,19 @@ async def serve_fake_worker(
     server_settings = ServerSettings(
         host=settings.host, port=settings.port, shutdown_grace_s=settings.shutdown_grace_s
     )
-    await serve_http(
+    serve = partial(
+        serve_http,
         worker.handler,
         server_settings,
         shutdown=shutdown,
         answer_refusal=answer_refusal,
         task_status=_ReportUrl(worker, task_status),
     )
+    if settings.gauge_step_ms <= 0:
+        await serve()
+        return
+    # The stepping gauges beside the server (a bind failure then comes in a group).
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.step_gauges)
+        await serve()
+        nursery.cancel_scope.cancel()

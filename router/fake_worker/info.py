@@ -107,11 +107,25 @@ def model_info(settings: FakeWorkerSettings) -> dict[str, Any]:
 
 
 def server_info(
-    settings: FakeWorkerSettings, port: int, loads: Sequence[RankLoad]
+    settings: FakeWorkerSettings,
+    port: int,
+    loads: Sequence[RankLoad],
+    load_port_base: int | None = None,
 ) -> dict[str, Any]:
     """`GET /get_server_info` and `/server_info`: SGLang's server args, scheduler facts,
-    per-rank internal states and version (a subset of SGLang's few hundred fields)."""
+    per-rank internal states and version (a subset of SGLang's few hundred fields), and
+    with a load stream (`load_port_base`), the `kv_events` block that advertises it."""
     return {
+        "kv_events": None
+        if load_port_base is None
+        else {
+            "publisher": "zmq",
+            "endpoint_host": "*",
+            "topic": "kv",
+            "dp_size": settings.dp_size,
+            "load_endpoint_port_base": load_port_base,
+            "load_topic": "load",
+        },
         "model_path": settings.model,
         "served_model_name": settings.model,
         "tokenizer_path": settings.model,

@@ -30,7 +30,7 @@ import msgspec
 import trio
 import zmq
 
-from router.engines.kv_events.zmq_trio import recv_multipart, socket_fd
+from router.engines.zmq_trio import recv_multipart, socket_fd
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_token_ids
 from router.fake_worker.settings import KvPublisherSettings
 

@@ -60,6 +60,16 @@ class FakeWorkerSettings:
     kv_events_port: int = 0
     """The KV-event PUB port instead (replay ROUTER at port + 1); implies `kv_events`.
     0: the kernel's choice, when `kv_events` is on."""
+    gauge_step_ms: float = 0.0
+    """The load gauges (`/metrics`, `/v1/loads`, the load stream) refresh once per
+    scheduling step of this length and show what was true at the step before, so a
+    reading lags the requests by one to two steps, as an engine's do. 0: live."""
+    load_events: bool = False
+    """Publish the load as SGLang's `--load-publish-endpoint` does (a ZMQ PUB per DP rank
+    on consecutive ports, advertised in `/server_info`'s `kv_events` block); SGLang only."""
+    external_load: int = 0
+    """Requests another sender holds on this engine, shown in its running gauge (rank 0)
+    beside the ones it serves: another router's work, as the gauges would show it."""
 
     @property
     def publishes_kv_events(self) -> bool:
@@ -97,6 +107,10 @@ class FakeWorkerSettings:
         if self.publishes_kv_events and not self.cache_tokens:
             what = "kv_events_port" if self.kv_events_port else "kv_events"
             raise ValueError(f"{what} needs a prefix cache: set cache_tokens")
+        if not self.gauge_step_ms >= 0:
+            raise ValueError(f"gauge_step_ms must be >= 0, got {self.gauge_step_ms}")
+        if self.load_events and self.engine != "sglang":
+            raise ValueError("load_events is SGLang's load stream: it needs engine sglang")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not self.prefill_us_per_token >= 0:
@@ -116,6 +130,7 @@ class FakeWorkerSettings:
             fail_status=self.fail_status,
             fail_mode=FailMode(self.fail_mode),
             fail_after_chunks=self.fail_after_chunks,
+            external_load=self.external_load,
         )
 
 

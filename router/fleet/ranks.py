@@ -8,7 +8,8 @@ from router.fleet.registry import Worker
 class RankChooser:
     """Which DP rank of a rank-multiplexed worker takes the next request.
 
-    The least-loaded rank by the router's own in-flight counts; among equally loaded ranks
+    The least-loaded rank (`Worker.rank_load`: the engine's count for the rank beyond this
+    process plus this process's own, or its own alone while unknown); among equally loaded ranks
     the scan starts one place further on each time, so an idle worker's ranks take turns
     instead of rank 0 taking every request that arrives alone.
     """
@@ -32,7 +33,7 @@ class RankChooser:
         worker registered as a single rank)."""
         if not worker.record.rank_multiplexed:
             return None
-        loads = worker.rank_inflight
+        loads = [worker.rank_load(rank) for rank in range(len(worker.rank_inflight))]
         size = len(loads)
         start = self._start.get(worker.id, 0) % size
         self._start[worker.id] = (start + 1) % size

@@ -55,10 +55,11 @@ def disagg_meta(host: str, bootstrap_port: int | str, protocol: str = "mooncake"
 
 
 @dataclass(frozen=True, slots=True)
-class KvEventEndpoint:
-    """Where one DP rank of a worker publishes its KV-cache events (vLLM's
-    `/kv_event_sources`), as data for a policy that subscribes; a `*` host the engine
-    binds on is already replaced by the worker's own host."""
+class EventEndpoint:
+    """Where one DP rank of a worker publishes ZMQ events: its KV-cache events (vLLM's
+    `/kv_event_sources`) or its load (SGLang's load stream), as data for whoever
+    subscribes; a `*` host the engine binds on is already replaced by the worker's own
+    host."""
 
     dp_rank: int
     endpoint: str
@@ -92,7 +93,7 @@ class WorkerRecord:
     max_model_len: dict[str, int] = field(default_factory=dict)
     """Per served model, the longest sequence the engine takes (vLLM's `/v1/models`); empty
     while unknown."""
-    kv_event_sources: tuple[KvEventEndpoint, ...] = ()
+    kv_event_sources: tuple[EventEndpoint, ...] = ()
     """The engine's KV-event publishers, one per DP rank (vLLM's `/kv_event_sources`);
     empty when the engine publishes none or has not said."""
     api_key: str | None = field(default=None, repr=False)

@@ -1,9 +1,10 @@
 """The fleet registry and the router's own load accounting.
 
 A `Worker` is the router's live view of a `WorkerRecord` (`router.fleet.records`): the
-record plus health, in-flight counts and breaker. Only discovery replaces a record; only
-the health checker writes `healthy`. The `Fleet` indexes workers by model and tells its
-listeners when one leaves.
+record plus health, in-flight counts, the engine's own load (`router.fleet.load`) and
+breaker. Only discovery replaces a record; only the health checker writes `healthy`; only
+the engine load reader (`router.engines.load_reader`) writes the engine's share. The
+`Fleet` indexes workers by model and tells its listeners when one leaves.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from router.fleet.load import EngineShare, figure
 from router.fleet.records import (
     BLOCKING_FACTS,
     PendingWorker,
@@ -39,10 +41,57 @@ class Worker:
     max_inflight: int = 0
     """Requests this router may have in flight on the worker (per DP rank when the router
     picks ranks); 0 means no cap. A worker at its cap is not a candidate."""
+    shares: list[EngineShare] = field(default_factory=list)
+    """The engine's own load beyond this process, one per view (per DP rank when the
+    router picks ranks, else one); empty when engine load is not read."""
 
     def __post_init__(self) -> None:
         if not self.rank_inflight:
             self.rank_inflight = [0] * self.record.dp_size
+
+    def keep_engine_shares(self) -> None:
+        """Keep one engine share per view, so readings have somewhere to land."""
+        views = self.record.dp_size if self.record.rank_multiplexed else 1
+        kept = self.shares[:views]
+        self.shares = kept + [EngineShare() for _ in range(views - len(kept))]
+
+    @property
+    def load(self) -> float:
+        """The load policies compare (`router.fleet.load.figure`): the engine's count
+        beyond this process plus this process's own in flight; only the latter while any
+        view's reading is unknown."""
+        shares = self.shares
+        if not shares:
+            return float(self.inflight)
+        if len(shares) == 1:
+            return figure(shares[0].others, self.inflight)
+        others = 0.0
+        for share in shares:
+            if share.others is None:
+                return float(self.inflight)
+            others += share.others
+        return others + self.inflight
+
+    def engine_share(self) -> tuple[float, float] | None:
+        """What the engine holds beyond this process (summed over the views) and when the
+        oldest reading behind it was taken; None while any view is unknown or no reading
+        is kept."""
+        others = 0.0
+        oldest: float | None = None
+        for share in self.shares:
+            if share.others is None or share.read_at is None:
+                return None
+            others += share.others
+            oldest = share.read_at if oldest is None else min(oldest, share.read_at)
+        return None if oldest is None else (others, oldest)
+
+    def rank_load(self, rank: int) -> float:
+        """The load of one DP rank of a rank-multiplexed worker, as `load` is of a worker."""
+        own = self.rank_inflight[rank]
+        shares = self.shares
+        if rank < len(shares) and len(shares) > 1:
+            return figure(shares[rank].others, own)
+        return float(own)
 
     @property
     def id(self) -> str:
@@ -76,11 +125,14 @@ class Worker:
             return min(self.rank_inflight) >= cap
         return self.inflight >= cap
 
-    def begin(self, rank: int | None = None) -> None:
-        """Count one request in flight (and on `rank` when the router chose it)."""
+    def begin(self, rank: int | None = None, now: float | None = None) -> None:
+        """Count one request in flight (and on `rank` when the router chose it), sent at
+        `now` (the engine share needs the time to tell which readings can count it)."""
         self.inflight += 1
         if rank is not None:
             self.rank_inflight[rank] += 1
+        if self.shares and now is not None:
+            self.shares[rank if rank is not None and rank < len(self.shares) else 0].dispatched(now)
 
     def end(self, rank: int | None = None) -> None:
         self.inflight -= 1
@@ -120,9 +172,12 @@ class Fleet:
         model_memory_s: float = 0.0,
         clock: Callable[[], float] | None = None,
         max_inflight: int = 0,
+        engine_shares: bool = False,
     ) -> None:
         self._breaker_factory = breaker_factory or (lambda _worker_id: None)
         self._max_inflight = max_inflight
+        self.engine_shares = engine_shares
+        """Whether workers keep engine shares (an engine load reader runs)."""
         self._workers: dict[str, Worker] = {}
         self._by_model: dict[str, list[Worker]] = {}
         self._urls: set[str] = set()
@@ -212,7 +267,10 @@ class Fleet:
                 worker.rank_inflight = kept + [0] * (record.dp_size - len(kept))
             if record.url != worker.record.url:
                 old_url = worker.record.url
+                worker.shares = []  # another engine: what was read of the old one is not its
             worker.record = record
+        if self.engine_shares:
+            worker.keep_engine_shares()
         self._reindex()
         if old_url is not None:
             self._drop_url(old_url, worker)

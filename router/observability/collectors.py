@@ -39,6 +39,22 @@ class FleetCollector(Collector):
         healthy = GaugeMetricFamily(
             "router_worker_healthy", "1 when the worker passes its health checks", labels=["worker"]
         )
+        load = GaugeMetricFamily(
+            "router_worker_load",
+            "The load the policies read per worker: the engine's own count beyond this process plus this process's requests in flight, or only the latter while the engine's is unknown",
+            labels=["worker"],
+        )
+        engine_load = GaugeMetricFamily(
+            "router_worker_engine_load",
+            "Requests the worker's engine held beyond this process's own at its last reading (other router processes and replicas, other clients); absent while unknown",
+            labels=["worker"],
+        )
+        engine_load_age = GaugeMetricFamily(
+            "router_worker_engine_load_age_seconds",
+            "Age of the engine load reading behind router_worker_engine_load; absent while unknown",
+            labels=["worker"],
+        )
+        unknown_load = 0
         for worker in self._fleet.workers():
             record = worker.record
             for model in record.models:
@@ -46,6 +62,14 @@ class FleetCollector(Collector):
                 by_group[key] = by_group.get(key, 0) + 1
             inflight.add_metric([worker.id], worker.inflight)
             healthy.add_metric([worker.id], 1 if worker.healthy else 0)
+            load.add_metric([worker.id], worker.load)
+            if worker.shares:
+                share = worker.engine_share()
+                if share is None:
+                    unknown_load += 1
+                else:
+                    engine_load.add_metric([worker.id], share[0])
+                    engine_load_age.add_metric([worker.id], max(0.0, now - share[1]))
             if worker.breaker is not None:
                 state.add_metric([worker.id], int(worker.breaker.state(now)))
             else:
@@ -72,6 +96,14 @@ class FleetCollector(Collector):
         yield inflight
         yield healthy
         yield state
+        yield load
+        yield engine_load
+        yield engine_load_age
+        yield GaugeMetricFamily(
+            "router_engine_load_unknown_workers",
+            "Workers whose engine load is read but unknown now (never read yet, a failed, late or garbage reading, a silent stream): their load is this process's own count",
+            value=unknown_load,
+        )
 
 
 class PoolCollector(Collector):

@@ -244,7 +244,7 @@ class AttemptRunner:
                     current_request_id(),
                 )
         lease = Lease(worker, permit, rank, current_trace().attempt(worker))
-        worker.begin(rank)
+        worker.begin(rank, now)
         leases.append(lease)
         return lease
 

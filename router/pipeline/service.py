@@ -9,7 +9,8 @@ pre-first-byte failure goes back to planning; after the first byte nothing is re
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from functools import partial
 
 import trio
@@ -36,7 +37,9 @@ from router.pipeline.wait import WorkerWait, WorkerWaitSettings
 from router.policies.by_name import make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareSettings
 from router.policies.kv_aware import KvPolicyInputs
+from router.policies.policy import Policy
 from router.policies.routing_keys import routing_key, routing_text
+from router.policies.spread import NearTies, SpreadSettings
 
 log = logging.getLogger("router.failover")
 
@@ -60,6 +63,7 @@ class FailoverSettings:
     model_memory_s: float
     worker_api_key: str
     kv: KvPolicyInputs | None = None
+    spread: SpreadSettings = field(default_factory=SpreadSettings)
 
 
 class GenerationService:
@@ -79,12 +83,17 @@ class GenerationService:
         self.pool = pool
         self.request_metrics = request_metrics
         self.pipeline_metrics = pipeline_metrics
+        # One generator per process: replicas draw apart (router.policies.spread).
+        rng = random.Random(settings.spread.seed)
+        ties = NearTies(settings.spread.margin, rng)
+
+        def build(name: str) -> Policy:
+            return make_policy(name, rng=rng, cache=settings.cache, kv=settings.kv, ties=ties)
+
         self.policies = {
-            Role.MIXED: make_policy(settings.policy, cache=settings.cache, kv=settings.kv),
-            Role.PREFILL: make_policy(
-                settings.prefill_policy, cache=settings.cache, kv=settings.kv
-            ),
-            Role.DECODE: make_policy(settings.decode_policy, cache=settings.cache, kv=settings.kv),
+            Role.MIXED: build(settings.policy),
+            Role.PREFILL: build(settings.prefill_policy),
+            Role.DECODE: build(settings.decode_policy),
         }
         cache_aware = {
             role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)

@@ -11,6 +11,7 @@ from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs
 from router.policies.load import LeastLoad, PowerOfTwo
 from router.policies.policy import Policy
 from router.policies.simple import RandomChoice, RoundRobin
+from router.policies.spread import NearTies
 
 POLICY_NAMES = (
     "round_robin",
@@ -29,16 +30,19 @@ def make_policy(
     rng: random.Random | None = None,
     cache: CacheAwareSettings | None = None,
     kv: KvPolicyInputs | None = None,
+    ties: NearTies | None = None,
 ) -> Policy:
     """A fresh policy (with its own state) by its configuration name. `kv_aware` reads
-    the indexes of `kv` (without them, an empty index of its own: load only)."""
+    the indexes of `kv` (without them, an empty index of its own: load only);
+    `least_load` and `kv_aware` break near-ties with `ties` (default: none,
+    deterministic)."""
     chooser = rng if rng is not None else random.Random()
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
         return RandomChoice(chooser)
     if name == "least_load":
-        return LeastLoad()
+        return LeastLoad(ties)
     if name == "power_of_two":
         return PowerOfTwo(chooser)
     if name == "consistent_hash":
@@ -48,5 +52,5 @@ def make_policy(
     if name == "kv_aware":
         if kv is None:
             kv = KvPolicyInputs(KvAwareSettings(), KvIndexes(), lambda: 0.0)
-        return KvAware(kv.settings, kv.indexes, kv.clock, kv.tokenizer)
+        return KvAware(kv.settings, kv.indexes, kv.clock, kv.tokenizer, ties)
     raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")

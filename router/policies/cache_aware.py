@@ -3,7 +3,8 @@ fleet is out of balance.
 
 The SGLang model gateway's policy, with its flag names and defaults:
 
-1. Load first. Over the candidates' in-flight counts, when `max - min >
+1. Load first. Over the candidates' loads (`Worker.load`: the engine's count plus what
+   this process sent that it cannot have counted yet, else this process's own), when `max - min >
    balance_abs_threshold` and `max > min * balance_rel_threshold`, the least loaded
    candidate takes the request.
 2. Otherwise the request's routing text is matched against the model's prefix tree: the
@@ -116,8 +117,8 @@ class CacheAware:
 
     def _choose(self, tree: PrefixTree, text: str, candidates: Sequence[Worker]) -> Worker:
         settings = self.settings
-        low = min(worker.inflight for worker in candidates)
-        high = max(worker.inflight for worker in candidates)
+        low = min(worker.load for worker in candidates)
+        high = max(worker.load for worker in candidates)
         matched = tree.match(text, [worker.id for worker in candidates]) if text else {}
         if (
             high - low > settings.balance_abs_threshold
@@ -128,7 +129,7 @@ class CacheAware:
             return min(
                 candidates,
                 key=lambda worker: (
-                    worker.inflight,
+                    worker.load,
                     -(matched.get(worker.id, 0) // MATCH_BLOCK_CHARS),
                     tree.tenant_size(worker.id),
                 ),
@@ -144,12 +145,12 @@ class CacheAware:
                         for worker in candidates
                         if matched[worker.id] // unit == longest // unit
                     ),
-                    key=lambda worker: (worker.inflight, tree.tenant_size(worker.id)),
+                    key=lambda worker: (worker.load, tree.tenant_size(worker.id)),
                 )
                 self.by_match += 1
                 return best
         self.by_room += 1
-        return min(candidates, key=lambda worker: (tree.tenant_size(worker.id), worker.inflight))
+        return min(candidates, key=lambda worker: (tree.tenant_size(worker.id), worker.load))
 
 
 class CacheAwareCollector(Collector):

@@ -19,10 +19,13 @@ computes itself). Per request:
 2. Its full blocks' keys are matched against the model's index: per known view (worker,
    rank), the consecutive blocks held from the first.
 3. Each candidate costs `overlap_weight x uncached blocks / typical prompt blocks +
-   in-flight requests` (the load is the router's own accounting; for a rank-multiplexed
-   worker its best rank's run with that rank's load); the lowest cost wins, ties to the
-   lower load, then in turn (the scan starts one candidate further on each pick, as
-   `least_load`'s does). The typical prompt is a moving average of the predicted
+   load` (`Worker.load`: the engine's own count of requests plus what this process sent
+   that it cannot have counted yet, or this process's own count while the engine's is
+   unknown; for a rank-multiplexed worker its best rank's run with that rank's load); the
+   lowest cost wins, ties to the lower load, then in turn (the scan starts one candidate
+   further on each pick, as `least_load`'s does). With a spread margin, a candidate within
+   it of the lowest cost is drawn at random instead (`router.policies.spread`), so
+   replicas reading the same events and loads do not all choose the same engine. The typical prompt is a moving average of the predicted
    requests' blocks, so the weight reads the same whatever the block size and prompt
    length: recomputing a typical prompt from scratch costs `overlap_weight` requests in
    flight. A candidate whose views are all unknown (a gap the replay could not repair, a
@@ -45,9 +48,13 @@ from router.engines.kv_events.fleet_views import KvIndexes
 from router.engines.kv_events.index import MatchResult, ViewId
 from router.fleet.records import Role
 from router.fleet.registry import Worker
+from router.policies.spread import NearTies, deterministic
 from router.prompts.chat_request import NotRendered
 from router.prompts.chat_template import TemplateFailed
 from router.prompts.tokenizer import TextTokenizer
+
+_Scored = tuple[Worker, int, "ViewId | None"]
+"""A candidate as scored: the worker, the blocks its best view holds, that view."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +179,7 @@ class KvAware:
         "predicted_prompt_tokens",
         "predictions",
         "settings",
+        "ties",
         "tokenizer",
         "typical_blocks",
         "unknown_candidates",
@@ -183,9 +191,11 @@ class KvAware:
         indexes: KvIndexes,
         clock: Callable[[], float],
         tokenizer: TextTokenizer | None = None,
+        ties: NearTies | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.ties = ties or deterministic()
         self.indexes = indexes
         self._clock = clock
         # Where the scan starts, per (model, role): equal costs (an idle fleet, prompts
@@ -229,28 +239,29 @@ class KvAware:
         if reason is not None or index is None:
             self.no_prediction[reason or NO_INDEX] += 1
             self.picks["no_prediction"] += 1
-            best_idle = candidates[start]
+            loads = [(worker.load, worker) for worker in candidates]
+            best_idle = start
             for offset in range(1, count):
-                worker = candidates[(start + offset) % count]
-                if worker.inflight < best_idle.inflight:
-                    best_idle = worker
-            return best_idle, None
+                position = (start + offset) % count
+                if loads[position][0] < loads[best_idle][0]:
+                    best_idle = position
+            return self.ties.choose(loads, best_idle), None
         now = self._clock()
         keys = index.block_keys(tokens, extra_keys=_salt_keys(key.body))
         result = index.match(keys, now)
         self.predictions += 1
         weight = self.settings.overlap_weight / self._typical(result.blocks)
-        best: Worker | None = None
-        best_score: tuple[float, int] = (0.0, 0)
-        best_view: ViewId | None = None
-        best_held = 0
+        scored: list[tuple[float, _Scored]] = []
+        best = 0
+        best_score: tuple[float, float] = (0.0, 0.0)
         for offset in range(count):
             worker = candidates[(start + offset) % count]
             held, load, view = self._held(worker, result)
             score = (weight * (result.blocks - held) + load, load)
-            if best is None or score < best_score:
-                best, best_score, best_view, best_held = worker, score, view, held
-        assert best is not None
+            if offset == 0 or score < best_score:
+                best, best_score = offset, score
+            scored.append((score[0], (worker, held, view)))
+        best_worker, best_held, best_view = self.ties.choose(scored, best)
         self.picks["match" if best_held > 0 else "load"] += 1
         self.predicted_prompt_tokens += len(tokens)
         # What the engine's prefix cache will count as hits: whole blocks, and never the
@@ -260,9 +271,9 @@ class KvAware:
         hit_blocks = min(best_held, (len(tokens) - 1) // block_size) if block_size else 0
         self.predicted_hit_tokens += hit_blocks * block_size
         if best_view is None:
-            return best, None
+            return best_worker, None
         index.note_routed(keys, best_view[0], best_view[1], now)
-        return best, best_view[1]
+        return best_worker, best_view[1]
 
     def _typical(self, blocks: int) -> float:
         """The typical prompt's blocks, this request's `blocks` folded in (at least 1)."""
@@ -274,17 +285,20 @@ class KvAware:
         self.typical_blocks = typical
         return max(typical, 1.0)
 
-    def _held(self, worker: Worker, result: MatchResult) -> tuple[int, int, ViewId | None]:
+    def _held(self, worker: Worker, result: MatchResult) -> tuple[int, float, ViewId | None]:
         """The worker's longest held run over its views, that view's load, and the view
         (None when none is known)."""
         record = worker.record
-        views: list[tuple[ViewId, int]]
+        views: list[tuple[ViewId, float]]
         if record.rank_multiplexed:
-            views = [((worker.id, rank), load) for rank, load in enumerate(worker.rank_inflight)]
+            views = [
+                ((worker.id, rank), worker.rank_load(rank))
+                for rank in range(len(worker.rank_inflight))
+            ]
         else:
-            views = [((worker.id, record.dp_rank), worker.inflight)]
+            views = [((worker.id, record.dp_rank), worker.load)]
         best_held = -1
-        best_load = worker.inflight
+        best_load = worker.load
         best_view: ViewId | None = None
         for view, load in views:
             held = result.runs.get(view)
@@ -294,7 +308,7 @@ class KvAware:
                 best_held, best_load, best_view = held, load, view
         if best_view is None:
             self.unknown_candidates += 1
-            return 0, worker.inflight, None
+            return 0, worker.load, None
         return best_held, best_load, best_view
 
     def statistics(self) -> dict[str, int]:

@@ -1,5 +1,7 @@
-"""The policies that read the router's own load accounting: `least_load` (fewest in flight)
-and `power_of_two` (two at random, the less loaded of them)."""
+"""The policies that read load (`Worker.load`: the engine's own count plus what this
+process sent that it cannot have counted yet, or this process's own count while the
+engine's is unknown; `router.fleet.load`): `least_load` (the least loaded) and
+`power_of_two` (two at random, the less loaded of them)."""
 
 from __future__ import annotations
 
@@ -8,31 +10,36 @@ from collections.abc import Sequence
 
 from router.fleet.registry import Worker
 from router.policies.policy import PolicyKey, _StateKey
+from router.policies.spread import NearTies, deterministic
 
 
 class LeastLoad:
-    """The candidate with the fewest requests in flight through this router.
+    """The least loaded candidate.
 
     The scan starts one place further on each time, so equal loads (an idle fleet, a
-    burst arriving before any request finishes) spread instead of piling on the first.
+    burst arriving before any request finishes) spread instead of piling on the first;
+    with a spread margin, candidates within it of the least loaded are drawn at random
+    (`router.policies.spread`), so replicas reading the same loads spread too.
     """
 
-    __slots__ = ("_start",)
+    __slots__ = ("_start", "ties")
 
-    def __init__(self) -> None:
+    def __init__(self, ties: NearTies | None = None) -> None:
         self._start: dict[_StateKey, int] = {}
+        self.ties = ties or deterministic()
 
     def pick(self, key: PolicyKey, candidates: Sequence[Worker]) -> Worker:
         count = len(candidates)
         state_key = (key.model, key.role)
         start = self._start.get(state_key, 0) % count
         self._start[state_key] = (start + 1) % count
-        best = candidates[start]
+        scored = [(worker.load, worker) for worker in candidates]
+        best = start
         for offset in range(1, count):
-            worker = candidates[(start + offset) % count]
-            if worker.inflight < best.inflight:
-                best = worker
-        return best
+            index = (start + offset) % count
+            if scored[index][0] < scored[best][0]:
+                best = index
+        return self.ties.choose(scored, best)
 
 
 class PowerOfTwo:
@@ -52,4 +59,4 @@ class PowerOfTwo:
         if second >= first:
             second += 1
         a, b = candidates[first], candidates[second]
-        return b if b.inflight < a.inflight else a
+        return b if b.load < a.load else a

@@ -12,7 +12,7 @@ import pytest
 import trio
 import zmq
 
-from router.engines.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
+from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 from tests.support.cli_process import REPO, read_line, run_cli
 
 

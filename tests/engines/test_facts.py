@@ -21,8 +21,8 @@ from router.engines.facts import (
 )
 from router.fleet.records import (
     DESCRIPTIVE_FACTS,
+    EventEndpoint,
     InvalidWorkerRecord,
-    KvEventEndpoint,
     Status,
     WorkerRecord,
 )
@@ -215,12 +215,12 @@ def test_a_worker_of_unknown_kind_routes_at_once_and_takes_the_kind_once_learned
         record,
         engine="vllm",
         max_model_len={"m": 4096},
-        kv_event_sources=(KvEventEndpoint(0, "tcp://w:5557"),),
+        kv_event_sources=(EventEndpoint(0, "tcp://w:5557"),),
         unknown_facts=frozenset(),
     )
     assert fleet.describe(record, learned) is worker
     assert worker.engine == "vllm" and worker.record.max_model_len == {"m": 4096}
-    assert worker.record.kv_event_sources == (KvEventEndpoint(0, "tcp://w:5557"),)
+    assert worker.record.kv_event_sources == (EventEndpoint(0, "tcp://w:5557"),)
     assert fleet.describing == {}
     # discovery says the same again (say, DRAINING): what was learned stays, nothing is asked
     again = fleet.upsert(dataclasses.replace(record, status=Status.DRAINING))
@@ -268,8 +268,8 @@ def test_a_prefill_learned_without_its_kind_routes_and_is_described_later() -> N
             },
             "http://10.0.0.9:8000",
             (
-                KvEventEndpoint(0, "tcp://10.0.0.9:5557", "tcp://10.0.0.9:5558", ""),
-                KvEventEndpoint(1, "tcp://10.0.0.9:5558", None, ""),
+                EventEndpoint(0, "tcp://10.0.0.9:5557", "tcp://10.0.0.9:5558", ""),
+                EventEndpoint(1, "tcp://10.0.0.9:5558", None, ""),
             ),
         ),
         # later releases: a list (or {"sources": [...]}) carrying the rank; a named host stays
@@ -285,12 +285,12 @@ def test_a_prefill_learned_without_its_kind_routes_and_is_described_later() -> N
                 ]
             },
             "http://w:8000",
-            (KvEventEndpoint(0, "tcp://10.1.1.1:41001", None, "kv"),),
+            (EventEndpoint(0, "tcp://10.1.1.1:41001", None, "kv"),),
         ),
         (
             [{"data_parallel_rank": 0, "endpoint": "tcp://*:7000"}],
             "http://[fd00::5]:8000",
-            (KvEventEndpoint(0, "tcp://[fd00::5]:7000"),),
+            (EventEndpoint(0, "tcp://[fd00::5]:7000"),),
         ),
         ({}, "http://w:1", ()),  # events off
         ({"0": {"publisher": "null", "endpoint": "tcp://*:1"}, "x": {}}, "http://w:1", ()),
@@ -298,7 +298,7 @@ def test_a_prefill_learned_without_its_kind_routes_and_is_described_later() -> N
     ],
 )
 def test_kv_event_sources_are_read_in_every_shape_with_the_workers_own_host(
-    answer: Any, url: str, expected: tuple[KvEventEndpoint, ...]
+    answer: Any, url: str, expected: tuple[EventEndpoint, ...]
 ) -> None:
     assert kv_event_endpoints(answer, url) == expected
 

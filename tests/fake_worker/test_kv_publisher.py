@@ -30,7 +30,7 @@ from router.fake_worker.settings import (
     KvPublisherSettings,
     publisher_settings,
 )
-from router.fleet.records import KvEventEndpoint
+from router.fleet.records import EventEndpoint
 from tests.support.fake_fleet import open_fake_fleet
 
 VIEW = ("fake", None)
@@ -170,7 +170,7 @@ def test_the_fake_lists_its_publisher_as_vllm_does_and_the_router_reads_it(
     # gave it: a `*` host becomes that URL's host.
     endpoints = kv_event_endpoints(kv_event_sources(settings), f"http://{listed_host}:8000")
     assert endpoints == (
-        KvEventEndpoint(0, f"tcp://{listed_host}:5557", f"tcp://{listed_host}:5558", ""),
+        EventEndpoint(0, f"tcp://{listed_host}:5557", f"tcp://{listed_host}:5558", ""),
     )
     assert kv_event_sources(FakeWorkerSettings(engine="vllm")) == {}
 

@@ -13,7 +13,7 @@ import orjson
 import trio
 
 from router.fake_worker.settings import FakeWorkerSettings
-from router.fleet.records import KvEventEndpoint
+from router.fleet.records import EventEndpoint
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.raw_upstream import Exchange, open_raw_upstream
 from tests.support.router_instance import open_router
@@ -231,7 +231,7 @@ async def test_a_vllm_like_engine_states_max_model_len_and_its_kv_event_publishe
     assert worker.record.models == ("fake-model",)
     assert worker.record.max_model_len == {"fake-model": 2048}
     assert worker.record.kv_event_sources == (
-        KvEventEndpoint(0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", ""),
+        EventEndpoint(0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", ""),
     )
     entry = listed(listing, upstream.url)
     assert entry["engine"] == "vllm" and entry["max_model_len"] == {"fake-model": 2048}

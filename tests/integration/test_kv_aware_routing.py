@@ -17,7 +17,7 @@ from router.cli.serve import RunningRouter
 from router.fake_worker.kv_publisher import KvEventPublisher, serve_kv_publisher
 from router.fake_worker.prefix_cache import BLOCK_TOKENS, PrefixCache
 from router.fake_worker.settings import KvPublisherSettings
-from router.fleet.records import KvEventEndpoint
+from router.fleet.records import EventEndpoint
 from router.prompts.tokenizer import HfTokenizer
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.model_dir import write_model
@@ -73,7 +73,7 @@ def announce(
     on its record."""
     for handle, publisher in zip(fleet, pubs, strict=True):
         worker = next(w for w in router.fleet.workers() if w.url == handle.url)
-        endpoint = KvEventEndpoint(0, publisher.endpoint, publisher.replay_endpoint)
+        endpoint = EventEndpoint(0, publisher.endpoint, publisher.replay_endpoint)
         router.fleet.upsert(dataclasses.replace(worker.record, kv_event_sources=(endpoint,)))
 
 

@@ -71,7 +71,7 @@ from router.engines.kv_events.decode import (
     decode_seq,
 )
 from router.engines.kv_events.index import KvIndex, ViewId
-from router.engines.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
+from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 
 logger = logging.getLogger("router.engines.kv_events")
 

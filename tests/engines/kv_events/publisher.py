@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 import trio
 import zmq
 
-from router.engines.kv_events.zmq_trio import close_socket, recv_multipart, socket_fd
+from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -16,7 +16,7 @@ from router.engines.kv_events.fleet_views import (
     serve_kv_events,
     worker_sources,
 )
-from router.fleet.records import KvEventEndpoint, WorkerRecord
+from router.fleet.records import EventEndpoint, WorkerRecord
 from router.fleet.registry import Fleet, Worker
 from tests.engines.kv_events.publisher import open_test_publisher
 from tests.engines.kv_events.wire import blocks, encode, stored
@@ -55,8 +55,8 @@ def test_the_records_endpoints_win_over_the_static_ports() -> None:
         models=("m",),
         dp_size=2,
         kv_event_sources=(
-            KvEventEndpoint(0, "tcp://h:7000", "tcp://h:7100"),
-            KvEventEndpoint(1, "tcp://h:7001", None, topic="kv"),
+            EventEndpoint(0, "tcp://h:7000", "tcp://h:7100"),
+            EventEndpoint(1, "tcp://h:7001", None, topic="kv"),
         ),
     )
     assert worker_sources(Worker(record=record), KvEventsSettings(port=5557)) == (
@@ -86,7 +86,7 @@ async def test_a_subscription_follows_the_worker_in_and_out_of_the_fleet(
                 fleet.upsert(record)  # no endpoints yet: nothing to subscribe to
                 await trio.sleep(0.05)
                 assert events.statistics().subscriptions == 0
-                endpoint = KvEventEndpoint(0, publisher.endpoint, publisher.replay_endpoint)
+                endpoint = EventEndpoint(0, publisher.endpoint, publisher.replay_endpoint)
                 fleet.upsert(dataclasses.replace(record, kv_event_sources=(endpoint,)))
                 index = indexes.for_model("m")
                 await wait_until(lambda: index.view_state(("w", None)) is ViewState.KNOWN)

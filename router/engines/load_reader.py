@@ -1,0 +1,341 @@
+"""The fleet's reader of engine load: one task per worker while it is in the fleet.
+
+Which way a worker's engine is read (`LoadSource`), decided from what it is and serves:
+
+- `stream`: the engine pushes its load (SGLang's `--load-publish-endpoint`, advertised
+  in the `kv_events` block of its `/server_info`, which the reader asks first of an
+  SGLang engine): one ZMQ subscription per DP rank; a rank silent for `silence_s` (three
+  of the engine's one-second heartbeats) is unknown until it speaks again;
+- `loads`: an SGLang engine without the stream: `GET /v1/loads` every `interval_s` (a
+  release without the route answers 404, and the task moves to `metrics`);
+- `metrics`: vLLM, and an engine of unknown kind: `GET /metrics` every `interval_s`,
+  reading only the running, waiting and KV-usage families (`router.engines.load_readings`).
+
+A read that fails, times out (`timeout_s`), answers other than 200, is too large or
+cannot be read makes every view of the worker unknown at once, so no reading is ever
+older than `interval_s + timeout_s`; each outcome is counted. What a reading means for
+the load policies read is `router.fleet.load`: the reading lands in the worker's engine
+shares, with the time it was taken (when the read was sent: the engine's figure is at
+least that recent).
+
+The tasks follow the fleet like the KV-event subscriptions do: reconciled whenever the
+fleet changes; a worker that leaves, or whose URL, engine or sources change, has its task
+cancelled (and a new one started for what it is now). Reads use one HTTP client owned by
+the service, keeping one idle connection per engine between reads.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+import trio
+import zmq
+
+from router.engines.facts import FactsUnavailable, ask_server_info, load_event_endpoints
+from router.engines.load_readings import (
+    LOAD_TOPIC,
+    BadReading,
+    RankReading,
+    load_message,
+    loads_readings,
+    metrics_readings,
+    whole_engine,
+)
+from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
+from router.fleet.records import EventEndpoint
+from router.fleet.registry import Fleet, Worker
+from router.http.capped_reads import StreamTooLarge, read_capped
+
+log = logging.getLogger("router.engine_load")
+
+
+class LoadSource(enum.StrEnum):
+    STREAM = "stream"
+    LOADS = "loads"
+    METRICS = "metrics"
+
+
+OUTCOMES = ("ok", "partial", "failed", "timeout", "bad_answer", "silent")
+"""How a read ended: every view known (`ok`); some ranks read, others not (`partial`); no
+answer (`failed`: transport error or a status other than 200; `timeout`); an answer with
+no usable load in it (`bad_answer`: garbage, too large, no gauge, no usable count); a
+pushed stream that went quiet (`silent`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReaderSettings:
+    interval_s: float = 0.5
+    """Seconds between polls of an engine (docs/policies.md, "Replicas", says why 0.5)."""
+    timeout_s: float = 1.0
+    """A poll not answered within this is a failed read: the load is unknown at once."""
+    window_s: float = 0.25
+    """This process's requests sent within this before a reading are presumed not
+    counted in it (`router.fleet.load`)."""
+    silence_s: float = 3.0
+    """A pushed stream rank silent this long is unknown (three heartbeats)."""
+    reconcile_s: float = 0.2
+    max_answer_bytes: int = 4 * 1024 * 1024
+    """A metrics page or loads answer past this is not read (vLLM's page is ~50 kB)."""
+    worker_api_key: str = field(default="", repr=False)
+    """Sent to engines whose records carry no key of their own (`--worker-api-key`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "timeout_s", "silence_s", "reconcile_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"engine load {name} must be above 0, not {getattr(self, name)!r}")
+        if not self.window_s >= 0:
+            raise ValueError(f"engine load window_s must be 0 or more, not {self.window_s!r}")
+
+
+def polled_source(worker: Worker) -> LoadSource:
+    """How `worker`'s engine load is polled when it pushes none."""
+    return LoadSource.LOADS if worker.record.engine == "sglang" else LoadSource.METRICS
+
+
+def apply_readings(
+    worker: Worker, readings: Mapping[int, tuple[RankReading, float]], window_s: float
+) -> bool:
+    """Land `readings` (per rank: the reading and when it was taken) in `worker`'s engine
+    shares: per rank for a rank-multiplexed worker, the record's own rank for a worker
+    registered as one rank, else the whole engine (every rank read, or unknown). Returns
+    whether every view is known."""
+    record = worker.record
+    shares = worker.shares
+    if not shares:
+        return False
+    if record.rank_multiplexed:
+        known = True
+        for rank, share in enumerate(shares):
+            got = readings.get(rank)
+            if got is None:
+                share.lose()
+                known = False
+            else:
+                share.observe(got[0].total, got[1], worker.rank_inflight[rank], window_s)
+        return known
+    share = shares[0]
+    if record.dp_rank is not None:
+        got = readings.get(record.dp_rank)
+    else:
+        whole = whole_engine({rank: got[0] for rank, got in readings.items()}, record.dp_size)
+        got = None if whole is None else (whole, min(taken for _, taken in readings.values()))
+    if got is None:
+        share.lose()
+        return False
+    share.observe(got[0].total, got[1], worker.inflight, window_s)
+    return True
+
+
+class _NotServed(Exception):
+    """The engine does not serve the route asked (404)."""
+
+
+@dataclass(slots=True)
+class _Task:
+    key: tuple[object, ...]
+    scope: trio.CancelScope
+    source: LoadSource
+
+
+class EngineLoads:
+    """The running readers of a fleet; `statistics()` counts their reads by outcome."""
+
+    def __init__(self, fleet: Fleet, settings: LoadReaderSettings) -> None:
+        self.fleet = fleet
+        self.settings = settings
+        self.reads: dict[tuple[str, str], int] = {
+            (source.value, outcome): 0 for source in LoadSource for outcome in OUTCOMES
+        }
+        self._tasks: dict[str, _Task] = {}
+        self._seen_generation = -1
+
+    def source_of(self, worker_id: str) -> LoadSource | None:
+        """How the worker's load is read now; None when no reader runs for it."""
+        task = self._tasks.get(worker_id)
+        return None if task is None else task.source
+
+    def readers(self) -> int:
+        return len(self._tasks)
+
+    def statistics(self) -> dict[str, int]:
+        return {f"{source}_{outcome}": count for (source, outcome), count in self.reads.items()}
+
+    def _count(self, source: LoadSource, outcome: str) -> None:
+        self.reads[(source.value, outcome)] += 1
+
+    # -- reconciling -------------------------------------------------------------------
+
+    def reconcile(self, nursery: trio.Nursery, http: httpx.AsyncClient) -> None:
+        """Start a reader for each worker that has none, and restart or stop those whose
+        worker changed or left. O(workers), run only when the fleet changed."""
+        if self.fleet.generation == self._seen_generation:
+            return
+        self._seen_generation = self.fleet.generation
+        wanted: dict[str, tuple[tuple[object, ...], Worker]] = {}
+        for worker in self.fleet.workers():
+            record = worker.record
+            key: tuple[object, ...] = (record.url, record.engine, record.dp_size, record.dp_rank)
+            wanted[worker.id] = (key, worker)
+        for worker_id, task in list(self._tasks.items()):
+            want = wanted.get(worker_id)
+            if want is None or want[0] != task.key:
+                task.scope.cancel()
+                del self._tasks[worker_id]
+        for worker_id, (key, worker) in wanted.items():
+            if worker_id not in self._tasks:
+                scope = trio.CancelScope()
+                task = self._tasks[worker_id] = _Task(key, scope, polled_source(worker))
+                nursery.start_soon(self._run, worker, task, http)
+
+    async def _run(self, worker: Worker, task: _Task, http: httpx.AsyncClient) -> None:
+        with task.scope:
+            try:
+                streams = await self._pushed_streams(worker, http)
+                if streams:
+                    task.source = LoadSource.STREAM
+                    await self._follow_streams(worker, streams)
+                else:
+                    await self._poll(worker, task, http)
+            finally:
+                # A worker that changed gets a new reader; until it reads, it is unknown.
+                for share in worker.shares:
+                    share.lose()
+
+    async def _pushed_streams(
+        self, worker: Worker, http: httpx.AsyncClient
+    ) -> tuple[EventEndpoint, ...]:
+        """An SGLang engine's load publishers, from its server info; none for another
+        engine, or when it advertises none or cannot say now (it is polled then)."""
+        if worker.record.engine != "sglang":
+            return ()
+        api_key = worker.record.api_key or self.settings.worker_api_key or None
+        try:
+            answer = await ask_server_info(http, worker.url, self.settings.timeout_s, api_key)
+        except FactsUnavailable as exc:
+            log.info("%s: %s; its load is polled", worker.id, exc)
+            return ()
+        if answer.status != 200:
+            return ()
+        return load_event_endpoints(answer.body, worker.url)
+
+    # -- polling -----------------------------------------------------------------------
+
+    async def _poll(self, worker: Worker, task: _Task, http: httpx.AsyncClient) -> None:
+        source = task.source
+        settings = self.settings
+        while True:
+            taken_at = trio.current_time()
+            outcome = "ok"
+            readings: dict[int, RankReading] = {}
+            try:
+                with trio.fail_after(settings.timeout_s):
+                    readings = await self._read(worker, source, http)
+            except _NotServed:
+                if source is LoadSource.LOADS:
+                    log.info("%s serves no /v1/loads: its load is read from /metrics", worker.id)
+                    source = task.source = LoadSource.METRICS
+                    continue
+                outcome = "failed"
+            except trio.TooSlowError:
+                outcome = "timeout"
+            except (httpx.HTTPError, OSError):
+                outcome = "failed"
+            except (BadReading, StreamTooLarge, orjson.JSONDecodeError):
+                outcome = "bad_answer"
+            known = apply_readings(
+                worker, {rank: (got, taken_at) for rank, got in readings.items()}, settings.window_s
+            )
+            if outcome == "ok" and not known:
+                outcome = "partial" if readings else "bad_answer"
+            self._count(source, outcome)
+            await trio.sleep_until(taken_at + settings.interval_s)
+
+    async def _read(
+        self, worker: Worker, source: LoadSource, http: httpx.AsyncClient
+    ) -> dict[int, RankReading]:
+        path = "/v1/loads" if source is LoadSource.LOADS else "/metrics"
+        api_key = worker.record.api_key or self.settings.worker_api_key
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        async with http.stream("GET", worker.url + path, headers=headers) as response:
+            if response.status_code == 404:
+                raise _NotServed(path)
+            if response.status_code != 200:
+                raise httpx.HTTPStatusError(
+                    f"{path} answered {response.status_code}",
+                    request=response.request,
+                    response=response,
+                )
+            body = await read_capped(response, self.settings.max_answer_bytes)
+        if source is LoadSource.LOADS:
+            return loads_readings(orjson.loads(body))
+        return metrics_readings(body.decode("utf-8", "replace"), worker.record.engine)
+
+    # -- pushed streams ----------------------------------------------------------------
+
+    async def _follow_streams(self, worker: Worker, sources: tuple[EventEndpoint, ...]) -> None:
+        latest: dict[int, tuple[RankReading, float]] = {}
+        async with trio.open_nursery() as nursery:
+            for source in sources:
+                nursery.start_soon(self._follow_stream, worker, source, latest)
+
+    async def _follow_stream(
+        self,
+        worker: Worker,
+        source: EventEndpoint,
+        latest: dict[int, tuple[RankReading, float]],
+    ) -> None:
+        settings = self.settings
+        sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 64)
+            sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode() or LOAD_TOPIC)
+            sub.connect(source.endpoint)
+            fd = socket_fd(sub)
+            while True:
+                with trio.move_on_after(settings.silence_s) as quiet:
+                    frames = await recv_multipart(sub, fd)
+                if quiet.cancelled_caught:
+                    outcome = "silent"
+                    latest.pop(source.dp_rank, None)
+                else:
+                    try:
+                        _, reading = load_message(frames)
+                    except BadReading:
+                        outcome = "bad_answer"
+                        latest.pop(source.dp_rank, None)
+                    else:
+                        outcome = "ok"
+                        latest[source.dp_rank] = (reading, trio.current_time())
+                known = apply_readings(worker, latest, settings.window_s)
+                self._count(LoadSource.STREAM, outcome if outcome != "ok" or known else "partial")
+        finally:
+            close_socket(sub)
+
+
+async def serve_engine_loads(
+    loads: EngineLoads, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Keep one load reader per worker of `loads.fleet` running until cancelled. Reports
+    `started()` once the readers of the fleet as it is are started (not read yet: until
+    its first reading a worker's load is this process's own count).
+
+    Cancellation: every reader stops, its sockets closed; each worker's engine share is
+    unknown again.
+    """
+    settings = loads.settings
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=settings.timeout_s) as http,
+        trio.open_nursery() as nursery,
+    ):
+        loads.reconcile(nursery, http)
+        task_status.started()
+        while True:
+            await trio.sleep(settings.reconcile_s)
+            loads.reconcile(nursery, http)
