@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the kv_aware benchmark on real engines instead (bench/kv_engines.py): ours kv_aware, cache_aware and round_robin and smg cache_aware in front of three vLLM engines (make engine-env), with caches that evict and caches that do not, --processes 2 and a router restart; writes its own block of policies.md beside --out",
     )
+    parser.add_argument(
+        "--replicas",
+        action="store_true",
+        help="run the replicas benchmark instead (bench/replicas.py): one router against three replicas reading the engines' load, and three counting only their own, on fake engines of unequal speed; writes its own block of policies.md beside --out",
+    )
     return parser
 
 
@@ -121,6 +126,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out,
             args.quick,
             lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+        )
+    if args.replicas:
+        from bench import replicas
+
+        started = time.monotonic()
+        return replicas.run(
+            args.out.with_name("policies.md"),
+            args.quick,
+            lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         )
     if args.kv_engines:
         from bench import kv_engines

@@ -28,6 +28,7 @@ CAPABILITIES: Mapping[str, str] = {
     "policy.consistent_hash": "the same session or prompt lands on the same worker",
     "policy.cache_aware": "the SGLang gateway's cache-aware policy and its threshold flags",
     "policy.kv_aware": "routing by the KV-cache events the engines publish (vLLM's ZMQ events, found on /kv_event_sources)",
+    "load.engine": "the load policies read the engines' own running and waiting requests (another router's too), not only the plane's own count, within a second or two of a change",
     "cache_aware.smallest_tree": "cache_aware below its threshold picks the worker whose tree is smallest",
     # Prefill/decode disaggregation
     "pd": "prefill and decode pools, both legs of a request",

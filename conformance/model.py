@@ -50,6 +50,7 @@ BEHAVIOUR_FIELDS: Mapping[str, str] = {
     "fail_mode": "fail_mode",
     "fail_after_chunks": "int",
     "healthy": "bool",
+    "external_load": "int",
 }
 # A dispatch key that means "the whole fleet" rather than one worker.
 ALL_WORKERS = "all"

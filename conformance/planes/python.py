@@ -56,6 +56,8 @@ class PythonPlane(Plane):
             "policy.cache_aware",
             "cache_aware.smallest_tree",
             "policy.kv_aware",
+            # Its engine load reader (vLLM /metrics, SGLang /v1/loads or its load stream).
+            "load.engine",
             # Every route of the engines' APIs, and a body limit (`--max-body-bytes`).
             *(
                 f"route.{name}"

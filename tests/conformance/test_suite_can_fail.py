@@ -62,6 +62,16 @@ class OtherPolicy(PythonPlane):
         return flags
 
 
+class OwnCountOnly(PythonPlane):
+    """Turns the engine load reader off: each process counts only its own requests."""
+
+    name = "python-own-count-only"
+    divergences = None
+
+    def settings_flags(self, case: Case) -> list[str]:
+        return _override(super().settings_flags(case), "--engine-load-interval-s", "0")
+
+
 class NoBodyLimit(PythonPlane):
     """Drops `max_body_bytes`: the router keeps its own 32 MiB limit."""
 
@@ -110,8 +120,9 @@ class NoBodyLimit(PythonPlane):
             ["classification/unknown-model-404"],
         ),
         (NoBodyLimit(), ["raw/oversize-is-413"], ["raw/non-json-is-400"]),
+        (OwnCountOnly(), ["load/engine-load-elsewhere-avoided"], ["failover/5xx-fails-over"]),
     ],
-    ids=["breaker-off", "single-attempt", "other-policy", "no-body-limit"],
+    ids=["breaker-off", "single-attempt", "other-policy", "no-body-limit", "own-count-only"],
 )
 async def test_a_falsely_mapped_setting_fails_the_cases_that_depend_on_it(
     plane: PythonPlane, must_fail: list[str], must_pass: list[str]
