@@ -21,6 +21,7 @@ from router.cli.options import ENV_PREFIX, OPTIONS, Option
 from router.discovery.kube_pods import BadSelector, pod_sources
 from router.discovery.static import parse_worker_spec, read_workers_file, records_from_list
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
+from router.prompts.token_sources import parse_order
 
 WORKERS_ENV = ENV_PREFIX + "WORKERS"
 WORKERS_FILE_ENV = ENV_PREFIX + "WORKERS_FILE"
@@ -101,6 +102,9 @@ class Settings:
     kv_events_port: int = 0
     kv_events_replay_port: int = 0
     kv_overlap_weight: float = 2.0
+    kv_token_sources: str = "tokenizer,model_dir,engine"
+    kv_tokenize_timeout_s: float = 0.5
+    kv_tokenize_max_concurrent: int = 64
     engine_load_interval_s: float = 0.5
     engine_load_timeout_s: float = 1.0
     engine_load_window_s: float = 0.25
@@ -244,6 +248,10 @@ def _validated(values: dict[str, Any]) -> Settings:
             )
         except BadSelector as exc:
             raise ConfigError(str(exc)) from None
+    try:
+        parse_order(values["kv_token_sources"])
+    except ValueError as exc:
+        raise ConfigError(f"kv_token_sources: {exc}") from None
     ids = [record.id for record in values.get("workers", ())]
     duplicates = sorted({worker_id for worker_id in ids if ids.count(worker_id) > 1})
     if duplicates:

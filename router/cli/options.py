@@ -240,6 +240,26 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "kv_token_sources",
+        str,
+        "tokenizer,model_dir,engine",
+        "kv_aware: where a request's token ids come from, tried in this order: tokenizer (--kv-tokenizer), model_dir (the directory the engine reports in /v1/models, when readable here and it tokenizes as the engine does), engine (the engine's /tokenize, asked per request for what the others cannot give); comma-separated, any subset",
+    ),
+    Option(
+        "kv_tokenize_timeout_s",
+        float,
+        0.5,
+        "kv_aware: how long a request waits for an engine's /tokenize before it is placed by load alone",
+        minimum=0.01,
+    ),
+    Option(
+        "kv_tokenize_max_concurrent",
+        int,
+        64,
+        "kv_aware: asks of the engines' /tokenize in flight at once; a request past it is placed by load alone instead of waiting",
+        minimum=1,
+    ),
+    Option(
         "engine_load_interval_s",
         float,
         0.5,

@@ -56,12 +56,21 @@ from router.observability.request_id import current_request_id
 from router.observability.runtime_metrics import TaskCollector
 from router.observability.tracing import open_tracing, otel_installed
 from router.pipeline.dispatch import Timeouts
+from router.pipeline.engine_tokens import EngineTokenSettings
 from router.pipeline.service import FailoverSettings, GenerationService
+from router.pipeline.token_metrics import TokenSourcesCollector
 from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
 from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs
 from router.policies.kv_aware_metrics import KvAwareCollector
 from router.policies.spread import SpreadSettings
+from router.prompts.token_sources import (
+    TokenSource,
+    TokenSources,
+    TokenSourceSettings,
+    parse_order,
+    serve_token_sources,
+)
 from router.prompts.tokenizer import HfTokenizer
 
 log = logging.getLogger("router")
@@ -338,14 +347,34 @@ async def run_router(
                 ),
             )
             await nursery.start(serve_kv_events, kv_events)
+            operator = kv_tokenizer(settings)
+            order = parse_order(settings.kv_token_sources)
+            token_sources = TokenSources(
+                fleet,
+                TokenSourceSettings(
+                    order=order,
+                    operator_path=settings.kv_tokenizer,
+                    worker_api_key=settings.worker_api_key,
+                ),
+                operator,
+            )
+            await nursery.start(serve_token_sources, token_sources, http)
             failover = dataclasses.replace(
                 failover,
                 kv=KvPolicyInputs(
                     KvAwareSettings(overlap_weight=settings.kv_overlap_weight),
                     kv_indexes,
                     trio.current_time,
-                    kv_tokenizer(settings),
+                    operator,
+                    token_sources.local,
                 ),
+                token_sources=token_sources,
+                engine_tokens=EngineTokenSettings(
+                    timeout_s=settings.kv_tokenize_timeout_s,
+                    max_concurrent=settings.kv_tokenize_max_concurrent,
+                )
+                if TokenSource.ENGINE in order
+                else None,
             )
         generation = GenerationService(failover, fleet, pool, metrics.requests, metrics.pipeline)
         # Registered under every policy, so the families exist (empty) whatever is chosen.
@@ -368,6 +397,9 @@ async def run_router(
                 kv_events.statistics if kv_events is not None else None,
                 kv_indexes,
             )
+        )
+        metrics.registry.register(
+            TokenSourcesCollector(failover.token_sources, generation.engine_tokens)
         )
         await nursery.start(generation.runner.stalls.serve)
         app = RouterApp(

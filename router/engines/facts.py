@@ -22,8 +22,8 @@ only, never from the port or the name:
 - otherwise unknown. A 5xx, 429, transport error or timeout on the way decides nothing:
   the engine is asked again with backoff.
 
-What a kind states of itself is learned with it: for vLLM, `max_model_len` per model from
-`/v1/models`, and its KV-event publishers from `/kv_event_sources` (kept on the record as
+What a kind states of itself is learned with it: for vLLM, `max_model_len` and the
+model's directory on the engine's host (`root`) per model from `/v1/models`, and its KV-event publishers from `/kv_event_sources` (kept on the record as
 data; a `*` host, where the engine binds, becomes the worker's own host). An SGLang
 engine's load publishers (`load_event_endpoints`) are asked by the load reader, which
 alone needs them. An explicit value
@@ -247,6 +247,21 @@ def max_model_lens(body: Any) -> dict[str, int]:
     return lengths
 
 
+def model_roots(body: Any) -> dict[str, str]:
+    """The directory each model was loaded from, on the engine's host, from a vLLM
+    `/v1/models` answer (`root`; models without one, or whose root is their own id, as
+    for a model named by its hub id, left out)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    roots: dict[str, str] = {}
+    for entry in data if isinstance(data, list) else ():
+        if not isinstance(entry, dict):
+            continue
+        model, root = entry.get("id"), entry.get("root")
+        if isinstance(model, str) and isinstance(root, str) and root and root.startswith("/"):
+            roots[model] = root
+    return roots
+
+
 def kv_event_endpoints(body: Any, worker_url: str) -> tuple[EventEndpoint, ...]:
     """The KV-event publishers in a `/kv_event_sources` answer, one per DP rank.
 
@@ -352,6 +367,7 @@ async def describe_engine(
             models = await ask(http, record.url, "/v1/models", timeout_s, api_key)
             _settles(record.url, models)
             changes["max_model_len"] = max_model_lens(models.body)
+            changes["model_roots"] = model_roots(models.body)
         if "kv_event_sources" in unknown:
             # 404 from releases without the route; `{}` while events are off.
             sources = await ask(http, record.url, "/kv_event_sources", timeout_s, api_key)

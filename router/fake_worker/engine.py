@@ -158,7 +158,7 @@ class FakeWorker:
         get, post = frozenset({"GET", "HEAD"}), frozenset({"POST", "PUT"})
         for path in GENERATION_PATHS:
             self._routes[path] = (post, self._generate)
-        pooling = PoolingService(settings, self.behaviour, self.routing)
+        pooling = PoolingService(settings, self.behaviour, self.routing, self._model_tokens)
         for path in POOLING_ROUTES:
             self._routes[path] = (post, pooling.serve)
         for path, route in (

@@ -15,6 +15,7 @@ neither (404), `/version` as vLLM does (`{"version": ...}` and nothing else) and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from router.fake_worker.settings import FakeWorkerSettings, publisher_settings
@@ -30,6 +31,15 @@ def capacity(settings: FakeWorkerSettings) -> int:
     return settings.max_concurrency or DEFAULT_CAPACITY
 
 
+def model_root(settings: FakeWorkerSettings) -> str:
+    """The model's `root` in `/v1/models`: the `--tokenizer` directory, absolute, when the
+    fake has one, else the model id (as vLLM reports a model named by its hub id)."""
+    if settings.tokenizer:
+        path = Path(settings.tokenizer).resolve()
+        return str(path if path.is_dir() else path.parent)
+    return settings.model
+
+
 def models(settings: FakeWorkerSettings) -> dict[str, Any]:
     """`GET /v1/models`: the one served model."""
     return {
@@ -40,7 +50,9 @@ def models(settings: FakeWorkerSettings) -> dict[str, Any]:
                 "object": "model",
                 "created": 0,
                 "owned_by": settings.engine,
-                "root": settings.model,
+                # vLLM's root is the directory it loaded: the fake's model tokens come from
+                # its --tokenizer directory, so that one (a router on the same host reads it).
+                "root": model_root(settings),
                 "max_model_len": CONTEXT_LENGTH,
             }
         ],

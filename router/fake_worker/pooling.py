@@ -14,9 +14,12 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.fake_worker.formats import BadGenerationRequest, count_words
+
+if TYPE_CHECKING:
+    from router.fake_worker.model_tokens import ModelTokens
 
 VOCABULARY = 50_000
 MAX_MODEL_LEN = 32_768
@@ -31,6 +34,8 @@ class PoolingContext:
     request_id: str
     created: int
     max_model_len: int = MAX_MODEL_LEN  # vLLM's, from `--max-model-len`; SGLang's is fixed
+    model_tokens: ModelTokens | None = None
+    """With `--tokenizer`: `/tokenize` answers in the model's tokens, as the engine would."""
 
 
 def vector(text: str, dim: int) -> list[float]:
@@ -236,6 +241,9 @@ def classify(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
 
 
 def tokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
+    if ctx.model_tokens is not None:
+        tokens = _model_token_ids(body, ctx.model_tokens)
+        return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
     prompt = body.get("prompt")
     if prompt is None and isinstance(body.get("messages"), list):
         prompt = " ".join(
@@ -256,6 +264,24 @@ def tokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
             "token_strs": strs,
         }
     return {"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN}
+
+
+def _model_token_ids(body: dict[str, Any], model: ModelTokens) -> list[int]:
+    """The model's ids for a tokenize body: its messages rendered as a chat request is,
+    or its prompt encoded as a completions prompt is."""
+    from router.prompts.chat_request import NotRendered
+    from router.prompts.chat_template import TemplateFailed
+
+    tokenizer = model.tokenizer
+    try:
+        if isinstance(body.get("messages"), list):
+            return tokenizer.chat_tokens(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt, body.get("add_special_tokens", True) is not False)
+    except (NotRendered, TemplateFailed) as exc:
+        raise BadGenerationRequest(f"cannot tokenize this request: {exc}") from None
+    raise BadGenerationRequest("'prompt' must be a string (or 'messages' a list of messages)")
 
 
 def detokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:

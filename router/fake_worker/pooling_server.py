@@ -8,6 +8,7 @@ failure sends half of the answer and breaks the connection.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import orjson
 import trio
@@ -20,6 +21,9 @@ from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RoutingStats
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
 
+if TYPE_CHECKING:
+    from router.fake_worker.model_tokens import ModelTokens
+
 RANK_HEADER = b"x-data-parallel-rank"
 # What a `midstream` failure sends half of when the request itself cannot be answered.
 _PLACEHOLDER = orjson.dumps(
@@ -31,11 +35,16 @@ class PoolingService:
     """Serves embeddings, rerank, score, classify, pooling, tokenize and detokenize."""
 
     def __init__(
-        self, settings: FakeWorkerSettings, behaviour: Behaviour, routing: RoutingStats
+        self,
+        settings: FakeWorkerSettings,
+        behaviour: Behaviour,
+        routing: RoutingStats,
+        model_tokens: ModelTokens | None = None,
     ) -> None:
         self.settings = settings
         self.behaviour = behaviour
         self.routing = routing
+        self.model_tokens = model_tokens
         self._next_id = 0
 
     async def serve(self, request: Request, writer: ResponseWriter) -> None:
@@ -104,4 +113,5 @@ class PoolingService:
             request_id=f"fake-{self._next_id}",
             created=int(time.time()),  # wall-clock: OpenAI `created`
             max_model_len=settings.max_model_len,
+            model_tokens=self.model_tokens,
         )

@@ -93,6 +93,9 @@ class WorkerRecord:
     max_model_len: dict[str, int] = field(default_factory=dict)
     """Per served model, the longest sequence the engine takes (vLLM's `/v1/models`); empty
     while unknown."""
+    model_roots: dict[str, str] = field(default_factory=dict)
+    """Per served model, the directory the engine loaded it from, on the engine's host
+    (vLLM's `/v1/models` `root`; learned with `max_model_len`); empty while unknown."""
     kv_event_sources: tuple[EventEndpoint, ...] = ()
     """The engine's KV-event publishers, one per DP rank (vLLM's `/kv_event_sources`);
     empty when the engine publishes none or has not said."""
@@ -218,12 +221,12 @@ kind, and what a vLLM engine states of itself. Learned while the worker routes."
 FACTS = tuple(sorted(BLOCKING_FACTS | DESCRIPTIVE_FACTS))
 
 _LEARNED_FIELDS = {
-    "bootstrap_port": "disagg_meta",
-    "dp_size": "dp_size",
-    "models": "models",
-    "engine": "engine",
-    "max_model_len": "max_model_len",
-    "kv_event_sources": "kv_event_sources",
+    "bootstrap_port": ("disagg_meta",),
+    "dp_size": ("dp_size",),
+    "models": ("models",),
+    "engine": ("engine",),
+    "max_model_len": ("max_model_len", "model_roots"),  # one answer, /v1/models
+    "kv_event_sources": ("kv_event_sources",),
 }
 
 
@@ -244,7 +247,7 @@ def fill_facts(record: WorkerRecord, learned: WorkerRecord) -> WorkerRecord:
     `learned` still leaves open stays in `unknown_facts`."""
     settled = record.unknown_facts - learned.unknown_facts
     changes: dict[str, Any] = {
-        _LEARNED_FIELDS[fact]: getattr(learned, _LEARNED_FIELDS[fact]) for fact in settled
+        name: getattr(learned, name) for fact in settled for name in _LEARNED_FIELDS[fact]
     }
     return dataclasses.replace(record, unknown_facts=record.unknown_facts - settled, **changes)
 

@@ -201,6 +201,7 @@ class AttemptRunner:
             generation.routing_text,
             generation.body,
             generation.route,
+            generation.tokens,
         )
         # A policy that also chooses the DP rank (kv_aware: the rank holding the prompt's
         # blocks) has a `pick_ranked`.

@@ -30,6 +30,9 @@ class GenerationRequest:
     spec: Route
     routing_text: str | None = None
     """The whole prompt, rendered once per request when a policy reads it (`router.policies.routing_keys`)."""
+    tokens: list[int] | str | None = None
+    """The prompt's token ids for `kv_aware`, resolved once per request before the first
+    pick (`router.pipeline.engine_tokens`), or why there are none; None: not resolved."""
 
 
 DEFAULT_MAX_N = 128

@@ -29,6 +29,7 @@ from router.observability.metrics import PipelineMetrics, RequestMetrics
 from router.observability.request_id import current_request_id
 from router.pipeline.attempt import AttemptRunner, RequestContext, Strategy, WorkerFailed
 from router.pipeline.dispatch import Timeouts, client_headers
+from router.pipeline.engine_tokens import EngineTokens, EngineTokenSettings
 from router.pipeline.mixed import MixedStrategy
 from router.pipeline.pd import PDStrategy
 from router.pipeline.plan import Plan, plan_request
@@ -36,10 +37,11 @@ from router.pipeline.resolve import GenerationRequest, parse_generation_request
 from router.pipeline.wait import WorkerWait, WorkerWaitSettings
 from router.policies.by_name import make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareSettings
-from router.policies.kv_aware import KvPolicyInputs
+from router.policies.kv_aware import KvAware, KvPolicyInputs
 from router.policies.policy import Policy
 from router.policies.routing_keys import routing_key, routing_text
 from router.policies.spread import NearTies, SpreadSettings
+from router.prompts.token_sources import TokenSources
 
 log = logging.getLogger("router.failover")
 
@@ -64,6 +66,9 @@ class FailoverSettings:
     worker_api_key: str
     kv: KvPolicyInputs | None = None
     spread: SpreadSettings = field(default_factory=SpreadSettings)
+    engine_tokens: EngineTokenSettings | None = None
+    """Ask the engines for token ids `kv_aware` cannot compute here; None: never."""
+    token_sources: TokenSources | None = None
 
 
 class GenerationService:
@@ -99,6 +104,15 @@ class GenerationService:
             role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)
         }
         self.reads_text = bool(cache_aware)
+        # The legs whose policy predicts from token ids, and how those ids are found.
+        self.kv_roles = frozenset(
+            role for role, policy in self.policies.items() if isinstance(policy, KvAware)
+        )
+        self.engine_tokens: EngineTokens | None = None
+        if settings.token_sources is not None and settings.engine_tokens is not None:
+            self.engine_tokens = EngineTokens(
+                settings.token_sources, pool, settings.engine_tokens, settings.worker_api_key
+            )
         for policy in cache_aware.values():
             fleet.add_listener(policy)
         self.waits = WorkerWait(fleet, settings.wait)
@@ -197,6 +211,8 @@ class GenerationService:
             if attempt == 0 and generation.spec.generation:
                 # A request counts once, under the mode it was first planned in.
                 self.pipeline_metrics.count_mode(plan.mode)
+                if self.engine_tokens is not None:
+                    await self._resolve_tokens(generation, plan)
             try:
                 delivered = await self.strategies[plan.mode].attempt(plan, ctx)
             except WorkerFailed as failed:
@@ -217,6 +233,18 @@ class GenerationService:
                 break  # no untried worker left
             return delivered
         return await self._give_up(ctx)
+
+    async def _resolve_tokens(self, generation: GenerationRequest, plan: Plan) -> None:
+        """The token ids `kv_aware` predicts with, once, before the first pick (asking an
+        engine of the leg it scores when they cannot be computed here)."""
+        assert self.engine_tokens is not None
+        for role in self.kv_roles & plan.legs.keys():
+            generation.tokens = await self.engine_tokens.resolve(
+                generation,
+                plan.legs[role].candidates,
+                current_request_id().encode(),
+            )
+            return
 
     def _plan(self, generation: GenerationRequest, now: float) -> Plan:
         settings = self.settings

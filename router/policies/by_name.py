@@ -52,5 +52,5 @@ def make_policy(
     if name == "kv_aware":
         if kv is None:
             kv = KvPolicyInputs(KvAwareSettings(), KvIndexes(), lambda: 0.0)
-        return KvAware(kv.settings, kv.indexes, kv.clock, kv.tokenizer, ties)
+        return KvAware(kv.settings, kv.indexes, kv.clock, kv.tokenizer, ties, kv.local)
     raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")

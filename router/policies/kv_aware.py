@@ -73,12 +73,14 @@ follow a change of workload within a few hundred requests."""
 @dataclass(frozen=True, slots=True)
 class KvPolicyInputs:
     """What a `kv_aware` policy is built from: its settings, the indexes the fleet's
-    subscriptions keep, and the clock it reads once per pick."""
+    subscriptions keep, the clock it reads once per pick, and the model's local tokenizer
+    (`local(model)`, `router.prompts.token_sources`; else one `tokenizer` for every model)."""
 
     settings: KvAwareSettings
     indexes: KvIndexes
     clock: Callable[[], float]
     tokenizer: TextTokenizer | None = None
+    local: Callable[[str], TextTokenizer | None] | None = None
 
 
 class RequestKey(Protocol):
@@ -96,6 +98,9 @@ class RequestKey(Protocol):
     @property
     def route(self) -> str: ...
 
+    @property
+    def tokens(self) -> list[int] | str | None: ...
+
 
 # Why a request got no prediction (the `reason` label of the counter).
 NO_TOKENS = "no_tokens"
@@ -106,11 +111,14 @@ template (a `tokenizer.json` alone), a shape it does not reproduce (media, tools
 Messages, a request's own template, ...; `router.prompts.chat_template`)."""
 TEMPLATE_ERROR = "template_error"
 """The chat template raised for the request, or ran past its render bounds."""
+ENGINE_TOKENIZE = "engine_tokenize"
+"""The engine was asked for the request's tokens and gave none in time (refused, timed
+out, broke, answered garbage, or too many asks were in flight)."""
 NO_INDEX = "no_index"
 """No event of the model has arrived yet (no index, or its block size unknown)."""
 SHORT_PROMPT = "short_prompt"
 """Fewer tokens than one block: nothing can be cached."""
-NO_PREDICTION_REASONS = (NO_TOKENS, CHAT, TEMPLATE_ERROR, NO_INDEX, SHORT_PROMPT)
+NO_PREDICTION_REASONS = (NO_TOKENS, CHAT, TEMPLATE_ERROR, ENGINE_TOKENIZE, NO_INDEX, SHORT_PROMPT)
 PICK_REASONS = ("match", "load", "no_prediction")
 
 
@@ -173,6 +181,7 @@ class KvAware:
         "_clock",
         "_start",
         "indexes",
+        "local",
         "no_prediction",
         "picks",
         "predicted_hit_tokens",
@@ -192,9 +201,11 @@ class KvAware:
         clock: Callable[[], float],
         tokenizer: TextTokenizer | None = None,
         ties: NearTies | None = None,
+        local: Callable[[str], TextTokenizer | None] | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.local = local
         self.ties = ties or deterministic()
         self.indexes = indexes
         self._clock = clock
@@ -223,7 +234,10 @@ class KvAware:
         """The pick and, for a rank-multiplexed worker, the DP rank whose view holds the
         longest run (the least loaded of equal runs); None without a prediction, so the
         pipeline takes its least-loaded rank."""
-        found = tokens_or_reason(key.body, self.tokenizer, key.route)
+        found = key.tokens
+        if found is None:
+            tokenizer = self.local(key.model) if self.local is not None else self.tokenizer
+            found = tokens_or_reason(key.body, tokenizer, key.route)
         tokens = found if isinstance(found, list) else []
         reason = found if isinstance(found, str) else None
         index = self.indexes.get(key.model)

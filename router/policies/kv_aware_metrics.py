@@ -51,7 +51,7 @@ class KvAwareCollector(Collector):
         )
         missing = CounterMetricFamily(
             "router_kv_aware_no_prediction",
-            "kv_aware requests placed by load alone, by why: no_tokens (text without --kv-tokenizer, batches), chat_template (chat not rendered here: no template, Messages with tools, media, ...), template_error (the chat template raised or ran past its bounds), no_index (no event of the model yet), short_prompt (under one block)",
+            "kv_aware requests placed by load alone, by why: no_tokens (text without --kv-tokenizer, batches), chat_template (chat not rendered here: no template, Messages with tools, media, ...), template_error (the chat template raised or ran past its bounds), engine_tokenize (the engine was asked for the tokens and gave none), no_index (no event of the model yet), short_prompt (under one block)",
             labels=["role", "reason"],
         )
         picks = CounterMetricFamily(

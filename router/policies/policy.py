@@ -26,6 +26,10 @@ class PolicyKey:
     route: str = ""
     """The route's label (`chat`, `messages`, ...; `router.api.routes`): `kv_aware` reads
     a Messages body as Anthropic's, not as a chat body."""
+    tokens: list[int] | str | None = None
+    """The request's token ids as the pipeline resolved them for `kv_aware`
+    (`router.pipeline.engine_tokens`), or why there are none; None: not resolved (the
+    policy computes them from `body` itself)."""
 
 
 class Policy(Protocol):

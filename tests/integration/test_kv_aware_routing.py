@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,6 +61,8 @@ async def open_publishers(
                     await serve_kv_publisher(cache, publisher, task_status=task_status)
 
             await nursery.start(run)
+            # As the command does: `/kv_event_sources` lists them (with `kv_events` set).
+            handle.worker.kv_endpoints = (publisher.endpoint, publisher.replay_endpoint)
             publishers.append(publisher)
             scopes.append(scope)
         yield publishers, scopes
@@ -274,3 +277,52 @@ async def test_fakes_counting_in_a_models_tokens_route_chat_as_engines_would(
     hits = samples[("router_kv_aware_predicted_hit_tokens_total", (("role", "mixed"),))]
     cached = fleet[1].worker.routing.loads[0].cached_tokens
     assert hits == cached == 3 * ((len(expected) - 1) // BLOCK_TOKENS * BLOCK_TOKENS)
+
+
+@pytest.mark.parametrize("source", ["tokenizer", "model_dir", "engine"])
+async def test_chat_routes_by_the_engines_events_from_every_token_source(
+    tmp_path: Path, source: str
+) -> None:
+    """The same chat routing without `--kv-tokenizer`: the engine's model directory read
+    here, or the engine's own /tokenize asked per request (`--kv-token-sources engine`)."""
+    model = str(write_model(tmp_path / "model"))
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "you are a router " * 12},
+            {"role": "user", "content": "tell me about the cache " * 8},
+        ],
+        "max_tokens": 2,
+    }
+    flags: dict[str, object] = {
+        "tokenizer": {"kv_tokenizer": model},
+        "model_dir": {},
+        "engine": {"kv_token_sources": "engine"},
+    }[source]
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet(
+                2, engine="vllm", cache_tokens=100_000, tokenizer=model, kv_events=True
+            ) as fleet,
+            open_publishers(fleet),
+        ):
+            async with httpx.AsyncClient(base_url=fleet[1].url) as direct:
+                warmed = await direct.post("/v1/chat/completions", json=body)
+            assert warmed.status_code == 200, warmed.text
+            urls = [handle.url for handle in fleet]
+            async with open_router(urls, policy="kv_aware", **flags) as router:
+                async with httpx.AsyncClient(base_url=router.url) as client:
+                    # vLLM fakes: the router learns the publishers from /kv_event_sources.
+                    await wait_views(client, known=2)
+                    label = (("model", MODEL), ("source", source))
+                    while (await scrape(client)).get(("router_kv_aware_token_source", label)) != 1:  # noqa: ASYNC110
+                        await trio.sleep(0.02)
+                    for _ in range(3):
+                        answer = await client.post("/v1/chat/completions", json=body)
+                        assert answer.headers["x-router-worker"] == fleet[1].url
+                    samples = await scrape(client)
+    chats = [handle.worker.routing.paths.get("/v1/chat/completions", 0) for handle in fleet]
+    assert chats == [0, 4]  # the warm-up and the three through the router
+    asked = samples[("router_kv_aware_engine_tokenize_total", (("outcome", "ok"),))]
+    assert asked == (3 if source == "engine" else 0)
+    assert samples[("router_kv_aware_predictions_total", (("role", "mixed"),))] == 3
