@@ -76,24 +76,30 @@ class ClientStats:
 
 
 async def play(
-    url: str, workload: Workload, *, model: str = MODEL, timeout_s: float = 60.0
+    url: str | Sequence[str], workload: Workload, *, model: str = MODEL, timeout_s: float = 60.0
 ) -> ClientStats:
-    """Play every conversation against `url`, asking for `model`; returns what the clients
-    saw."""
+    """Play every conversation against `url` (or several: the users take them in turn, as
+    clients of router replicas behind a Service), asking for `model`; returns what the
+    clients saw."""
     stats = ClientStats()
     system = workload.system_prompt()
     queue = list(range(workload.conversations))
+    urls = [url] if isinstance(url, str) else list(url)
     limits = httpx.Limits(max_connections=workload.users, max_keepalive_connections=workload.users)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+    clients = [httpx.AsyncClient(base_url=one, timeout=timeout_s, limits=limits) for one in urls]
+    try:
 
-        async def user() -> None:
+        async def user(client: httpx.AsyncClient) -> None:
             while queue:
                 conversation = queue.pop(0)
                 await converse(client, workload, system, conversation, stats, model)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(workload.users):
-                nursery.start_soon(user)
+            for index in range(workload.users):
+                nursery.start_soon(user, clients[index % len(clients)])
+    finally:
+        for client in clients:
+            await client.aclose()
     return stats
 
 

@@ -99,6 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the kv_aware benchmark on real engines instead (bench/kv_engines.py): ours kv_aware, cache_aware and round_robin and smg cache_aware in front of three vLLM engines (make engine-env), with caches that evict and caches that do not, --processes 2 and a router restart; writes its own block of policies.md beside --out",
     )
     parser.add_argument(
+        "--kv-scenarios",
+        default="evicting,roomy",
+        help="with --kv-engines: the fleets to run, of evicting, roomy (default both)",
+    )
+    parser.add_argument(
+        "--kv-groups",
+        default="side,two,replicas,noflag,restart",
+        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), restart (a router restart mid-run)",
+    )
+    parser.add_argument(
+        "--kv-repeat",
+        type=int,
+        default=1,
+        help="with --kv-engines: play the contenders this many times over, in turn",
+    )
+    parser.add_argument(
+        "--engine-costs",
+        action="store_true",
+        help="run the engine-costs benchmark instead (bench/engine_costs.py): kv_aware's token ids from the model directory against the engine's /tokenize, and the cost of reading engines' load, on one vLLM engine (make engine-env); writes its own block of --out",
+    )
+    parser.add_argument(
         "--replicas",
         action="store_true",
         help="run the replicas benchmark instead (bench/replicas.py): one router against three replicas reading the engines' load, and three counting only their own, on fake engines of unequal speed; writes its own block of policies.md beside --out",
@@ -127,6 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.quick,
             lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
         )
+    if args.engine_costs:
+        from bench import engine_costs
+
+        started = time.monotonic()
+        return engine_costs.run(
+            args.out,
+            args.quick,
+            lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        )
     if args.replicas:
         from bench import replicas
 
@@ -149,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             ),
             "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            scenarios=_names(args.kv_scenarios, ("evicting", "roomy"), "scenario"),
+            groups=_names(args.kv_groups, kv_engines.ALL_GROUPS, "group"),
+            repeat=max(1, args.kv_repeat),
         )
     if args.engines:
         from bench import engines

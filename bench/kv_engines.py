@@ -62,6 +62,11 @@ class KvContender:
     policy: str
     flags: tuple[str, ...] = ()
     processes: int = 1
+    replicas: int = 1
+    """Independent router processes, each on its own port, the clients split between them."""
+    kv_tokenizer: bool = True
+    """kv_aware with `--kv-tokenizer` the model's directory; False: as an operator starts
+    it, the router finds its token ids itself (`--kv-token-sources`)."""
 
 
 SIDE_BY_SIDE = (
@@ -74,11 +79,42 @@ TWO_PROCESSES = (
     KvContender("ours kv_aware (--processes 2)", "kv_aware", processes=2),
     KvContender("ours cache_aware (--processes 2)", "cache_aware", TUNED, processes=2),
 )
+REPLICAS = (
+    KvContender("ours kv_aware (2 routers)", "kv_aware", replicas=2),
+    KvContender("ours cache_aware (2 routers)", "cache_aware", TUNED, replicas=2),
+)
+NO_FLAG = (
+    KvContender("ours kv_aware (no --kv-tokenizer)", "kv_aware", kv_tokenizer=False),
+    KvContender(
+        "ours kv_aware (engine /tokenize)",
+        "kv_aware",
+        ("--kv-token-sources", "engine"),
+        kv_tokenizer=False,
+    ),
+)
 RESTARTED = SIDE_BY_SIDE[:2]
+GROUPS = {
+    "side": SIDE_BY_SIDE,
+    "two": TWO_PROCESSES,
+    "replicas": REPLICAS,
+    "noflag": NO_FLAG,
+}
+ALL_GROUPS = ("side", "two", "replicas", "noflag", "restart")
 
 
-def run(out: Path, quick: bool, log: Log, command: str) -> int:
-    """Both fleets, every contender; the exit status (2 without the engine environment)."""
+def run(
+    out: Path,
+    quick: bool,
+    log: Log,
+    command: str,
+    *,
+    scenarios: Sequence[str] = ("evicting", "roomy"),
+    groups: Sequence[str] = ALL_GROUPS,
+    repeat: int = 1,
+) -> int:
+    """The fleets of `scenarios`, the contenders of `groups` (`repeat` times over, in
+    turn, so the runs of one contender interleave with the others'); the exit status (2
+    without the engine environment)."""
     try:
         environment = EngineEnvironment.from_env()
     except engines.EngineUnavailable as exc:
@@ -96,13 +132,18 @@ def run(out: Path, quick: bool, log: Log, command: str) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-kv-engines-") as work:
         try:
             for scenario, blocks in SCENARIOS:
+                if scenario not in scenarios:
+                    continue
                 with open_engine_fleet(environment, blocks, Path(work), log) as urls:
                     facts = facts or workload_facts(urls[0], workload, log)
                     bench = KvBench(scenario, urls, Path(work), environment.model_dir, log)
-                    for contender in (*SIDE_BY_SIDE, *TWO_PROCESSES):
-                        runs.append(bench.measure(contender, workload))
-                    for contender in RESTARTED:
-                        restarts.append(bench.measure_restart(contender, workload))
+                    contenders = [c for group in groups if group in GROUPS for c in GROUPS[group]]
+                    for _ in range(repeat):
+                        for contender in contenders:
+                            runs.append(bench.measure(contender, workload))
+                    if "restart" in groups:
+                        for contender in RESTARTED:
+                            restarts.append(bench.measure_restart(contender, workload))
         except* (BenchError, kv_report.MetricsError, httpx.HTTPError, trio.TooSlowError) as group:
             failure = group
     while isinstance(failure, BaseExceptionGroup):  # the first cause, out of trio's groups
@@ -213,20 +254,26 @@ class KvBench:
 
     def measure(self, contender: KvContender, workload: Workload) -> KvRun:
         """Flush, play the whole workload through `contender`, read the engines."""
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = self.start_router(contender, port)
+        ports = free_ports(contender.replicas)
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        procs: list[Proc] = []
         try:
+            for port in ports:
+                procs.append(self.start_router(contender, port))
+            url = urls[0]
             before = self.flush(contender, url)
             self.log(f"{self.scenario}: {contender.name}: {workload.requests} requests")
             started = time.perf_counter()
-            stats = trio.run(partial(play, url, workload, model=MODEL, timeout_s=REQUEST_TIMEOUT_S))
+            stats = trio.run(
+                partial(play, urls, workload, model=MODEL, timeout_s=REQUEST_TIMEOUT_S)
+            )
             wall = time.perf_counter() - started
             time.sleep(SETTLE_S)
             window = Window.between(before, self.counters())
             series = router_series(url) if contender.policy == "kv_aware" else {}
         finally:
-            proc.stop()
+            for proc in procs:
+                proc.stop()
         one = KvRun.of(self.scenario, contender.name, stats, window, wall, series)
         self.log(one.summary())
         return one
@@ -270,7 +317,7 @@ class KvBench:
         it subscribes to every engine)."""
         workers = [arg for url in self.urls for arg in ("--worker", url)]
         flags = [*contender.flags, "--processes", str(contender.processes)]
-        if contender.policy == "kv_aware":
+        if contender.policy == "kv_aware" and contender.kv_tokenizer:
             flags += ["--kv-tokenizer", str(self.model_dir)]
         if contender.name.startswith("ours"):
             command = python_module("router.cli", "serve", "--port", str(port))
@@ -299,7 +346,9 @@ class KvBench:
     def flush(self, contender: KvContender, url: str) -> FleetCounters:
         """Empty every engine's prefix cache; the counters from which the run is read."""
         key = "router_kv_events_received_total{type=AllBlocksCleared}"
-        watch = contender.policy == "kv_aware" and contender.processes == 1
+        watch = (
+            contender.policy == "kv_aware" and contender.processes == 1 and contender.replicas == 1
+        )
         wanted = (router_series(url).get(key, 0) if watch else 0) + len(self.urls)
         with httpx.Client(timeout=30.0) as client:
             for engine in self.urls:

@@ -255,6 +255,55 @@ def hit_cell(rate: float | None, errors: int) -> str:
     return _rate(rate) if not errors else f"**{_rate(rate)} ({errors} errors)**"
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def replica_verdicts(runs: Sequence[KvRun], evicting: str, roomy: str) -> list[str]:
+    """Several routers against one, and kv_aware without `--kv-tokenizer`, by the median
+    of each contender's runs (a contender played several times, `--kv-repeat`)."""
+    rates: dict[tuple[str, str], list[float]] = {}
+    p99s: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        if run.hit_rate is not None and not run.errors:
+            rates.setdefault((run.scenario, run.contender), []).append(run.hit_rate)
+            p99s.setdefault((run.scenario, run.contender), []).append(run.ttft_p99_ms)
+    lines = []
+
+    def compare(scenario: str, name: str, base: str, points: float, what: str) -> None:
+        got, ref = rates.get((scenario, name)), rates.get((scenario, base))
+        if not got or not ref:
+            return
+        delta = (_median(got) - _median(ref)) * 100
+        # `points` is the most it may fall short; a negative one, how far above it must be.
+        verdict = "met" if delta >= -points else "**not met**"
+        runs_note = f" ({len(got)} and {len(ref)} runs)" if len(got) + len(ref) > 2 else ""
+        lines.append(
+            f"- {scenario}: {name} {_median(got):.1%} against {base} {_median(ref):.1%}, "
+            f"{delta:+.1f} points{runs_note}; target {what}: {verdict}"
+        )
+
+    for scenario in (evicting, roomy):
+        for several in ("ours kv_aware (--processes 2)", "ours kv_aware (2 routers)"):
+            compare(scenario, several, "ours kv_aware", 2.0, "within 2 points of one process")
+            got, ref = p99s.get((scenario, several)), p99s.get((scenario, "ours kv_aware"))
+            if got and ref and scenario == evicting:
+                ratio = _median(got) / _median(ref)
+                verdict = "met" if ratio <= 1.25 else "**not met**"
+                lines.append(
+                    f"- {scenario}: {several} TTFT p99 {_median(got):,.0f} ms against "
+                    f"{_median(ref):,.0f} ms, {ratio:.2f}x; target at most 1.25x: {verdict}"
+                )
+        for alone in ("ours kv_aware (no --kv-tokenizer)", "ours kv_aware (engine /tokenize)"):
+            compare(
+                scenario, alone, "ours round_robin", -15.0, "at least 15 points above round robin"
+            )
+            compare(scenario, alone, "ours kv_aware", 2.0, "within 2 points of --kv-tokenizer")
+    return lines
+
+
 def verdicts(runs: Sequence[KvRun], evicting: str, roomy: str) -> list[str]:
     """The target, judged per scenario: kv_aware against ours cache_aware."""
     by_key = {(run.scenario, run.contender): run for run in runs}
@@ -390,6 +439,10 @@ def markdown(
             )
     lines += ["", "Target (kv_aware against ours cache_aware, one process each):", ""]
     lines += verdicts(runs, evicting, roomy)
+    several = replica_verdicts(runs, evicting, roomy)
+    if several:
+        lines += ["", "Targets of several routers, and of kv_aware as an operator starts it:", ""]
+        lines += several
     views = [(r.scenario, r.contender, kv_summary(r.router_kv, r.window.hit_tokens)) for r in runs]
     views += [(r.scenario, f"{r.contender}, restarted", kv_summary(r.router_kv)) for r in restarts]
     if any(view for _, _, view in views):

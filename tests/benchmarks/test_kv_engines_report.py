@@ -19,6 +19,7 @@ from bench.kv_engines_report import (
     Window,
     markdown,
     prompt_facts,
+    replica_verdicts,
 )
 from bench.report import write_doc
 
@@ -149,3 +150,36 @@ def test_a_kv_aware_run_whose_router_applied_no_event_says_so() -> None:
         [kv, run("evicting", "ours cache_aware", 500)], [], HEADER, "evicting", "roomy"
     )
     assert "**the router applied no KV events**" in block
+
+
+def _run(contender: str, rate: float, p99: float = 1000.0, scenario: str = "evicting") -> KvRun:
+    window = Window(hit_tokens=round(rate * 1000), queried_tokens=1000, per_engine=(1, 1, 1))
+    return KvRun(scenario, contender, 144, 0, window, 100.0, p99, 60.0)
+
+
+def test_several_routers_are_judged_by_the_median_of_their_runs_against_one() -> None:
+    runs = [
+        _run("ours kv_aware", 0.79, 4000),
+        _run("ours kv_aware", 0.78, 4600),
+        _run("ours kv_aware (--processes 2)", 0.70, 9500),  # one bad run of three
+        _run("ours kv_aware (--processes 2)", 0.775, 5000),
+        _run("ours kv_aware (--processes 2)", 0.78, 5200),
+        _run("ours kv_aware (2 routers)", 0.74, 4000),
+        _run("ours round_robin", 0.50),
+        _run("ours kv_aware (engine /tokenize)", 0.78),
+    ]
+    lines = replica_verdicts(runs, "evicting", "roomy")
+    text = "\n".join(lines)
+    assert (
+        "- evicting: ours kv_aware (--processes 2) 77.5% against ours kv_aware 78.5%, "
+        "-1.0 points (3 and 2 runs); target within 2 points of one process: met"
+    ) in lines
+    assert "ours kv_aware (2 routers) 74.0% against ours kv_aware 78.5%, -4.5 points" in text
+    assert "within 2 points of one process: **not met**" in text
+    # TTFT p99: the median 5,200 ms against 4,300 ms.
+    assert "TTFT p99 5,200 ms against 4,300 ms, 1.21x; target at most 1.25x: met" in text
+    assert (
+        "- evicting: ours kv_aware (engine /tokenize) 78.0% against ours round_robin 50.0%, "
+        "+28.0 points; target at least 15 points above round robin: met"
+    ) in lines
+    assert not any("roomy" in line for line in lines)  # no roomy runs: nothing judged
