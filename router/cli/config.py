@@ -20,6 +20,7 @@ import yaml
 from router.cli.options import ENV_PREFIX, OPTIONS, Option
 from router.discovery.kube_pods import BadSelector, pod_sources
 from router.discovery.static import parse_worker_spec, read_workers_file, records_from_list
+from router.edge.claims import PriorityClasses, TrafficSettings, TrafficSettingsError
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
 
 WORKERS_ENV = ENV_PREFIX + "WORKERS"
@@ -109,6 +110,13 @@ class Settings:
     max_concurrent_requests: int = 0
     queue_size: int = 100
     queue_timeout_s: float = 60.0
+    priority_classes: str = ""
+    default_priority: str = ""
+    lowest_priority_share: float = 0.0
+    tenant_header: str = ""
+    tenant_max_inflight: int = 0
+    tenant_max_queued: int = 0
+    admission_metrics_by_tenant: bool = False
     worker_max_inflight: int = 0
     wait_for_workers_s: float = 5.0
     admin_api_key: str = ""
@@ -247,7 +255,28 @@ def _validated(values: dict[str, Any]) -> Settings:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
-    return Settings(**values)
+    settings = Settings(**values)
+    try:
+        traffic_settings(settings)
+    except TrafficSettingsError as exc:
+        raise ConfigError(f"traffic policy: {exc}") from None
+    return settings
+
+
+def traffic_settings(settings: Settings) -> TrafficSettings:
+    """The admission gate's classes and tenant defaults; TrafficSettingsError when they
+    cannot be used (a default priority that is no class, a reserved tenant header, ...)."""
+    names = tuple(name.strip() for name in settings.priority_classes.split(",") if name.strip())
+    return TrafficSettings(
+        classes=PriorityClasses(
+            names=names,
+            default=settings.default_priority.strip(),
+            lowest_share=settings.lowest_priority_share,
+        ),
+        tenant_header=settings.tenant_header.strip().lower(),
+        tenant_max_inflight=settings.tenant_max_inflight,
+        tenant_max_queued=settings.tenant_max_queued,
+    )
 
 
 def _check(option: Option, value: Any, source: str) -> Any:

@@ -279,6 +279,53 @@ OPTIONS: tuple[Option, ...] = (
         "longest wait in the admission queue (503 queue_timeout after)",
         minimum=0.001,
     ),
+    # Traffic policy: priority classes and tenants in the admission queue.
+    Option(
+        "priority_classes",
+        str,
+        "",
+        "comma-separated priority classes, highest first, e.g. interactive,standard,batch; the admission queue serves higher ones first and a request names its class in x-priority (empty: one class)",
+    ),
+    Option(
+        "default_priority",
+        str,
+        "",
+        "the class of a request whose key names none (required with --priority-classes)",
+    ),
+    Option(
+        "lowest_priority_share",
+        float,
+        0.0,
+        "share of admission slots the lowest class gets while higher ones wait, so it is never starved (0: strict priority)",
+        minimum=0,
+        maximum=0.9,
+    ),
+    Option(
+        "tenant_header",
+        str,
+        "",
+        "header naming the tenant (its own fair share) of a request no keys-file entry speaks for (empty: the key is the tenant)",
+    ),
+    Option(
+        "tenant_max_inflight",
+        int,
+        0,
+        "requests of one tenant served at once; more wait in the admission queue (0: no cap; a key's max_inflight wins)",
+        minimum=0,
+    ),
+    Option(
+        "tenant_max_queued",
+        int,
+        0,
+        "requests of one tenant waiting at once; one more is refused 429 (0: only --queue-size; a key's max_queued wins)",
+        minimum=0,
+    ),
+    Option(
+        "admission_metrics_by_tenant",
+        bool,
+        False,
+        "label admission queue depth and wait by client key name too (one series per key in the keys file)",
+    ),
     Option(
         "worker_max_inflight",
         int,

@@ -118,6 +118,7 @@ class RouterApp:
 
     def _authorize_generation(self, request: Request, path: str) -> str | None:
         """The name of the client's key (None when keys are off); 401 before anything else.
+        Metrics name it only with named keys (`ClientKeys.named`).
 
         With keys on, the client's own `Authorization` goes no further than here: workers
         get the router's worker key instead (see `router.pipeline.dispatch.upstream_headers`).
@@ -130,21 +131,32 @@ class RouterApp:
             self._count_refusal(path, error.status)
             raise
         request.headers = [item for item in request.headers if item[0] != b"authorization"]
-        return name if self.keys.named else None
+        return name
 
     async def _admit_generation(
         self, request: Request, writer: ResponseWriter, path: str, key: str | None
     ) -> None:
-        if not self.admission.enabled:
-            # No limit: no context manager on the hot path either.
-            await self.generation.handle(request, writer, key)
+        """Read what the request claims (its class and tenant, as its key allows), then
+        serve it through the admission gate when there is a limit or a tenant cap."""
+        keys = self.keys
+        label = key if keys.named else None
+        gated = self.admission.enabled or keys.caps_in_force
+        if not gated and not keys.classes_in_force:
+            # Nothing to claim and nothing to wait for: no context manager on the hot path.
+            await self.generation.handle(request, writer, label)
             return
+        grants = keys.anonymous if key is None else keys.grants(key)
         try:
-            async with self.admission.admit():
-                await self.generation.handle(request, writer, key)
+            claims = grants.claims(request)
+            if not gated:
+                await self.generation.handle(request, writer, label)
+                return
+            async with self.admission.admit(claims):
+                await self.generation.handle(request, writer, label)
         except RouterError as error:
-            # Raised by the gate before the request was served: the service counted nothing.
-            self._count_refusal(path, error.status, key)
+            # Raised by the claims or the gate before the request was served: the service
+            # counted nothing.
+            self._count_refusal(path, error.status, label)
             raise
 
     def _count_refusal(self, path: str, status: int, key: str | None = None) -> None:

@@ -156,6 +156,7 @@ class WorkerWait:
             return QueueTimeout(
                 f"waited {self.settings.capacity_wait_s:g}s for a free worker of model '{model}'",
                 self.settings.retry_after_s,
+                limit="worker_inflight",
             )
         return error
 

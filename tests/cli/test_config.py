@@ -17,9 +17,11 @@ from router.cli.config import (
     add_arguments,
     describe_options,
     load_settings,
+    traffic_settings,
 )
 from router.cli.options import OPTIONS
 from router.discovery.static import parse_worker_spec, read_workers_file
+from router.edge.claims import PriorityClasses
 from router.fleet.records import DESCRIPTIVE_FACTS, InvalidWorkerRecord, Role, Status
 
 
@@ -360,3 +362,39 @@ def test_a_bare_yes_no_flag_means_yes_and_a_bad_word_is_refused() -> None:
     assert _load().protect_metrics is False
     with pytest.raises(ConfigError, match="--protect-metrics must be true or false"):
         _load(["--protect-metrics", "maybe"])
+
+
+# -- traffic policy --------------------------------------------------------------------------
+
+
+def test_traffic_settings_come_from_flags_env_and_file(tmp_path: Path) -> None:
+    config = _config(tmp_path, "priority_classes: interactive, batch\ntenant_max_queued: 3\n")
+    settings = _load(
+        ["--config", config, "--lowest-priority-share", "0.1"],
+        {"ROUTER_DEFAULT_PRIORITY": "interactive", "ROUTER_TENANT_HEADER": "X-Team"},
+    )
+    traffic = traffic_settings(settings)
+    assert traffic.classes == PriorityClasses(("interactive", "batch"), "interactive", 0.1)
+    assert (traffic.tenant_header, traffic.tenant_max_queued) == ("x-team", 3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--priority-classes", "high,low"],
+            "traffic policy: the default priority '' is not one of the classes (high, low)",
+        ),
+        (
+            ["--priority-classes", "high,high", "--default-priority", "high"],
+            "traffic policy: priority classes repeat a name: high, high",
+        ),
+        (["--default-priority", "high"], "traffic policy: a default priority ('high') needs"),
+        (["--tenant-header", "authorization"], "traffic policy: tenant header 'authorization'"),
+        (["--lowest-priority-share", "0.95"], "--lowest-priority-share must be <= 0.9"),
+    ],
+)
+def test_a_traffic_policy_that_cannot_work_stops_the_start(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _load(argv)
+    assert str(caught.value).startswith(message)
