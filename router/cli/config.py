@@ -117,6 +117,7 @@ class Settings:
     tenant_max_inflight: int = 0
     tenant_max_queued: int = 0
     admission_metrics_by_tenant: bool = False
+    engine_priority_scheduling: bool = False
     worker_max_inflight: int = 0
     wait_for_workers_s: float = 5.0
     admin_api_key: str = ""
@@ -257,9 +258,14 @@ def _validated(values: dict[str, Any]) -> Settings:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
     settings = Settings(**values)
     try:
-        traffic_settings(settings)
+        traffic = traffic_settings(settings)
     except TrafficSettingsError as exc:
         raise ConfigError(f"traffic policy: {exc}") from None
+    if settings.engine_priority_scheduling and not traffic.classes.names:
+        raise ConfigError(
+            "engine_priority_scheduling sends each request's priority class to the engines: "
+            "it needs priority_classes"
+        )
     return settings
 
 

@@ -327,6 +327,12 @@ OPTIONS: tuple[Option, ...] = (
         "label admission queue depth and wait by client key name too (one series per key in the keys file)",
     ),
     Option(
+        "engine_priority_scheduling",
+        bool,
+        False,
+        "the engines schedule by priority (vLLM with scheduling policy priority): send each request's class to them as vLLM's priority field (0 for the highest class, 1 for the next, ...)",
+    ),
+    Option(
         "worker_max_inflight",
         int,
         0,

@@ -175,6 +175,7 @@ def failover_settings(settings: Settings) -> FailoverSettings:
         retry_after_s=settings.retry_after_s,
         model_memory_s=settings.model_memory_s,
         worker_api_key=settings.worker_api_key,
+        engine_priority=settings.engine_priority_scheduling,
     )
 
 

@@ -148,11 +148,13 @@ class RouterApp:
         grants = keys.anonymous if key is None else keys.grants(key)
         try:
             claims = grants.claims(request)
+            # The class goes on to engines that schedule by it (the service decides).
+            priority = claims.rank if keys.classes_in_force else None
             if not gated:
-                await self.generation.handle(request, writer, label)
+                await self.generation.handle(request, writer, label, priority)
                 return
             async with self.admission.admit(claims):
-                await self.generation.handle(request, writer, label)
+                await self.generation.handle(request, writer, label, priority)
         except RouterError as error:
             # Raised by the claims or the gate before the request was served: the service
             # counted nothing.

@@ -17,6 +17,7 @@ import orjson
 
 from router.api.errors import BadRequest, NoAvailableWorkers
 from router.api.routes import ROUTES, Route
+from router.pipeline.handoff_body import UnspliceableBody, splice_members
 
 
 @dataclass(slots=True)
@@ -30,6 +31,18 @@ class GenerationRequest:
     spec: Route
     routing_text: str | None = None
     """The whole prompt, rendered once per request when a policy reads it (`router.policies.routing_keys`)."""
+
+    def set_members(self, **fields: str | int) -> None:
+        """Put the router's own members (`model`, `priority`) into the body workers get,
+        in place of the client's (`router.pipeline.handoff_body`). A body that cannot be
+        spliced is the client's: 400, never 500."""
+        try:
+            self.raw = splice_members(self.raw, self.body, fields)
+        except UnspliceableBody as exc:
+            raise BadRequest(
+                f"request body cannot carry the router's {', '.join(fields)}: {exc}"
+            ) from None
+        self.body.update(fields)
 
 
 DEFAULT_MAX_N = 128

@@ -41,6 +41,8 @@ from router.policies.routing_keys import routing_key, routing_text
 log = logging.getLogger("router.failover")
 
 CLIENT_LEFT = 499  # status recorded in metrics for a client that went away
+# The routes whose engine request has vLLM's `priority` field (SGLang's /generate has it too).
+ENGINE_PRIORITY_ROUTES = frozenset({"chat", "completions", "responses", "generate"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,9 @@ class FailoverSettings:
     model_memory_s: float
     worker_api_key: str
     kv: KvPolicyInputs | None = None
+    engine_priority: bool = False
+    """Send a request's priority class to the engine as its `priority` field (vLLM run with
+    `--scheduling-policy priority`): rank 0, the highest class, is served first there too."""
 
 
 class GenerationService:
@@ -113,9 +118,14 @@ class GenerationService:
         return self.runner.ranks
 
     async def handle(
-        self, request: Request, writer: ResponseWriter, key: str | None = None
+        self,
+        request: Request,
+        writer: ResponseWriter,
+        key: str | None = None,
+        priority: int | None = None,
     ) -> None:
-        """Answer one generation request (`key`: the client key's name, for metrics).
+        """Answer one generation request (`key`: the client key's name, for metrics;
+        `priority`: its class's rank, for engines that schedule by it).
 
         Cancellation (client gone, shutdown): every upstream connection of the request is
         closed, every breaker permit is released without a verdict, in-flight counts drop.
@@ -129,6 +139,12 @@ class GenerationService:
             generation = parse_generation_request(
                 request.path, request.body, self.fleet.models(), self.settings.max_n
             )
+            if (
+                priority is not None
+                and self.settings.engine_priority
+                and generation.route in ENGINE_PRIORITY_ROUTES
+            ):
+                generation.set_members(priority=priority)
             if self.fleet.for_model(generation.model):
                 model_label = generation.model
             status = await self._serve(generation, request, writer, started)

@@ -392,6 +392,7 @@ def test_traffic_settings_come_from_flags_env_and_file(tmp_path: Path) -> None:
         (["--default-priority", "high"], "traffic policy: a default priority ('high') needs"),
         (["--tenant-header", "authorization"], "traffic policy: tenant header 'authorization'"),
         (["--lowest-priority-share", "0.95"], "--lowest-priority-share must be <= 0.9"),
+        (["--engine-priority-scheduling"], "engine_priority_scheduling sends each request's"),
     ],
 )
 def test_a_traffic_policy_that_cannot_work_stops_the_start(argv: list[str], message: str) -> None:

@@ -36,6 +36,7 @@ class OrderWorker:
     def __init__(self) -> None:
         self.release = trio.Event()
         self.received: list[str] = []
+        self.bodies: list[bytes] = []
         self.holding = 0
 
     async def handle(self, request: Request, writer: ResponseWriter) -> None:
@@ -46,6 +47,7 @@ class OrderWorker:
             await writer.respond(404, [], b"")
             return
         self.received.append(orjson.loads(request.body)["messages"][0]["content"])
+        self.bodies.append(request.body)
         self.holding += 1
         try:
             await self.release.wait()
@@ -199,3 +201,28 @@ async def test_a_tenant_at_its_queue_cap_gets_429_naming_it() -> None:
     assert statuses == {"holder": 200, "a1": 200, "b1": 200}
     assert "a2" not in worker.received
     assert 'router_admission_refused_total{reason="tenant_queue_full"} 1.0' in scrape
+
+
+async def test_the_class_reaches_engines_as_priority_only_when_they_schedule_by_it() -> None:
+    classes = {"priority_classes": "interactive,standard,batch", "default_priority": "standard"}
+    # The client's own `priority` member, spelled with an escape, is the router's to set.
+    body = b'{"model": "m", "\\u0070riority": 7, "messages": [{"role": "user", "content": "x"}]}'
+    headers = {"content-type": "application/json", "x-priority": "batch"}
+    with trio.fail_after(GUARD_S):
+        async with open_policy_router(**classes, engine_priority_scheduling=True) as (
+            worker,
+            _,
+            client,
+        ):
+            worker.release.set()
+            await client.post("/v1/chat/completions", json=_chat("default"))
+            await client.post("/v1/chat/completions", content=body, headers=headers)
+            scheduled = list(worker.bodies)
+        async with open_policy_router(**classes) as (worker, _, client):
+            worker.release.set()
+            await client.post("/v1/chat/completions", content=body, headers=headers)
+            verbatim = list(worker.bodies)
+    assert orjson.loads(scheduled[0])["priority"] == 1
+    assert scheduled[1].startswith(b'{"priority":2,"model": "m",')
+    assert orjson.loads(scheduled[1])["priority"] == 2
+    assert verbatim == [body]
