@@ -327,6 +327,13 @@ OPTIONS: tuple[Option, ...] = (
         "label admission queue depth and wait by client key name too (one series per key in the keys file)",
     ),
     Option(
+        "alias_answer_model",
+        str,
+        "served",
+        "the model an answer to an alias names: served (the model that answered, as the worker wrote it) or alias (the name the client sent)",
+        ("served", "alias"),
+    ),
+    Option(
         "engine_priority_scheduling",
         bool,
         False,

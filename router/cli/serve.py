@@ -27,6 +27,7 @@ from router.cli.config import (
     Settings,
     add_arguments,
     load_settings,
+    model_names,
     traffic_settings,
 )
 from router.cli.fleet_pruning import DepartedWorkerPruner
@@ -176,6 +177,8 @@ def failover_settings(settings: Settings) -> FailoverSettings:
         model_memory_s=settings.model_memory_s,
         worker_api_key=settings.worker_api_key,
         engine_priority=settings.engine_priority_scheduling,
+        names=model_names(settings),
+        answer_alias=settings.alias_answer_model == "alias",
     )
 
 

@@ -165,8 +165,11 @@ class RouterApp:
         self.request_metrics.count_request("-", ROUTES[path].label, status, key)
 
     def _models(self) -> tuple[int, bytes, bytes]:
+        """The public names: every alias (`--model-alias`), then every served model."""
+        aliases = self.generation.names.aliases
+        served = [model for model in self.fleet.models() if model not in aliases]
         data = [
-            {"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()
+            {"id": model, "object": "model", "owned_by": "router"} for model in (*aliases, *served)
         ]
         return 200, b"application/json", orjson.dumps({"object": "list", "data": data})
 

@@ -2,7 +2,8 @@
 
 The families the router counts come in groups, one per concern, and each layer is handed
 only the group it counts in: `RequestMetrics` (what the client got, and when),
-`PipelineMetrics` (how the request pipeline got there), `AdmissionMetrics` (how long
+`PipelineMetrics` (how the request pipeline got there, aliases and fallbacks included),
+`AdmissionMetrics` (how long
 admitted requests waited, by class and tenant), `BreakerMetrics` (trips per
 worker), `DiscoveryMetrics` (the discovery source). `RouterMetrics` builds the groups on
 one registry and exports them, with the figures read from the fleet and the upstream pool
@@ -128,6 +129,21 @@ class PipelineMetrics:
             ["kind"],
             registry=None,
         )
+        self.rewrites = Counter(
+            "router_model_rewrites",
+            "Requests for an alias, by alias and the served model drawn for them",
+            ["alias", "model"],
+            registry=None,
+        )
+        self.fallbacks = Counter(
+            "router_model_fallbacks",
+            "Requests planned for a fallback because their model had no worker that could "
+            "take them, by model and fallback",
+            ["model", "fallback"],
+            registry=None,
+        )
+        self._rewrites: dict[tuple[str, str], Counter] = {}
+        self._fallbacks: dict[tuple[str, str], Counter] = {}
         self._retries: dict[str, Counter] = {}
         self._modes: dict[str, Counter] = {}
         self._leg_failures: dict[str, Counter] = {}
@@ -145,6 +161,20 @@ class PipelineMetrics:
 
     def count_local_error(self, kind: str) -> None:
         _bound(self._local_errors, self.local_errors, kind).inc()
+
+    def count_rewrite(self, alias: str, model: str) -> None:
+        """Count a request for `alias` planned for `model` (both names from the settings)."""
+        child = self._rewrites.get((alias, model))
+        if child is None:
+            child = self._rewrites[(alias, model)] = self.rewrites.labels(alias, model)
+        child.inc()
+
+    def count_fallback(self, model: str, fallback: str) -> None:
+        """Count a request of `model` planned for `fallback` (both from the settings)."""
+        child = self._fallbacks.get((model, fallback))
+        if child is None:
+            child = self._fallbacks[(model, fallback)] = self.fallbacks.labels(model, fallback)
+        child.inc()
 
 
 class AdmissionMetrics:
@@ -277,6 +307,8 @@ class RouterMetrics:
             self.pipeline.local_errors,
             self.admission.wait,
             self.admission.tenant_wait,
+            self.pipeline.rewrites,
+            self.pipeline.fallbacks,
         ):
             self.registry.register(family)
         if fleet is not None:

@@ -308,7 +308,12 @@ def test_config_file_workers_count_only_when_nothing_else_names_a_worker(tmp_pat
 
 
 # Settings fields that are not options, and the flags that set them.
-NOT_OPTIONS = {"workers": "--worker, --workers-file", "reuse_port": "--reuse-port"}
+NOT_OPTIONS = {
+    "workers": "--worker, --workers-file",
+    "reuse_port": "--reuse-port",
+    "model_aliases": "--model-alias",
+    "model_fallbacks": "--model-fallback",
+}
 
 
 def test_settings_fields_are_the_options_plus_the_fleet() -> None:
@@ -396,6 +401,63 @@ def test_traffic_settings_come_from_flags_env_and_file(tmp_path: Path) -> None:
     ],
 )
 def test_a_traffic_policy_that_cannot_work_stops_the_start(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _load(argv)
+    assert str(caught.value).startswith(message)
+
+
+# -- aliases and fallbacks -------------------------------------------------------------------
+
+
+def test_aliases_and_fallbacks_come_from_flags_env_or_file(tmp_path: Path) -> None:
+    flags = _load(
+        [
+            "--model-alias",
+            "chat=v1:95,v2:5",
+            "--model-alias",
+            "fast=v3",
+            "--model-fallback",
+            "v1=v3",
+        ]
+    )
+    assert flags.model_aliases == (
+        ("chat", (("v1", 95.0), ("v2", 5.0))),
+        ("fast", (("v3", 1.0),)),
+    )
+    assert flags.model_fallbacks == (("v1", ("v3",)),)
+    env = _load([], {"ROUTER_MODEL_ALIAS": "chat=v1 fast=v3", "ROUTER_MODEL_FALLBACK": "v1=v2,v3"})
+    assert env.model_aliases == (("chat", (("v1", 1.0),)), ("fast", (("v3", 1.0),)))
+    assert env.model_fallbacks == (("v1", ("v2", "v3")),)
+    config = _config(
+        tmp_path,
+        "model_alias:\n  chat: {v1: 95, v2: 5}\n  fast: v3\n"
+        "model_fallback:\n  v1: [v3]\n  v2: v3\n",
+    )
+    from_file = _load(["--config", config])
+    assert from_file.model_aliases == (("chat", (("v1", 95), ("v2", 5))), ("fast", (("v3", 1.0),)))
+    assert from_file.model_fallbacks == (("v1", ("v3",)), ("v2", ("v3",)))
+    listed = _config(tmp_path, "model_alias: ['chat=v1:3,v2:1']\n", "listed.yaml")
+    assert _load(["--config", listed]).model_aliases == (("chat", (("v1", 3.0), ("v2", 1.0))),)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model-alias", "chat"], "--model-alias 'chat': expected ALIAS=MODEL"),
+        (["--model-alias", "chat=v1:lots"], "--model-alias 'chat=v1:lots': the weight of 'v1'"),
+        (
+            ["--model-alias", "a=b", "--model-alias", "b=a"],
+            "model names: alias 'a' names the alias",
+        ),
+        (["--model-alias", "a=a"], "model names: alias 'a' names itself"),
+        (
+            ["--model-fallback", "big=small", "--model-fallback", "small=big"],
+            "model names: model fallbacks loop: big -> small -> big",
+        ),
+        (["--model-fallback", "big="], "--model-fallback 'big=': expected MODEL=FALLBACK"),
+    ],
+)
+def test_names_that_loop_or_do_not_parse_stop_the_start(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         _load(argv)
     assert str(caught.value).startswith(message)
