@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the kv_aware benchmark on real engines instead (bench/kv_engines.py): ours kv_aware, cache_aware and round_robin and smg cache_aware in front of three vLLM engines (make engine-env), with caches that evict and caches that do not, --processes 2 and a router restart; writes its own block of policies.md beside --out",
     )
+    parser.add_argument(
+        "--traffic",
+        action="store_true",
+        help="run the traffic-policy benchmark instead (bench/traffic.py): fair shares, priority classes, disconnecting clients, a canary alias and a fallback under a down fleet, on fake workers at overload; writes its own block of --out",
+    )
     return parser
 
 
@@ -133,6 +138,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"[{datetime.now():%H:%M:%S} {time.monotonic() - started:6.1f}s] {message}",
                 flush=True,
             ),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        )
+    if args.traffic:
+        from bench import traffic
+
+        started = time.monotonic()
+        return traffic.run(
+            args.out,
+            args.quick,
+            lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
             "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         )
     if args.engines:
