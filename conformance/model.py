@@ -144,6 +144,14 @@ class RouterSettings:
     max_concurrent: int | None = None
     """Requests served at once; beyond it they queue (at most `queue_size`), then 429."""
     queue_size: int | None = None
+    aliases: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Public model names, each for served models with weights."""
+    fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Models a model gives way to when it has no worker that can take a request."""
+    priority_classes: tuple[str, ...] = ()
+    """Priority classes of the admission queue, highest first (a request's `priority`)."""
+    default_priority: str | None = None
+    """The class of a request that names none (required with `priority_classes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +237,9 @@ class RequestSpec:
     # Sent to this fake worker itself, past the plane, as another router's request would
     # be: what the worker's cache then holds, the plane never saw.
     worker: str | None = None
+    # The priority class the request claims (one of `settings.priority_classes`); the plane
+    # adapter says how (`Plane.request_headers`).
+    priority: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +427,14 @@ class Case:
             needed.add("admission.queue")
         if s.max_body_bytes is not None:
             needed.add("limits.body_size")
+        if s.aliases:
+            needed.add("model.alias")
+            if any(len(targets) > 1 for targets in s.aliases.values()):
+                needed.add("model.alias_weights")
+        if s.fallbacks:
+            needed.add("model.fallback")
+        if s.priority_classes:
+            needed.add("admission.priority")
         for step in self.steps:
             if isinstance(step, SendStep | PollStep) and step.request.route != "chat":
                 needed.add(f"route.{step.request.route}")

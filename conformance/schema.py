@@ -25,6 +25,7 @@ from conformance.model import (
     AwaitStep,
     Case,
     FleetChangeStep,
+    PollStep,
     SendStep,
     SetBehaviourStep,
     Step,
@@ -109,6 +110,8 @@ class CaseReader:
                         "requires",
                         r.unknown_word(name, CAPABILITIES, "capability"),
                     )
+        settings = self.settings_reader.settings(top.get("settings"))
+        self.check_priorities(settings.priority_classes, steps, step_nodes)
         return Case(
             id=self.case_id,
             path=self.path,
@@ -117,11 +120,25 @@ class CaseReader:
             tags=r.strings(top["tags"], "tags") if "tags" in top else (),
             requires=requires,
             fleet=fleet,
-            settings=self.settings_reader.settings(top.get("settings")),
+            settings=settings,
             steps=steps,
             discovery=discovery,
             fleets=fleets,
         )
+
+    def check_priorities(
+        self, classes: Sequence[str], steps: Sequence[Step], nodes: Sequence[Node]
+    ) -> None:
+        """A request's `priority` names one of the case's priority classes."""
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            if isinstance(step, SendStep | PollStep) and step.request.priority is not None:
+                if step.request.priority not in classes:
+                    known = ", ".join(classes) if classes else "none: set settings.priority_classes"
+                    raise self.r.fail(
+                        node,
+                        join(join("steps", index), "priority"),
+                        f"{step.request.priority!r} is not a priority class ({known})",
+                    )
 
     def check_engine_fleet(
         self,

@@ -40,6 +40,7 @@ REQUEST_FIELDS = (
     "raw",
     "background",
     "worker",
+    "priority",
 )
 POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "within_s", "interval_s")
 RAW_FIELDS = ("text", "nested", "size", "content_type")
@@ -138,6 +139,7 @@ class RequestReader:
             if "background" in m
             else None,
             worker=r.string(m["worker"], join(field, "worker")) if "worker" in m else None,
+            priority=r.string(m["priority"], join(field, "priority")) if "priority" in m else None,
         )
 
     def expect(

@@ -13,6 +13,7 @@ An adapter is a `Plane` subclass in one module. It says:
 - how it reports its address: `listen_pattern` (it binds port 0 and prints its URL) or
   none (the runner picks a free port and passes it in `launch.port`);
 - `wait_ready`: when it has admitted the fleet (default: `/v1/models` lists every model);
+- `request_headers`: how a request claims its priority class in the plane's words;
 - `version_argv`: how to ask the plane's own binary or interpreter for its version;
 - `environment`: variables its processes get on top of the runner's;
 - `start_sidecars`: what it needs running before itself (an etcd, a fake Kubernetes API),
@@ -44,7 +45,7 @@ import httpx
 import trio
 
 from conformance.fleet import RunningWorker
-from conformance.model import Case
+from conformance.model import Case, RequestSpec
 from conformance.sidecars import Sidecars
 
 
@@ -180,6 +181,12 @@ class Plane(ABC):
     @abstractmethod
     def command(self, launch: Launch) -> list[str]:
         """The argv that starts the plane in front of `launch.workers`."""
+
+    def request_headers(self, launch: Launch, request: RequestSpec) -> dict[str, str]:
+        """The headers that say what a request claims in the plane's own words (its priority
+        class: `request.priority`). Default: none; a plane with `admission.priority` says
+        how its clients name a class."""
+        return {}
 
     def auth_headers(self, launch: Launch) -> dict[str, str]:
         """The client key a case sets, for the runner's own requests (readiness polls)."""

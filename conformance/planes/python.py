@@ -12,7 +12,7 @@ import yaml
 
 from conformance import etcd_sidecar, kube_sidecar
 from conformance.fleet import RunningWorker
-from conformance.model import Case
+from conformance.model import Case, RequestSpec
 from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.planes.gateway_flags import (
     auth_and_admission_flags,
@@ -64,6 +64,11 @@ class PythonPlane(Plane):
                 for name in ("completions", "generate", "responses", "messages", "embeddings")
             ),
             "limits.body_size",
+            # --model-alias (weights too), --model-fallback, --priority-classes.
+            "model.alias",
+            "model.alias_weights",
+            "model.fallback",
+            "admission.priority",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
@@ -188,7 +193,18 @@ class PythonPlane(Plane):
             flags += ["--max-body-bytes", str(s.max_body_bytes)]
         flags += cache_aware_flags(s.cache_aware)
         flags += auth_and_admission_flags(s)
+        for alias, targets in s.aliases.items():
+            weighted = ",".join(f"{model}:{weight:g}" for model, weight in targets.items())
+            flags += ["--model-alias", f"{alias}={weighted}"]
+        for model, fallbacks in s.fallbacks.items():
+            flags += ["--model-fallback", f"{model}={','.join(fallbacks)}"]
+        if s.priority_classes:
+            flags += ["--priority-classes", ",".join(s.priority_classes)]
+            flags += ["--default-priority", str(s.default_priority)]
         return flags
+
+    def request_headers(self, launch: Launch, request: RequestSpec) -> dict[str, str]:
+        return {"x-priority": request.priority} if request.priority is not None else {}
 
 
 def _worker_spec(worker: RunningWorker) -> str:

@@ -89,6 +89,11 @@ class VllmRouterPlane(SmgPlane):
         "pd.bootstrap": "--vllm-pd-disaggregation hands off with vLLM's NIXL parameters "
         "(--kv-connector nixl|mooncake|moriio), not SGLang's bootstrap room the handoff checks read",
         "worker.status": "static workers have no DRAINING state to learn",
+        "model.alias": "no flag of `vllm-router --help` (0.1.17) names a model alias",
+        "model.alias_weights": "no model alias at all (0.1.17)",
+        "model.fallback": "no flag of `vllm-router --help` (0.1.17) names a fallback model",
+        "admission.priority": "--max-concurrent-requests has one FIFO queue; no flag names a "
+        "priority class or header (0.1.17)",
         "discovery.etcd": "no etcd discovery (--service-discovery follows Kubernetes Pods)",
         "discovery.kubernetes": "it has --service-discovery (Kubernetes Pods); the Kubernetes cases have not "
         "been mapped to it or run against it yet",
