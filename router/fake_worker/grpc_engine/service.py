@@ -8,9 +8,11 @@ What a router over gRPC calls, and what it gets here:
   with the finish reason and counts, in the shapes vLLM's servicer sends (a chunk holds
   its new tokens and their count; a streamed `complete` repeats the last chunk's
   tokens, a unary one holds them all). Requests vLLM refuses are INVALID_ARGUMENT with
-  its messages: an empty prompt, a token id out of the vocabulary, a token limit the
-  context cannot hold, a DP rank out of range.
-- `Abort`: the named generations end at their next token with finish reason `abort`.
+  its messages: an empty prompt, a prompt longer than the context, a token id out of the
+  vocabulary, `max_tokens` below 1, a DP rank out of range; a limit beyond the context is
+  cut to what it holds. `n` above 128 is refused too, the fake's own bound.
+- `Abort`: the named generations end at their next token with finish reason `abort`
+  (a `complete` without tokens).
 - `HealthCheck`: healthy once started (`startup_delay_s`) unless scripted unhealthy.
 - `GetModelInfo` / `GetServerInfo`: the served model, the directory of its tokenizer
   (`tokenizer_files`), the context length, the DP size.
@@ -131,16 +133,18 @@ def plan_generation(
         prompt = 0
     if prompt == 0:
         raise BadRequest("The decoder prompt cannot be empty")
+    if prompt > max_model_len:
+        raise BadRequest(
+            f"The decoder prompt (length {prompt}) is longer than the maximum model length "
+            f"of {max_model_len}."
+        )
     params = request.sampling_params
     explicit = params.HasField("max_tokens")
     if explicit and params.max_tokens < 1:
         raise BadRequest(f"max_tokens must be at least 1, got {params.max_tokens}.")
-    tokens = params.max_tokens if explicit else default_tokens
-    if prompt + (tokens if explicit else 0) > max_model_len:
-        raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the request "
-            f"asks for {prompt + tokens} ({prompt} in the prompt, {tokens} to generate)."
-        )
+    # A limit beyond the context is cut to what the context holds, as vLLM's engine does
+    # (its HTTP server refuses it; its gRPC servicer does not).
+    tokens = min(params.max_tokens, max_model_len - prompt) if explicit else default_tokens
     n = params.n or 1
     if n > MAX_CHOICES:
         raise BadRequest(f"n must be at most {MAX_CHOICES}, got {n}.")
@@ -370,7 +374,8 @@ class FakeVllmEngine:
                 for index in range(plan.n):
                     await context.write(_chunk([output_token_id(k)], plan.prompt_tokens, index))
         if plan.stream:
-            last = [output_token_id(produced - 1)] if produced else []
+            # The last chunk's tokens again; none after an abort, as vLLM's servicer sends.
+            last = [output_token_id(produced - 1)] if produced and finish != "abort" else []
             for index in range(plan.n):
                 await context.write(_complete(last, finish, plan.prompt_tokens, index))
         else:
@@ -452,10 +457,8 @@ class FakeVllmEngine:
             is_paused=False,
             last_receive_timestamp=self.last_receive,
             uptime_seconds=self._now() - self.started_at,
-            server_type="vllm-grpc",
             data_parallel_size=self.settings.dp_size,
             kv_cache_dtype="auto",
-            block_size=16,
             max_num_seqs=self._max_running(),
         )
 

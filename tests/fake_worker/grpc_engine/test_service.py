@@ -105,11 +105,7 @@ def test_health_model_and_server_info_describe_the_fake(tmp_path: Path) -> None:
     assert sorted(p.name for p in Path(model.tokenizer_path).iterdir()) == sorted(FILES)
     assert (model.vocab_size, list(model.eos_token_ids)) == (VOCAB_SIZE, [EOS_ID])
     assert model.max_context_length == 2048 and model.is_generation
-    assert (server.server_type, server.data_parallel_size, server.max_num_seqs) == (
-        "vllm-grpc",
-        2,
-        5,
-    )
+    assert (server.data_parallel_size, server.max_num_seqs) == (2, 5)
 
 
 def test_loads_report_each_dp_rank_with_its_running_requests(tmp_path: Path) -> None:
@@ -181,6 +177,7 @@ def test_abort_ends_a_running_stream_with_finish_reason_abort(tmp_path: Path) ->
 
     replies, aborts, aborted = run_scenario(scenario)
     assert replies[-1].complete.finish_reason == "abort"
+    assert list(replies[-1].complete.output_ids) == []
     assert len(replies) < 100
     assert (aborts, aborted) == (2, ["long", "unknown"])
 
@@ -224,7 +221,10 @@ def test_health_says_loading_until_the_startup_delay_has_passed(tmp_path: Path) 
         (pb.GenerateRequest(request_id="none"), "The decoder prompt cannot be empty"),
         (_request([5, VOCAB_SIZE]), f"Token id {VOCAB_SIZE} is out of vocabulary"),
         (_request(max_tokens=0), "max_tokens must be at least 1, got 0."),
-        (_request(max_tokens=2046), "maximum context length is 2048 tokens"),
+        (
+            _request([3] * 2049),
+            "The decoder prompt (length 2049) is longer than the maximum model length of 2048.",
+        ),
         (_request(rank=1), "data_parallel_rank 1 is out of range [0, 1)."),
         (_request(n=129), "n must be at most 128, got 129."),
     ],
@@ -245,6 +245,16 @@ def test_what_vllm_refuses_is_invalid_argument(
     error = run_scenario(scenario)
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert message in (error.details() or "")
+
+
+def test_a_limit_beyond_the_context_is_cut_to_what_it_holds(tmp_path: Path) -> None:
+    async def scenario() -> pb.GenerateResponse:
+        async with serving(tmp_path, FakeWorkerSettings(model="m", max_model_len=10)) as served:
+            (reply,) = [r async for r in served.stub.Generate(_request(max_tokens=5000))]
+            return reply
+
+    complete = run_scenario(scenario).complete
+    assert (complete.completion_tokens, complete.finish_reason) == (7, "length")
 
 
 def test_a_text_prompt_counts_its_words(tmp_path: Path) -> None:
