@@ -6,8 +6,8 @@ HTTP one: `GET /debug/routing` (what reached it), `POST /debug/reset`, `GET`/`PO
 process serves; the engine's own health is its `HealthCheck` RPC).
 
 One request per connection (the answer says `connection: close`), parsed by llhttp
-(`httptools`), bodies up to 1 MiB, and a connection that sends nothing whole within 10 s
-is closed. asyncio, like the grpcio server beside it (`main` says why).
+(`httptools`): bodies up to 1 MiB and whole requests up to 1 MiB more (413 beyond), and a
+connection that sends no whole request within 10 s is closed. asyncio, like the grpcio server beside it (`main` says why).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from router.fake_worker.behaviour import InvalidBehaviour
 from router.fake_worker.grpc_engine.service import FakeVllmEngine
 
 MAX_BODY = 1024 * 1024
+# Everything but the body (request line, headers) may take this much more.
+MAX_REQUEST = 2 * MAX_BODY
 READ_TIMEOUT_S = 10.0
 _REASONS = {
     200: "OK",
@@ -102,12 +104,17 @@ async def serve_connection(
     parser = httptools.HttpRequestParser(request)
     status: int
     payload: Any
+    received = 0
     try:
         async with asyncio.timeout(READ_TIMEOUT_S):
             while not request.done and not request.too_large:
                 data = await reader.read(64 * 1024)
                 if not data:
                     return
+                received += len(data)
+                if received > MAX_REQUEST:
+                    request.too_large = True
+                    break
                 parser.feed_data(data)
     except TimeoutError:
         writer.transport.abort()
@@ -116,7 +123,12 @@ async def serve_connection(
         status, payload = 400, _error(f"malformed request: {exc}")
     else:
         if request.too_large:
-            status, payload = 413, _error(f"the body is larger than {MAX_BODY} bytes")
+            status, payload = (
+                413,
+                _error(
+                    f"the request is larger than {MAX_REQUEST} bytes or its body than {MAX_BODY}"
+                ),
+            )
         else:
             method = parser.get_method().decode("ascii", "replace")
             path = httptools.parse_url(request.url).path.decode("utf-8", "replace")

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from router.fake_worker.grpc_engine import debug_http
-from router.fake_worker.grpc_engine.debug_http import MAX_BODY, start_debug_server
+from router.fake_worker.grpc_engine.debug_http import MAX_BODY, MAX_REQUEST, start_debug_server
 from router.fake_worker.settings import FakeWorkerSettings
 from tests.support.grpc_engine import run_scenario, serving
 
@@ -33,6 +33,12 @@ async def _exchange(port: int, raw: bytes) -> tuple[int, Any]:
 
 def _post(path: str, body: bytes) -> bytes:
     return f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _endless_headers() -> bytes:
+    """A request whose headers alone are larger than any request may be."""
+    header = b"x-filler: " + b"y" * 8000 + b"\r\n"
+    return b"GET /health HTTP/1.1\r\n" + header * (MAX_REQUEST // len(header) + 2)
 
 
 def _get(path: str) -> bytes:
@@ -79,6 +85,7 @@ def test_bad_requests_get_clear_errors_and_change_nothing(tmp_path: Path) -> Non
                     await _exchange(port, _post("/debug/routing", b"")),
                     await _exchange(port, b"GARBAGE / HTTP/9.9\r\n\r\n"),
                     await _exchange(port, _post("/debug/behaviour", b"x" * (MAX_BODY + 1))),
+                    await _exchange(port, _endless_headers()),
                 ]
             finally:
                 server.close()
@@ -86,7 +93,7 @@ def test_bad_requests_get_clear_errors_and_change_nothing(tmp_path: Path) -> Non
             return answers, served.engine.behaviour.fail_first
 
     answers, fail_first = run_scenario(scenario)
-    assert [status for status, _ in answers] == [400, 400, 400, 404, 405, 400, 413]
+    assert [status for status, _ in answers] == [400, 400, 400, 404, 405, 400, 413, 413]
     assert "not valid JSON" in answers[0][1]["error"]["message"]
     assert "fail_first" in answers[1][1]["error"]["message"]
     assert "unknown behaviour field" in answers[2][1]["error"]["message"]
