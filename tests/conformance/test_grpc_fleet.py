@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from conformance.cli import main
 from conformance.client import Answer
 from conformance.engine_fleet import ACCESS_LINE, GENERATE_LINE, dispatch_line
 from conformance.expect import check_answers
@@ -154,3 +155,18 @@ def test_a_grpc_engine_counts_each_generate_call_it_logs() -> None:
     )
     assert dispatch_line("grpc") is GENERATE_LINE and dispatch_line("http") is ACCESS_LINE
     assert GENERATE_LINE.search(received) and not GENERATE_LINE.search(refused)
+
+
+def test_list_on_a_grpc_fleet_shows_what_a_run_there_would_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["list", "--fleet", "grpc", "--plane", "python", "--plane", "smg"]
+    assert main([*argv, "--case", "classification/*-404", "--case", "failover/unreachable*"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert lines == [
+        "classification/unknown-model-404                 [classification] "
+        "python: unsupported; smg: runs",
+        "failover/unreachable-is-502                      [failover,classification] "
+        "python: unsupported; smg: divergent",
+        "2 case(s)",
+    ]
