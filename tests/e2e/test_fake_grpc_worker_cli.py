@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import httpx
@@ -39,18 +40,21 @@ async def _stop(process: trio.Process) -> None:
             await process.wait()
 
 
-def _generate(target: str) -> tuple[bool, list[int]]:
-    """A health check and a unary generation, with grpcio's blocking client (in a thread)."""
+def _generate(target: str) -> tuple[bool, str, list[int]]:
+    """A health check, the model's tokenizer directory and a unary generation, with
+    grpcio's blocking client (in a thread)."""
     with grpc.insecure_channel(target) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         health = stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
         request = pb.GenerateRequest(request_id="cli", tokenized=pb.TokenizedInput(input_ids=[3]))
         (reply,) = list(stub.Generate(request, timeout=5))
-        return health.healthy, list(reply.complete.output_ids)
+        return health.healthy, model.tokenizer_path, list(reply.complete.output_ids)
 
 
-async def test_it_prints_both_urls_serves_and_exits_0_on_sigterm() -> None:
-    process = await _start("--model", "cli-model", "--tokens", "2")
+async def test_it_prints_both_urls_serves_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    process = await _start("--model", "cli-model", "--tokens", "2", "--model-dir", str(model_dir))
     try:
         with trio.fail_after(30):
             listening = await read_line(process.stdout)
@@ -58,10 +62,12 @@ async def test_it_prints_both_urls_serves_and_exits_0_on_sigterm() -> None:
             assert listening.startswith("fake-worker listening on grpc://127.0.0.1:")
             assert debug.startswith("fake-worker debug on http://127.0.0.1:")
             target = listening.split()[-1].removeprefix("grpc://")
-            healthy, ids = await trio.to_thread.run_sync(_generate, target)
+            healthy, tokenizer_path, ids = await trio.to_thread.run_sync(_generate, target)
             async with httpx.AsyncClient() as client:
                 routing = (await client.get(debug.split()[-1] + "/debug/routing")).json()
             assert healthy and ids == [4, 5]
+            assert Path(tokenizer_path) == model_dir.resolve()
+            assert (model_dir / "tokenizer.json").is_file()
             assert routing["dispatches"] == 1
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0

@@ -22,7 +22,8 @@ import asyncio
 import signal
 import sys
 import tempfile
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,16 +59,21 @@ def unsupported(settings: FakeWorkerSettings) -> str | None:
     return None
 
 
+@contextmanager
+def model_directory(options: GrpcOptions, max_model_len: int) -> Iterator[Path]:
+    """The directory `GetModelInfo` names, its tokenizer files written: `--model-dir`, or
+    a temporary directory removed on the way out."""
+    if options.model_dir:
+        yield write_model_dir(Path(options.model_dir), max_model_len).resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix="fake-grpc-model-") as scratch:
+        yield write_model_dir(Path(scratch), max_model_len).resolve()
+
+
 async def serve(settings: FakeWorkerSettings, options: GrpcOptions) -> int:
     """Serve until a signal; the exit status."""
-    with ExitStack() as stack:
-        if options.model_dir:
-            model_dir = write_model_dir(Path(options.model_dir), settings.max_model_len)
-        else:
-            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="fake-grpc-model-"))
-            model_dir = write_model_dir(Path(scratch), settings.max_model_len)
-        return await _serve(settings, options, model_dir.resolve())
-    raise AssertionError("unreachable")
+    with model_directory(options, settings.max_model_len) as model_dir:
+        return await _serve(settings, options, model_dir)
 
 
 async def _serve(settings: FakeWorkerSettings, options: GrpcOptions, model_dir: Path) -> int:
