@@ -298,6 +298,26 @@ def test_a_malformed_message_is_internal_and_an_unknown_method_unimplemented(
     assert embed[0] is grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_another_engines_service_is_unimplemented_so_a_router_knows_the_kind(
+    tmp_path: Path,
+) -> None:
+    # A router asks each engine service's HealthCheck at once to learn the engine's kind.
+    async def scenario() -> grpc.StatusCode:
+        async with serving(tmp_path) as served:
+            probe = served.channel.unary_unary(
+                "/sglang.grpc.scheduler.SglangScheduler/HealthCheck",
+                request_serializer=None,
+                response_deserializer=None,
+            )
+            try:
+                await probe(b"")
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            raise AssertionError("another engine's service answered")
+
+    assert run_scenario(scenario) is grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_every_call_is_counted_by_its_method(tmp_path: Path) -> None:
     async def scenario() -> dict[str, int]:
         async with serving(tmp_path) as served:
