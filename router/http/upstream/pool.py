@@ -110,6 +110,8 @@ class _Endpoint:
         # here (InvalidWorkerUrl, a ValueError) reached the pool some other way: a bug on
         # our side, not a worker fault to fail over from.
         address = parse_worker_url(base_url)
+        if address.protocol != "http":
+            raise ValueError(f"{base_url} is a gRPC worker: the HTTP pool cannot send to it")
         self.base_url = base_url
         self.host = address.host
         self.port = address.port

@@ -4,11 +4,13 @@ The pool speaks plain HTTP/1.1 over TCP and writes the request line and `host` h
 ASCII. A URL it cannot use must be refused where the worker record is parsed (a static
 worker stops `router serve`, a discovery record is skipped), not on every request later.
 
-The rules: scheme `http` only (TLS to workers is not supported: a worker behind TLS needs
-a local proxy or a sidecar); an ASCII host name or IP literal; a port from 1 to 65535
-(default 80); a path prefix of visible ASCII characters without spaces or controls; no
-user name or password, no query and no fragment (the router appends each request's own
-path to the prefix, so none of them would mean anything a worker could rely on).
+The rules: scheme `http`, or `grpc` for an engine's gRPC service (`router.http.grpc`);
+no TLS to workers (a worker behind TLS needs a local proxy or a sidecar); an ASCII host
+name or IP literal; a port from 1 to 65535 (default 80; a `grpc://` URL names its port);
+for `http`, a path prefix of visible ASCII characters without spaces or controls, and
+for `grpc` no path at all (a gRPC method is its own path); no user name or password, no
+query and no fragment (the router appends each request's own path to the prefix, so none
+of them would mean anything a worker could rely on).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["InvalidWorkerUrl", "WorkerAddress", "parse_worker_url"]
+__all__ = ["InvalidWorkerUrl", "WorkerAddress", "is_grpc_url", "parse_worker_url"]
 
 # Letters, digits, dots, dashes, underscores (some engines' hostnames carry them), or a
 # bracketed IPv6 literal.
@@ -41,6 +43,8 @@ class WorkerAddress:
     """The `host` header: the URL's host and port as written."""
     prefix: str
     """The URL's path without a trailing slash; prepended to every request target."""
+    protocol: str = "http"
+    """`http` (the upstream pool's HTTP/1.1) or `grpc` (the gRPC pool's HTTP/2)."""
 
 
 def parse_worker_url(url: str) -> WorkerAddress:
@@ -54,13 +58,13 @@ def parse_worker_url(url: str) -> WorkerAddress:
         port = parts.port
     except ValueError as exc:
         raise InvalidWorkerUrl(f"worker URL {url!r} is malformed: {exc}") from None
-    if parts.scheme == "https":
+    if parts.scheme in ("https", "grpcs"):
         raise InvalidWorkerUrl(
-            f"worker URL {url!r}: TLS to workers is not supported; use http:// "
-            "(a worker behind TLS needs a local plain-HTTP proxy)"
+            f"worker URL {url!r}: TLS to workers is not supported; use http:// or grpc:// "
+            "(a worker behind TLS needs a local plain-text proxy)"
         )
-    if parts.scheme != "http":
-        raise InvalidWorkerUrl(f"worker URL {url!r} must start with http://")
+    if parts.scheme not in ("http", "grpc"):
+        raise InvalidWorkerUrl(f"worker URL {url!r} must start with http:// or grpc://")
     netloc = parts.netloc
     if "@" in netloc:
         raise InvalidWorkerUrl(f"worker URL {url!r} must not carry a user name or password")
@@ -73,9 +77,20 @@ def parse_worker_url(url: str) -> WorkerAddress:
         raise InvalidWorkerUrl(f"worker URL {url!r}: port 0 cannot be connected to")
     if _PATH.fullmatch(parts.path) is None:
         raise InvalidWorkerUrl(f"worker URL {url!r} has a path the request line cannot carry")
+    if parts.scheme == "grpc":
+        if port is None:
+            raise InvalidWorkerUrl(f"worker URL {url!r} must name its port (grpc://host:port)")
+        if parts.path.strip("/"):
+            raise InvalidWorkerUrl(f"worker URL {url!r}: a grpc:// URL has no path")
     return WorkerAddress(
         host=parts.hostname,
         port=port or 80,
         host_header=netloc.encode("ascii"),
         prefix=parts.path.rstrip("/"),
+        protocol=parts.scheme,
     )
+
+
+def is_grpc_url(url: str) -> bool:
+    """Whether a (validated) worker URL is served over gRPC."""
+    return url.startswith("grpc://")

@@ -15,6 +15,8 @@ from router.http.upstream.worker_url import InvalidWorkerUrl, WorkerAddress, par
         ("http://10.0.0.7", WorkerAddress("10.0.0.7", 80, b"10.0.0.7", "")),
         ("http://[::1]:8000/engine/", WorkerAddress("::1", 8000, b"[::1]:8000", "/engine")),
         ("http://node_7.local:1/v", WorkerAddress("node_7.local", 1, b"node_7.local:1", "/v")),
+        ("grpc://gpu-3:50051", WorkerAddress("gpu-3", 50051, b"gpu-3:50051", "", "grpc")),
+        ("grpc://[::1]:9/", WorkerAddress("::1", 9, b"[::1]:9", "", "grpc")),
     ],
 )
 def test_good_urls_give_what_the_pool_connects_to_and_writes(
@@ -27,6 +29,9 @@ def test_good_urls_give_what_the_pool_connects_to_and_writes(
     ("url", "why"),
     [
         ("https://gpu-3:30000", "TLS to workers is not supported"),
+        ("grpcs://gpu-3:30000", "TLS to workers is not supported"),
+        ("grpc://gpu-3", "must name its port"),
+        ("grpc://gpu-3:50051/engine", "a grpc:// URL has no path"),
         ("ftp://gpu-3:21", "must start with http://"),
         ("gpu-3:30000", "must start with http://"),
         ("http://gpü-3:30000", "must be ASCII"),
