@@ -4,13 +4,15 @@ The gRPC client is `h2` (the HTTP/2 state machine hypercorn and httpx use) on tr
 sockets, with gRPC's five-byte message framing written here; the messages themselves are
 the published protobuf classes (`smg-grpc-proto`), encoded by the callers. Why not
 grpcio: its asyncio API runs only on asyncio, so under trio it needs trio-asyncio's
-bridge, and the bridge costs per message what the whole client costs here. Measured on
-this 2-core machine (client CPU only, server-streamed `Generate` from a grpcio server,
-32 calls in flight): grpcio under plain asyncio 505 us per one-message call and 51 us per
-streamed message; the same API under trio-asyncio 862 us and 131 us; an `h2` client on
-trio 378 us and 33 us (docs/performance.md, "The gRPC upstream", has the figures of this
-module against the fake gRPC engine). Nor does grpcio's blocking API fit: it would take a
-thread per open stream.
+bridge, and the bridge costs per message several times what the whole client costs
+here. Measured 2026-12-05 on this 2-core machine (`python -m bench.grpc_client`: client
+CPU only, `Generate` streams from the fake gRPC engine, 32 calls in flight, 64 tokens
+each; a real-engine benchmark ran beside it, hence the ranges of two runs): `h2` on trio
+15.5-24.3 us per streamed message and 392-758 us per one-token call, 10,000 idle streams
+held on one connection for +62 MiB and no CPU; grpcio's asyncio API under trio-asyncio
+165-182 us and 1,385-1,419 us, and of 10,000 idle streams 2,013 cancelled by the server,
++323 MiB (docs/performance.md, "The gRPC upstream"). Nor does grpcio's blocking API
+fit: it would take a thread per open stream.
 
 A connection runs two tasks in the pool's nursery (`serve`): a reader that feeds the
 socket's bytes to `h2` and hands each call its messages, and a writer that sends what
