@@ -69,6 +69,14 @@ class BadRequest(RouterError):
     code = "invalid_request"
 
 
+class NotOverGrpc(BadRequest):
+    """400: the request needs what the gRPC path does not do (tool calls, structured
+    output, logprobs, multimodal input, a route other than chat and completions), and no
+    HTTP worker of its model could take it instead. The message names the gap."""
+
+    code = "unsupported_over_grpc"
+
+
 class InvalidPriority(BadRequest):
     """400: the priority header names no priority class of this router."""
 

@@ -41,6 +41,7 @@ from router.edge.admission import AdmissionCollector, AdmissionGate, AdmissionSe
 from router.edge.app import RouterApp
 from router.edge.auth import ClientKeys, KeysFileError, serve_key_reloads
 from router.engines.facts import FactsSettings, serve_engine_facts
+from router.engines.grpc_service import healthy as grpc_healthy
 from router.engines.kv_events.fleet_views import (
     KvEvents,
     KvEventsSettings,
@@ -53,6 +54,7 @@ from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.candidates import AllOpenMode
 from router.fleet.health import serve_health_checks
 from router.fleet.registry import BreakerFactory, Fleet
+from router.http.grpc import GrpcPool, open_grpc_pool
 from router.http.server.load import ServerLoad
 from router.http.server.loop import serve_http
 from router.http.server.settings import ServerSettings
@@ -298,6 +300,7 @@ async def run_router(
     )
     async with (
         open_upstream_pool(pool_settings) as pool,
+        open_grpc_pool() as grpc,
         httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
         open_tracing(settings.otlp_traces_endpoint) as tracing,
         trio.open_nursery() as nursery,
@@ -313,10 +316,11 @@ async def run_router(
                 FactsSettings(
                     timeout_s=settings.health_timeout_s, worker_api_key=settings.worker_api_key
                 ),
+                grpc=grpc,
             )
         )
         discovery: DiscoveryHealth = await nursery.start(
-            partial(serve_discovery, settings, fleet, http, metrics.discovery)
+            partial(serve_discovery, settings, fleet, http, metrics.discovery, grpc=grpc)
         )
         await nursery.start(
             partial(
@@ -327,6 +331,7 @@ async def run_router(
                 timeout_s=settings.health_timeout_s,
                 failure_threshold=settings.health_failure_threshold,
                 success_threshold=settings.health_success_threshold,
+                grpc=partial(grpc_healthy, grpc),
             )
         )
         if settings.api_keys_file:
@@ -391,7 +396,9 @@ async def run_router(
                 if TokenSource.ENGINE in order
                 else None,
             )
-        generation = GenerationService(failover, fleet, pool, metrics.requests, metrics.pipeline)
+        generation = GenerationService(
+            failover, fleet, pool, metrics.requests, metrics.pipeline, grpc=grpc
+        )
         # Registered under every policy, so the families exist (empty) whatever is chosen.
         metrics.registry.register(
             CacheAwareCollector(
@@ -431,7 +438,11 @@ async def run_router(
         metrics.registry.register(WorkerWaitCollector(generation.waits))
         # Attached once the app exists: a worker that left before it (during the first
         # listing) had no request, so no pool endpoint, rank state or series to prune.
-        fleet.add_listener(DepartedWorkerPruner(pool, generation.ranks, metrics.breakers))
+        fleet.add_listener(
+            DepartedWorkerPruner(
+                pool, generation.ranks, metrics.breakers, grpc, generation.grpc_engines
+            )
+        )
 
         serve: Callable[..., Awaitable[None]]
         if settings.server == "hypercorn":
@@ -467,6 +478,7 @@ async def serve_discovery(
     http: httpx.AsyncClient,
     metrics: DiscoveryMetrics,
     *,
+    grpc: GrpcPool | None = None,
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     if settings.discovery == "etcd":
@@ -490,6 +502,7 @@ async def serve_discovery(
             settings.workers,
             http,
             worker_api_key=settings.worker_api_key,
+            grpc=grpc,
             task_status=task_status,
         )
 

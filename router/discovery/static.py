@@ -1,7 +1,7 @@
 """Static discovery: the workers named by flags (`--worker URL,role=...`) or a fleet file.
 
-A record that names no model is asked for it (`GET /v1/models`); a worker that cannot
-answer yet joins the fleet as soon as it can.
+A record that names no model is asked for it (`GET /v1/models`; a `grpc://` worker's
+`GetModelInfo`); a worker that cannot answer yet joins the fleet as soon as it can.
 """
 
 from __future__ import annotations
@@ -18,12 +18,28 @@ import trio
 import yaml
 
 from router.discovery import DiscoveryHealth
+from router.engines.grpc_service import GrpcFactsUnavailable, GrpcMessagesMissing, model_info
 from router.engines.models import fetch_models
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord, disagg_meta
 from router.fleet.registry import Fleet
 from router.http.backoff import Backoff
+from router.http.grpc import GrpcPool
 
 log = logging.getLogger("router.discovery.static")
+GRPC_TIMEOUT_S = 5.0
+
+
+async def _grpc_models(grpc: GrpcPool | None, url: str) -> tuple[str, ...]:
+    """A gRPC worker's served model (`GetModelInfo`)."""
+    if grpc is None:
+        raise ValueError("this router has no gRPC pool")
+    try:
+        info = await model_info(grpc, url, GRPC_TIMEOUT_S)
+    except GrpcMessagesMissing as exc:
+        raise ValueError(str(exc)) from None
+    if not info.served_model_name:
+        raise ValueError("GetModelInfo names no served model")
+    return (info.served_model_name,)
 
 
 async def serve_static_discovery(
@@ -34,9 +50,11 @@ async def serve_static_discovery(
     retry_interval_s: float = 1.0,
     max_retry_interval_s: float = 30.0,
     worker_api_key: str = "",
+    grpc: GrpcPool | None = None,
     task_status: trio.TaskStatus[DiscoveryHealth] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Put `records` in the fleet; ready once every worker had one chance to name its model.
+    """Put `records` in the fleet; ready once every worker had one chance to name its model
+    (a `grpc://` worker asked through `grpc`).
 
     Workers whose model is still unknown are retried, `retry_interval_s` doubling up to
     `max_retry_interval_s` (an engine loading weights can take minutes), until they answer;
@@ -52,10 +70,13 @@ async def serve_static_discovery(
 
     async def resolve(record: WorkerRecord) -> bool:
         try:
-            models = await fetch_models(
-                http, record.url, api_key=record.api_key or worker_api_key or None
-            )
-        except (httpx.HTTPError, ValueError) as exc:
+            if record.is_grpc:
+                models = await _grpc_models(grpc, record.url)
+            else:
+                models = await fetch_models(
+                    http, record.url, api_key=record.api_key or worker_api_key or None
+                )
+        except (httpx.HTTPError, ValueError, GrpcFactsUnavailable) as exc:
             log.warning("worker %s: cannot read its model yet (%s); retrying", record.url, exc)
             return False
         fleet.upsert(dataclasses.replace(record, models=models))

@@ -41,6 +41,7 @@ import httpx
 import orjson
 import trio
 
+from router.engines.grpc_service import GrpcFactsUnavailable, GrpcMessagesMissing, learn_grpc_facts
 from router.engines.models import fetch_models
 from router.fleet.records import (
     BLOCKING_FACTS,
@@ -53,6 +54,7 @@ from router.fleet.records import (
 from router.fleet.registry import Fleet
 from router.http.backoff import Backoff
 from router.http.capped_reads import StreamTooLarge, read_capped
+from router.http.grpc import GrpcPool
 
 log = logging.getLogger("router.engine_facts")
 
@@ -441,6 +443,7 @@ class _Learner:
     fleet: Fleet
     http: httpx.AsyncClient
     settings: FactsSettings
+    grpc: GrpcPool | None = None
     wake: trio.Event = field(default_factory=trio.Event)
     in_flight: set[str] = field(default_factory=set)
     retries: dict[str, _Retries] = field(default_factory=dict)
@@ -450,9 +453,12 @@ class _Learner:
 
     async def attempt(self, record: WorkerRecord) -> None:
         try:
-            learned = await learn_facts(
-                self.http, record, self.settings.timeout_s, self.settings.worker_api_key
-            )
+            if record.is_grpc:
+                learned = await self._learn_grpc(record)
+            else:
+                learned = await learn_facts(
+                    self.http, record, self.settings.timeout_s, self.settings.worker_api_key
+                )
         except FactsUnavailable as exc:
             self._failed(record, str(exc))
         else:
@@ -478,6 +484,15 @@ class _Learner:
         finally:
             self.in_flight.discard(record.id)
             self.poke()
+
+    async def _learn_grpc(self, record: WorkerRecord) -> WorkerRecord:
+        """A gRPC worker's facts, all from its engine service (router.engines.grpc_service)."""
+        if self.grpc is None:
+            raise FactsUnavailable(f"{record.url}: this router has no gRPC pool")
+        try:
+            return await learn_grpc_facts(self.grpc, record, self.settings.timeout_s)
+        except (GrpcFactsUnavailable, GrpcMessagesMissing) as exc:
+            raise FactsUnavailable(str(exc)) from None
 
     def _failed(self, record: WorkerRecord, reason: str) -> None:
         retries = self.retries.setdefault(
@@ -530,17 +545,19 @@ async def serve_engine_facts(
     http: httpx.AsyncClient,
     settings: FactsSettings = FactsSettings(),
     *,
+    grpc: GrpcPool | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Learn the facts of every pending worker as soon as discovery names it, and the
-    descriptive facts of every routing one (`Fleet.describing`), until cancelled. At most
+    descriptive facts of every routing one (`Fleet.describing`), until cancelled; a
+    `grpc://` worker's over its engine service (`grpc`). At most
     one question per worker is in flight; a worker whose engine does not answer is asked
     again with backoff (`settings`), its reason kept in `pending`.
 
     Cancellation: questions in flight are abandoned; pending workers stay pending, workers
     still to describe keep routing with their kind unknown.
     """
-    learner = _Learner(fleet, http, settings)
+    learner = _Learner(fleet, http, settings, grpc)
     fleet.on_pending = learner.poke
     try:
         async with trio.open_nursery() as nursery:

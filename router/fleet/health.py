@@ -1,4 +1,5 @@
-"""Active health checks: each worker's `/health`, with failure and success thresholds.
+"""Active health checks: each worker's `/health` (a `grpc://` worker's `HealthCheck`),
+with failure and success thresholds.
 
 The checker writes only `Worker.healthy`. It never touches `status` (a worker's own
 registration owns that) and never the breaker (inference faults own that).
@@ -7,6 +8,7 @@ registration owns that) and never the breaker (inference faults own that).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -49,8 +51,22 @@ class HealthTracker:
                 del table[worker_id]
 
 
-async def check_once(http: httpx.AsyncClient, worker: Worker, timeout_s: float) -> bool:
-    """One GET /health; any transport error or non-2xx is a failed check."""
+GrpcCheck = Callable[[str, float], Awaitable[bool]]
+"""A gRPC worker's health check: its URL and timeout in, whether it said healthy out
+(`router.engines.grpc_service.healthy` on the router's gRPC pool)."""
+
+
+async def check_once(
+    http: httpx.AsyncClient, worker: Worker, timeout_s: float, grpc: GrpcCheck | None = None
+) -> bool:
+    """One GET /health (a `grpc://` worker: one `HealthCheck` through `grpc`, failed
+    without one); any transport error or non-2xx is a failed check."""
+    if worker.record.is_grpc:
+        if grpc is None:
+            return False
+        with trio.move_on_after(timeout_s):
+            return await grpc(worker.url, timeout_s)
+        return False
     try:
         response = await http.get(worker.url + "/health", timeout=timeout_s)
     except httpx.HTTPError:
@@ -66,6 +82,7 @@ async def serve_health_checks(
     timeout_s: float,
     failure_threshold: int,
     success_threshold: int,
+    grpc: GrpcCheck | None = None,
     task_status: trio.TaskStatus[HealthTracker] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Check every worker each `interval_s`, all checks of a round concurrently.
@@ -76,7 +93,7 @@ async def serve_health_checks(
     tracker = HealthTracker(failure_threshold, success_threshold)
 
     async def check(worker: Worker) -> None:
-        passed = await check_once(http, worker, timeout_s)
+        passed = await check_once(http, worker, timeout_s, grpc)
         if tracker.record(worker, passed):
             if worker.healthy:
                 log.info("worker %s is healthy again", worker.id)

@@ -103,6 +103,11 @@ class WorkerRecord:
     """The key the router sends this worker (`Authorization: Bearer`); never listed back."""
 
     @property
+    def is_grpc(self) -> bool:
+        """It speaks vLLM's gRPC engine service (`grpc://`): the router tokenizes for it."""
+        return self.url.startswith("grpc://")
+
+    @property
     def rank_multiplexed(self) -> bool:
         """The router picks the DP rank (header `X-Data-Parallel-Rank`) for this worker."""
         return self.dp_size > 1 and self.dp_rank is None
@@ -125,7 +130,7 @@ class WorkerRecord:
             )
         url = data.get("url")
         if not isinstance(url, str):
-            raise InvalidWorkerRecord(f"'url' must be an http:// URL, got {url!r}")
+            raise InvalidWorkerRecord(f"'url' must be an http:// or grpc:// URL, got {url!r}")
         url = url.rstrip("/")
         try:
             parse_worker_url(url)
@@ -144,6 +149,12 @@ class WorkerRecord:
                 f"'model' must be a string or a list of strings, got {raw_models!r}"
             )
         role = _enum_field(Role, data.get("role", "mixed"), "role")
+        if role is not Role.MIXED and url.startswith("grpc://"):
+            raise InvalidWorkerRecord(
+                f"worker URL {url!r}: prefill and decode workers over gRPC are not supported "
+                "yet (the router's PD handoff is HTTP's); give the worker an http:// URL or "
+                "role mixed"
+            )
         status = _enum_field(Status, str(data.get("status", "ACTIVE")).upper(), "status")
         engine = data.get("engine")
         if engine is not None and (not isinstance(engine, str) or not engine):

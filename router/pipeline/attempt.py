@@ -14,6 +14,7 @@ The verdict is recorded in one place, `Lease.settle`; a failure leaves this modu
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +22,7 @@ from typing import Protocol
 import trio
 
 from router.api.error_shapes import STREAM_ERROR_EVENTS
+from router.api.errors import NotOverGrpc
 from router.fleet.breaker import Outcome, Permit
 from router.fleet.ranks import RankChooser
 from router.fleet.records import Role
@@ -31,6 +33,7 @@ from router.observability.metrics import RequestMetrics
 from router.observability.request_id import current_request_id
 from router.observability.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
 from router.pipeline.dispatch import (
+    WORKER_HEADER,
     Answer,
     AttemptFailed,
     Timeouts,
@@ -42,6 +45,8 @@ from router.pipeline.dispatch import (
     relay_stream,
     upstream_headers,
 )
+from router.pipeline.grpc_dispatch import GrpcDispatch
+from router.pipeline.grpc_request import grpc_gap
 from router.pipeline.plan import Plan
 from router.pipeline.resolve import GenerationRequest
 from router.pipeline.stall_watch import StallWatch
@@ -49,6 +54,9 @@ from router.policies.policy import Policy, PolicyKey, RankedPick, pick_excluding
 
 # Attempts log under the name operators already filter on (docs/failover-and-breaker.md).
 log = logging.getLogger("router.failover")
+
+# What of a request's headers reaches a gRPC worker as call metadata.
+GRPC_METADATA = frozenset({b"authorization", b"x-request-id", b"traceparent", b"tracestate"})
 
 STREAM_HEADERS: list[tuple[bytes, bytes]] = [
     (b"content-type", b"text/event-stream"),
@@ -176,8 +184,11 @@ class AttemptRunner:
         *,
         worker_api_key: str = "",
         on_release: Callable[[Worker], None] = lambda worker: None,
+        grpc: GrpcDispatch | None = None,
     ) -> None:
         self.fleet = fleet
+        self.grpc = grpc
+        """Exchanges with `grpc://` workers; None: this router has no gRPC path."""
         self.pool = pool
         self.request_metrics = request_metrics
         self.timeouts = timeouts
@@ -192,7 +203,30 @@ class AttemptRunner:
         """The role's policy pick among the plan's candidates the request has not tried,
         and its DP rank: the policy's own choice if it makes one, else the least-loaded
         rank (`RankChooser`; None for a worker that picks its own). None when every
-        candidate was tried."""
+        candidate was tried.
+
+        A request the gRPC path cannot serve (`grpc_gap`) never goes to a `grpc://`
+        worker: they count as tried for it, and the pick is made among the HTTP workers;
+        with none, NotOverGrpc (400) names the gap."""
+        picked = self._pick(plan, role, ctx)
+        if picked is None or not picked[0].record.is_grpc:
+            return picked
+        gap = grpc_gap(ctx.generation)
+        if gap is None:
+            return picked
+        tried = ctx.log.tried[role]
+        tried.update(w.id for w in plan.legs[role].candidates if w.record.is_grpc)
+        picked = self._pick(plan, role, ctx)
+        if picked is None:
+            raise NotOverGrpc(
+                f"{gap} over gRPC is not supported by this router, and no HTTP worker of "
+                f"model '{ctx.generation.model}' can take the request instead"
+            )
+        return picked
+
+    def _pick(
+        self, plan: Plan, role: Role, ctx: RequestContext
+    ) -> tuple[Worker, int | None] | None:
         generation = ctx.generation
         key = PolicyKey(
             generation.model,
@@ -288,6 +322,8 @@ class AttemptRunner:
         """
         worker = lease.worker
         generation = ctx.generation
+        if worker.record.is_grpc:
+            return await self._exchange_grpc(lease, ctx)
         idle_s = self.timeouts.stream_idle_s
         try:
             async with open_upstream_response(
@@ -324,6 +360,34 @@ class AttemptRunner:
             answer.status, client_headers(answer.headers, worker.id), answer.body
         )
         return answer.status
+
+    async def _exchange_grpc(self, lease: Lease, ctx: RequestContext) -> int:
+        """`exchange` with a `grpc://` worker (router.pipeline.grpc_dispatch)."""
+        worker = lease.worker
+        generation = ctx.generation
+        try:
+            if self.grpc is None:
+                raise AttemptFailed(
+                    "no_grpc", f"{worker.url}: this router has no gRPC upstream", fault=False
+                )
+            metadata = [h for h in self._headers(lease, ctx.request) if h[0] in GRPC_METADATA]
+
+            async def begin(status: int) -> None:
+                await self._begin_answer(lease, status, ctx)
+
+            return await self.grpc.exchange(
+                worker.url,
+                generation,
+                f"{current_request_id()}-{secrets.token_hex(4)}",
+                lease.rank,
+                metadata,
+                ctx.writer,
+                begin,
+                (WORKER_HEADER, worker.id.encode()),
+                generation.spec.dialect,
+            )
+        except AttemptFailed as failure:
+            raise self._failed(lease, failure, ctx) from failure
 
     async def _begin_answer(self, lease: Lease, status: int, ctx: RequestContext) -> None:
         lease.settle(status=status)

@@ -31,6 +31,7 @@ from router.fleet.ranks import RankChooser
 from router.fleet.records import Mode, Role
 from router.fleet.registry import Fleet
 from router.http.direct_socket import SendStalled
+from router.http.grpc import GrpcPool
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import PipelineMetrics, RequestMetrics
@@ -38,6 +39,7 @@ from router.observability.request_id import current_request_id
 from router.pipeline.attempt import AttemptRunner, RequestContext, Strategy, WorkerFailed
 from router.pipeline.dispatch import Timeouts, client_headers
 from router.pipeline.engine_tokens import EngineTokens, EngineTokenSettings
+from router.pipeline.grpc_dispatch import GrpcDispatch, GrpcEngines
 from router.pipeline.mixed import MixedStrategy
 from router.pipeline.model_names import ModelNames, ModelNameWriter, ModelRoute
 from router.pipeline.pd import PDStrategy
@@ -102,9 +104,11 @@ class GenerationService:
         pipeline_metrics: PipelineMetrics,
         *,
         draw: Callable[[], float] | None = None,
+        grpc: GrpcPool | None = None,
     ) -> None:
         """`draw` picks among an alias's models (numbers in [0, 1); default: a generator
-        seeded by the OS)."""
+        seeded by the OS); `grpc` carries the exchanges with `grpc://` workers (None: they
+        cannot be served)."""
         self.settings = settings
         self.names = settings.names
         self.draw = draw if draw is not None else random.Random().random
@@ -140,6 +144,11 @@ class GenerationService:
         for policy in cache_aware.values():
             fleet.add_listener(policy)
         self.waits = WorkerWait(fleet, settings.wait)
+        self.grpc_engines: GrpcEngines | None = None
+        grpc_dispatch: GrpcDispatch | None = None
+        if grpc is not None:
+            self.grpc_engines = GrpcEngines(grpc, settings.timeouts.connect_s)
+            grpc_dispatch = GrpcDispatch(grpc, self.grpc_engines, settings.timeouts)
         self.runner = AttemptRunner(
             fleet,
             pool,
@@ -148,6 +157,7 @@ class GenerationService:
             self.policies,
             worker_api_key=settings.worker_api_key,
             on_release=self.waits.notify,
+            grpc=grpc_dispatch,
         )
         self.strategies: dict[Mode, Strategy] = {
             Mode.MIXED: MixedStrategy(self.runner),

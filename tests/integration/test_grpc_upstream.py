@@ -1,0 +1,308 @@
+"""The router in front of `grpc://` workers, over real loopback sockets: two fake gRPC
+engines (processes of their own), the router in-process, an HTTP client.
+
+What is held: OpenAI's answers made from the engines' token ids (role first, deltas,
+finish reason, usage, `[DONE]`; unary assembled; `n > 1` by index; stop strings), the
+gap answered with a 400 that names it (or served by an HTTP worker of the model), and
+gRPC's statuses judged as the HTTP path judges their HTTP twins, counted by the engines'
+own dispatch counters and the breaker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import trio
+
+from router.cli.serve import RunningRouter
+from tests.support.fake_fleet import open_fake_fleet
+from tests.support.grpc_fake_process import FakeGrpcEngine, fake_grpc_engine
+from tests.support.http_client import RawClient
+from tests.support.router_instance import open_router
+
+GUARD_S = 30
+MODEL = "m"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
+WORDS = " tok0 tok1 tok2 tok3"
+"""What the fake's four tokens read as, decoded here after the prompt (its word-level
+tokenizer puts a space before every word)."""
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeGrpcEngine, ...]]:
+    model_dir = tmp_path_factory.mktemp("model")
+    flags = ("--model", MODEL, "--tokens", "4")
+    with fake_grpc_engine(model_dir, *flags) as a, fake_grpc_engine(model_dir, *flags) as b:
+        yield a, b
+
+
+@asynccontextmanager
+async def router_before(*urls: str, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    overrides.setdefault("policy", "round_robin")
+    async with (
+        open_router([f"{url},model={MODEL}" for url in urls], **overrides) as running,
+        httpx.AsyncClient(base_url=running.url, timeout=GUARD_S) as client,
+    ):
+        client.running = running  # type: ignore[attr-defined]
+        yield client
+
+
+def running_of(client: httpx.AsyncClient) -> RunningRouter:
+    running: RunningRouter = client.running  # type: ignore[attr-defined]
+    return running
+
+
+def events(text: str) -> list[Any]:
+    """The data of each SSE event: parsed JSON, or the raw text (`[DONE]`)."""
+    found: list[Any] = []
+    for block in text.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                found.append(data if data == "[DONE]" else orjson.loads(data))
+    return found
+
+
+async def faults_of(client: httpx.AsyncClient, url: str) -> int:
+    workers = (await client.get("/v1/workers")).json()["workers"]
+    (worker,) = [w for w in workers if w["url"] == url]
+    faults: int = worker["breaker"]["consecutive_faults"]
+    return faults
+
+
+async def test_chat_unary_and_streamed_are_openai_answers(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            unary = await client.post("/v1/chat/completions", json=CHAT)
+            streamed = await client.post(
+                "/v1/chat/completions",
+                json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+            )
+    assert unary.status_code == 200, unary.text
+    body = unary.json()
+    assert body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": WORDS, "tool_calls": []}
+    assert choice["finish_reason"] == "stop"
+    # The chat template renders "<bos>user: hello there\nassistant: ": 7 tokens.
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "total_tokens": 11,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"] == "text/event-stream"
+    seen = events(streamed.text)
+    assert seen[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [e["choices"][0]["delta"].get("content", "") for e in seen[1:-2]]
+    assert "".join(deltas) == WORDS
+    assert [e["choices"][0]["finish_reason"] for e in seen[1:-2]][-1] == "stop"
+    assert seen[-2]["choices"] == [] and seen[-2]["usage"]["completion_tokens"] == 4
+    assert seen[-1] == "[DONE]"
+    assert len({e["id"] for e in seen[:-1]}) == 1
+    assert (await a.routing())["dispatches"] == 2
+
+
+async def test_completions_n_2_by_index_and_a_stop_string(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    body = {"model": MODEL, "prompt": "hello", "n": 2, "max_tokens": 4}
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            streamed = await client.post("/v1/completions", json={**body, "stream": True})
+            stopped = await client.post("/v1/completions", json={**body, "n": 1, "stop": "tok2"})
+    texts: dict[int, str] = {0: "", 1: ""}
+    finishes: dict[int, str] = {}
+    for event in events(streamed.text)[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"] is not None:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: WORDS, 1: WORDS}
+    assert finishes == {0: "length", 1: "length"}
+    (choice,) = stopped.json()["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        " tok0 tok1 ",
+        "stop",
+        "tok2",
+    )
+
+
+async def test_a_request_the_grpc_path_cannot_serve_is_a_400_naming_the_gap(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            refused = await client.post(
+                "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2}
+            )
+            tools = await client.post(
+                "/v1/chat/completions",
+                json={**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "unsupported_over_grpc"
+    assert refused.json()["error"]["message"].startswith("logprobs over gRPC is not supported")
+    assert "tool calls" in tools.json()["error"]["message"]
+    assert (await a.routing())["dispatches"] == 0
+
+
+async def test_the_gap_goes_to_an_http_worker_of_the_model_when_there_is_one(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    from router.fake_worker.settings import FakeWorkerSettings
+
+    with trio.fail_after(GUARD_S):
+        async with open_fake_fleet([FakeWorkerSettings(model=MODEL)]) as fleet:
+            async with router_before(a.url, fleet[0].url) as client:
+                answers = [
+                    await client.post("/v1/chat/completions", json={**CHAT, "logprobs": True})
+                    for _ in range(3)
+                ]
+                plain = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(2)]
+            http_dispatches = fleet[0].worker.routing.dispatches
+    assert [r.status_code for r in answers + plain] == [200] * 5
+    assert {r.headers["x-router-worker"] for r in answers} == {fleet[0].url}
+    # Round robin over both for the plain ones: one each.
+    assert (await a.routing())["dispatches"] == 1
+    assert http_dispatches == 4
+
+
+async def test_unavailable_fails_over_and_counts_for_the_breaker(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, b = engines
+    await a.behave(fail_first=-1, fail_status=503)
+    await b.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url, b.url) as client:
+            answers = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(2)]
+            faults = await faults_of(client, a.url)
+    assert [r.status_code for r in answers] == [200, 200]
+    assert [r.json()["choices"][0]["message"]["content"] for r in answers] == [WORDS] * 2
+    assert {r.headers["x-router-worker"] for r in answers} == {b.url}
+    failed, served = (await a.routing())["dispatches"], (await b.routing())["dispatches"]
+    assert failed >= 1 and served == 2
+    assert faults == failed  # each a fault on a's breaker
+
+
+async def test_resource_exhausted_fails_over_without_tripping(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, b = engines
+    await a.behave(fail_first=-1, fail_status=429)
+    await b.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url, b.url) as client:
+            answers = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(2)]
+            faults = await faults_of(client, a.url)
+    assert [r.status_code for r in answers] == [200, 200]
+    assert {r.headers["x-router-worker"] for r in answers} == {b.url}
+    failed, served = (await a.routing())["dispatches"], (await b.routing())["dispatches"]
+    assert failed >= 1 and served == 2
+    assert faults == 0  # backpressure: never a fault
+
+
+async def test_resource_exhausted_everywhere_is_the_last_429(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, b = engines
+    await a.behave(fail_first=-1, fail_status=429)
+    await b.behave(fail_first=-1, fail_status=429)
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url, b.url) as client:
+            answer = await client.post("/v1/chat/completions", json=CHAT)
+    assert answer.status_code == 429
+    assert answer.json()["error"]["message"] == "scripted failure: fake worker answers 429"
+
+
+async def test_invalid_argument_is_the_clients_400_verbatim_without_failover(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, b = engines
+    await a.behave(fail_first=-1, fail_status=400)
+    await b.behave(fail_first=-1, fail_status=400)
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url, b.url) as client:
+            answer = await client.post("/v1/chat/completions", json=CHAT)
+            faults = [await faults_of(client, a.url), await faults_of(client, b.url)]
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == "scripted failure: fake worker answers 400"
+    dispatched = (await a.routing())["dispatches"] + (await b.routing())["dispatches"]
+    assert dispatched == 1
+    assert faults == [0, 0]
+
+
+async def test_a_reset_before_the_first_token_fails_over(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, b = engines
+    await a.behave(fail_first=-1, fail_mode="reset")
+    await b.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url, b.url) as client:
+            answers = [
+                await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+                for _ in range(2)
+            ]
+            faults = await faults_of(client, a.url)
+    assert [events(r.text)[-1] for r in answers] == ["[DONE]", "[DONE]"]
+    failed, served = (await a.routing())["dispatches"], (await b.routing())["dispatches"]
+    assert failed >= 1 and served == 2
+    assert faults == failed
+
+
+async def test_a_stream_broken_after_the_first_token_ends_with_an_error_event(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave(fail_first=1, fail_mode="midstream", fail_after_chunks=2, fail_status=500)
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            answer = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert answer.status_code == 200
+    assert "data: [DONE]" not in answer.text
+    assert answer.text.rstrip().split("\n")[-2] == "event: error"
+    last = events(answer.text)[-1]
+    assert last["error"]["code"] == "stream_interrupted"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events(answer.text)[:-1])
+    assert text == " tok0 tok1"
+    assert (await a.routing())["dispatches"] == 1
+
+
+async def test_a_client_that_leaves_mid_stream_aborts_the_engines_generation(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave(tokens=1000, token_latency_ms=20)
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            raw = await RawClient.connect(running_of(client).port)
+            body = orjson.dumps({**CHAT, "stream": True})
+            await raw.send_request("POST", "/v1/chat/completions", [], body)
+            head = await raw.read_head("POST")
+            assert head.status == 200
+            assert await raw.read_chunk()  # the generation runs; leave
+            await raw.aclose()
+            while (await a.routing())["aborts"] < 1:  # noqa: ASYNC110 - the engine's counter
+                await trio.sleep(0.02)
+    routing = await a.routing()
+    assert routing["aborts"] == 1
+    assert routing["dispatches"] == 1
+    await a.behave(tokens=4, token_latency_ms=0)
