@@ -30,6 +30,8 @@ DP_SIZE_ANNOTATION = ANNOTATION_PREFIX + "dp-size"
 ENGINE_ANNOTATION = ANNOTATION_PREFIX + "engine"
 BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"  # the SGLang gateway's own
 PD_PROTOCOL_ANNOTATION = ANNOTATION_PREFIX + "pd-protocol"
+PROTOCOL_ANNOTATION = ANNOTATION_PREFIX + "protocol"
+"""`http` (default) or `grpc`: the scheme of the Pod's worker URL."""
 
 
 class BadSelector(ValueError):
@@ -161,7 +163,12 @@ def pod_record(facts: PodFacts, role: Role, default_port: int) -> WorkerRecord:
     assert facts.ip is not None
     port = _annotation_int(facts, PORT_ANNOTATION, 1, 65535) or default_port
     host = f"[{facts.ip}]" if ":" in facts.ip else facts.ip
-    data: dict[str, Any] = {"id": facts.worker_id, "url": f"http://{host}:{port}"}
+    scheme = str(facts.annotations.get(PROTOCOL_ANNOTATION, "http"))
+    if scheme not in ("http", "grpc"):
+        raise InvalidWorkerRecord(
+            f"annotation {PROTOCOL_ANNOTATION} must be http or grpc, got {scheme!r}"
+        )
+    data: dict[str, Any] = {"id": facts.worker_id, "url": f"{scheme}://{host}:{port}"}
     unknown: set[str] = set()
     data["role"] = facts.annotations.get(ROLE_ANNOTATION, role.value)
     engine = facts.annotations.get(ENGINE_ANNOTATION)
@@ -175,7 +182,7 @@ def pod_record(facts: PodFacts, role: Role, default_port: int) -> WorkerRecord:
     dp_size = _annotation_int(facts, DP_SIZE_ANNOTATION, 1, 1024)
     if dp_size is not None:
         data["dp_size"] = dp_size
-    elif engine in (None, "sglang"):
+    elif engine in (None, "sglang") or scheme == "grpc":
         # SGLang states it in its server info; an engine that serves none has 1.
         unknown.add("dp_size")
     bootstrap_port = _annotation_int(facts, BOOTSTRAP_PORT_ANNOTATION, 1, 65535)

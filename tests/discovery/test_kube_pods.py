@@ -120,6 +120,14 @@ def test_what_the_annotations_leave_out_is_left_to_the_engine() -> None:
     assert v6.url == "http://[fd00::5]:8000"
 
 
+def test_a_grpc_pod_is_a_grpc_worker_that_learns_its_facts_over_grpc() -> None:
+    notes = {"trio-router/protocol": "grpc", "trio-router/port": "50051"}
+    record = pod_record(PodFacts.of(pod(annotations=notes)), Role.MIXED, 8000)
+    assert (record.url, record.is_grpc) == ("grpc://10.1.2.3:50051", True)
+    # Every fact is asked of the engine service, the DP size included.
+    assert record.unknown_facts == {"models", "dp_size"} | DESCRIPTIVE_FACTS
+
+
 @pytest.mark.parametrize(
     ("notes", "message"),
     [
@@ -128,6 +136,11 @@ def test_what_the_annotations_leave_out_is_left_to_the_engine() -> None:
         ({"trio-router/role": "teacher"}, "'role' must be one of"),
         ({"trio-router/dp-size": "0"}, "trio-router/dp-size must be 1-1024"),
         ({"sglang.ai/bootstrap-port": "-1"}, "sglang.ai/bootstrap-port must be 1-65535"),
+        ({"trio-router/protocol": "https"}, "trio-router/protocol must be http or grpc"),
+        (
+            {"trio-router/protocol": "grpc", "trio-router/role": "prefill"},
+            "prefill and decode workers over gRPC are not supported",
+        ),
     ],
 )
 def test_a_bad_annotation_is_refused_with_its_name(notes: dict[str, str], message: str) -> None:

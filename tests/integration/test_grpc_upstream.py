@@ -306,3 +306,27 @@ async def test_a_client_that_leaves_mid_stream_aborts_the_engines_generation(
     assert routing["aborts"] == 1
     assert routing["dispatches"] == 1
     await a.behave(tokens=4, token_latency_ms=0)
+
+
+async def test_a_grpc_worker_learns_its_model_and_facts_and_is_health_checked_over_grpc(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave(healthy=False)
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_router([a.url], health_interval_s=0.05, health_failure_threshold=1) as running,
+            httpx.AsyncClient(base_url=running.url, timeout=GUARD_S) as client,
+        ):
+            while True:
+                (worker,) = (await client.get("/v1/workers")).json()["workers"]
+                if worker["engine"] is not None and not worker["healthy"]:
+                    break
+                await trio.sleep(0.05)
+            await a.behave()
+            while not (await client.get("/v1/workers")).json()["workers"][0]["healthy"]:  # noqa: ASYNC110 - the router's listing
+                await trio.sleep(0.05)
+    assert worker["model"] == [MODEL]
+    assert (worker["engine"], worker["max_model_len"]) == ("vllm", {MODEL: 2048})
+    paths = (await a.routing())["paths"]
+    assert paths["/vllm.grpc.engine.VllmEngine/HealthCheck"] >= 1

@@ -30,8 +30,9 @@ class FakeGrpcEngine:
 
     async def behave(self, **behaviour: Any) -> None:
         """Set its behaviour (`POST /debug/behaviour`) and zero its counters; what is not
-        named goes back to no failures."""
-        body = {"fail_first": 0, "fail_mode": "status", "fail_status": 503, **behaviour}
+        named goes back to no failures and healthy."""
+        body = {"fail_first": 0, "fail_mode": "status", "fail_status": 503, "healthy": True}
+        body.update(behaviour)
         async with httpx.AsyncClient(timeout=10) as http:
             (await http.post(self.debug + "/debug/behaviour", json=body)).raise_for_status()
             (await http.post(self.debug + "/debug/reset")).raise_for_status()
