@@ -31,13 +31,16 @@ class PythonPlane(Plane):
     divergences: ClassVar[Path | None] = Path(__file__).with_name("python_divergences.yaml")
     distribution = "trio-router"
     install_hint: ClassVar[str] = "pip install -e '.[test]' (make setup installs it)"
+    # Where its gRPC path (grpc:// workers: docs/grpc.md) behaves otherwise than the spec.
+    grpc_divergences: ClassVar[Path | None] = Path(__file__).with_name(
+        "python_grpc_divergences.yaml"
+    )
     # Capabilities it lacks, and what it does instead.
-    missing_notes: ClassVar[Mapping[str, str]] = {
-        "upstream.grpc": "router serve has no gRPC upstream yet: it routes to http:// workers "
-        "only, so no case of a gRPC fleet runs",
-    }
+    missing_notes: ClassVar[Mapping[str, str]] = {}
     capabilities = frozenset(
         {
+            # grpc:// workers (vLLM's engine service): `--fleet grpc`, `vllm-grpc`.
+            "upstream.grpc",
             "breaker.single_probe",
             "breaker.backoff",
             "breaker.all_open_dispatch",

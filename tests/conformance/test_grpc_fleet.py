@@ -19,6 +19,7 @@ from conformance.nodes import SpecError
 from conformance.planes.python import PythonPlane
 from conformance.planes.smg import SmgPlane
 from conformance.planes.smg_1_10 import Smg110Plane
+from conformance.planes.vllm_router import VllmRouterPlane
 from conformance.runner import RunOptions, run_case
 
 GRPC = """\
@@ -128,7 +129,7 @@ def test_a_grpc_fleet_needs_a_grpc_path_and_reads_that_paths_divergences() -> No
     )
     assert smg.divergence_file("fake") == smg.divergence_file("vllm") == SmgPlane.divergences
     assert Smg110Plane().divergence_file("fake") is None
-    assert "upstream.grpc" not in PythonPlane.capabilities
+    assert "upstream.grpc" not in VllmRouterPlane.capabilities
 
 
 async def test_a_plane_without_a_grpc_path_reports_every_grpc_case_unsupported(
@@ -136,12 +137,18 @@ async def test_a_plane_without_a_grpc_path_reports_every_grpc_case_unsupported(
 ) -> None:
     case = load_case(write(tmp_path, GRPC), tmp_path)
     with trio.fail_after(10):
-        outcome = await run_case(case, PythonPlane(), {}, RunOptions(fleet="grpc"))
-        on_http = await run_case(case, PythonPlane(), {}, RunOptions(fleet="fake", jobs=1))
+        outcome = await run_case(case, VllmRouterPlane(), {}, RunOptions(fleet="grpc"))
     assert outcome.verdict == "unsupported"
-    assert outcome.detail.startswith("needs upstream.grpc (upstream.grpc: router serve has no gRPC")
+    assert outcome.detail.startswith("needs upstream.grpc (upstream.grpc: no gRPC path")
     assert outcome.seconds == 0.0  # nothing was started
-    assert "upstream.grpc" not in on_http.detail
+
+
+def test_our_plane_runs_grpc_cases_with_its_own_divergence_list() -> None:
+    plane = PythonPlane()
+    assert "upstream.grpc" in plane.capabilities
+    assert plane.divergence_file("grpc") == plane.divergence_file("vllm-grpc")
+    assert plane.divergence_file("grpc") == PythonPlane.grpc_divergences
+    assert plane.divergence_file("fake") == PythonPlane.divergences
 
 
 def test_a_grpc_engine_counts_each_generate_call_it_logs() -> None:
@@ -164,9 +171,8 @@ def test_list_on_a_grpc_fleet_shows_what_a_run_there_would_do(
     assert main([*argv, "--case", "classification/*-404", "--case", "failover/unreachable*"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
     assert lines == [
-        "classification/unknown-model-404                 [classification] "
-        "python: unsupported; smg: runs",
+        "classification/unknown-model-404                 [classification] python: runs; smg: runs",
         "failover/unreachable-is-502                      [failover,classification] "
-        "python: unsupported; smg: divergent",
+        "python: runs; smg: divergent",
         "2 case(s)",
     ]
