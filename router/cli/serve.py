@@ -306,6 +306,7 @@ async def run_router(
         trio.open_nursery() as nursery,
     ):
         metrics.watch_pool(pool)
+        metrics.watch_grpc_pool(grpc)
         metrics.registry.register(TaskCollector())
         # Before discovery, so a worker named without its facts is asked at once.
         await nursery.start(
@@ -351,7 +352,7 @@ async def run_router(
         engine_loads: EngineLoads | None = None
         if load_settings is not None:
             # The engines' own load, which every process and replica reads alike.
-            engine_loads = EngineLoads(fleet, load_settings)
+            engine_loads = EngineLoads(fleet, load_settings, grpc)
             await nursery.start(serve_engine_loads, engine_loads)
         metrics.registry.register(EngineLoadCollector(engine_loads))
         kv_indexes = KvIndexes()

@@ -1,8 +1,9 @@
 """What a `grpc://` worker says of itself, over vLLM's engine service
 (`vllm.grpc.engine.VllmEngine`, the published `smg-grpc-proto` messages, the `grpc`
 extra): health (`HealthCheck`), the served model, its tokenizer's directory and context
-(`GetModelInfo`), its DP size (`GetServerInfo`), and `Abort` for a generation whose
-client left.
+(`GetModelInfo`), its DP size (`GetServerInfo`), its load per DP rank (`GetLoads`, read
+by the load reader as `/metrics` is for an HTTP worker), and `Abort` for a generation
+whose client left.
 
 A gRPC worker's record learns its facts here instead of over HTTP: the models when the
 record names none, `engine` (`vllm`: the service is vLLM's), `dp_size`, `max_model_len`
@@ -21,6 +22,7 @@ from typing import Any
 
 import trio
 
+from router.engines.load_readings import RankReading
 from router.fleet.records import WorkerRecord
 from router.http.grpc import GrpcError, GrpcPool
 from router.http.upstream.exceptions import LocalShortage
@@ -31,6 +33,7 @@ ABORT = SERVICE + "Abort"
 HEALTH_CHECK = SERVICE + "HealthCheck"
 MODEL_INFO = SERVICE + "GetModelInfo"
 SERVER_INFO = SERVICE + "GetServerInfo"
+LOADS = SERVICE + "GetLoads"
 
 GRPC_EXTRA_HINT = (
     "grpc:// workers need the published engine messages: pip install 'trio-router[grpc]'"
@@ -98,6 +101,23 @@ async def data_parallel_size(pool: GrpcPool, url: str, timeout_s: float) -> int:
         url,
     )
     return max(1, int(answer.data_parallel_size))
+
+
+async def scheduler_loads(pool: GrpcPool, url: str, timeout_s: float) -> dict[int, RankReading]:
+    """Each DP rank's running and waiting requests and KV usage (`GetLoads`); raises
+    GrpcFactsUnavailable when the engine does not answer."""
+    pb = messages()
+    answer = _parse(
+        pb.GetLoadsResponse,
+        await _unary(pool, url, LOADS, pb.GetLoadsRequest(), timeout_s),
+        url,
+    )
+    return {
+        int(load.dp_rank): RankReading(
+            float(load.num_running_reqs), float(load.num_waiting_reqs), float(load.token_usage)
+        )
+        for load in answer.loads
+    }
 
 
 async def healthy(pool: GrpcPool, url: str, timeout_s: float) -> bool:

@@ -22,7 +22,7 @@ class EngineLoadCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         reads = CounterMetricFamily(
             "router_engine_load_reads",
-            "Readings of the engines' own load by source (stream, loads, metrics) and outcome (ok, partial, failed, timeout, bad_answer, silent)",
+            "Readings of the engines' own load by source (stream, loads, metrics, grpc_loads) and outcome (ok, partial, failed, timeout, bad_answer, silent)",
             labels=["source", "outcome"],
         )
         loads = self._loads

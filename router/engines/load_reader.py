@@ -9,7 +9,10 @@ Which way a worker's engine is read (`LoadSource`), decided from what it is and 
 - `loads`: an SGLang engine without the stream: `GET /v1/loads` every `interval_s` (a
   release without the route answers 404, and the task moves to `metrics`);
 - `metrics`: vLLM, and an engine of unknown kind: `GET /metrics` every `interval_s`,
-  reading only the running, waiting and KV-usage families (`router.engines.load_readings`).
+  reading only the running, waiting and KV-usage families (`router.engines.load_readings`);
+- `grpc_loads`: a `grpc://` worker: its engine service's `GetLoads` every `interval_s`
+  (each DP rank's running and waiting requests, its KV usage), over the router's gRPC
+  pool (router.engines.grpc_service).
 
 A read that fails, times out (`timeout_s`), answers other than 200, is too large or
 cannot be read makes every view of the worker unknown at once, so no reading is ever
@@ -37,6 +40,7 @@ import trio
 import zmq
 
 from router.engines.facts import FactsUnavailable, ask_server_info, load_event_endpoints
+from router.engines.grpc_service import GrpcFactsUnavailable, GrpcMessagesMissing, scheduler_loads
 from router.engines.load_readings import (
     LOAD_TOPIC,
     BadReading,
@@ -50,6 +54,7 @@ from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 from router.fleet.records import EventEndpoint
 from router.fleet.registry import Fleet, Worker
 from router.http.capped_reads import StreamTooLarge, read_capped
+from router.http.grpc import GrpcPool
 
 log = logging.getLogger("router.engine_load")
 
@@ -58,6 +63,8 @@ class LoadSource(enum.StrEnum):
     STREAM = "stream"
     LOADS = "loads"
     METRICS = "metrics"
+    GRPC_LOADS = "grpc_loads"
+    """A `grpc://` worker's `GetLoads` (router.engines.grpc_service)."""
 
 
 OUTCOMES = ("ok", "partial", "failed", "timeout", "bad_answer", "silent")
@@ -94,6 +101,8 @@ class LoadReaderSettings:
 
 def polled_source(worker: Worker) -> LoadSource:
     """How `worker`'s engine load is polled when it pushes none."""
+    if worker.record.is_grpc:
+        return LoadSource.GRPC_LOADS
     return LoadSource.LOADS if worker.record.engine == "sglang" else LoadSource.METRICS
 
 
@@ -145,9 +154,13 @@ class _Task:
 class EngineLoads:
     """The running readers of a fleet; `statistics()` counts their reads by outcome."""
 
-    def __init__(self, fleet: Fleet, settings: LoadReaderSettings) -> None:
+    def __init__(
+        self, fleet: Fleet, settings: LoadReaderSettings, grpc: GrpcPool | None = None
+    ) -> None:
         self.fleet = fleet
         self.settings = settings
+        self.grpc = grpc
+        """Where a `grpc://` worker's `GetLoads` goes; None: its load stays unknown."""
         self.reads: dict[tuple[str, str], int] = {
             (source.value, outcome): 0 for source in LoadSource for outcome in OUTCOMES
         }
@@ -211,7 +224,7 @@ class EngineLoads:
     ) -> tuple[EventEndpoint, ...]:
         """An SGLang engine's load publishers, from its server info; none for another
         engine, or when it advertises none or cannot say now (it is polled then)."""
-        if worker.record.engine != "sglang":
+        if worker.record.engine != "sglang" or worker.record.is_grpc:
             return ()
         api_key = worker.record.api_key or self.settings.worker_api_key or None
         try:
@@ -243,7 +256,7 @@ class EngineLoads:
                 outcome = "failed"
             except trio.TooSlowError:
                 outcome = "timeout"
-            except (httpx.HTTPError, OSError):
+            except (httpx.HTTPError, OSError, GrpcFactsUnavailable, GrpcMessagesMissing):
                 outcome = "failed"
             except (BadReading, StreamTooLarge, orjson.JSONDecodeError):
                 outcome = "bad_answer"
@@ -258,6 +271,10 @@ class EngineLoads:
     async def _read(
         self, worker: Worker, source: LoadSource, http: httpx.AsyncClient
     ) -> dict[int, RankReading]:
+        if source is LoadSource.GRPC_LOADS:
+            if self.grpc is None:
+                raise GrpcMessagesMissing("this router has no gRPC pool")
+            return await scheduler_loads(self.grpc, worker.url, self.settings.timeout_s)
         path = "/v1/loads" if source is LoadSource.LOADS else "/metrics"
         api_key = worker.record.api_key or self.settings.worker_api_key
         headers = {"authorization": f"Bearer {api_key}"} if api_key else None

@@ -1,5 +1,5 @@
 """What `/metrics` reads from the router's state when it is scraped: the fleet's workers,
-in-flight counts and breakers, and the upstream pool's connections. The request path
+in-flight counts and breakers, and the upstream pools' connections (HTTP and gRPC). The request path
 never touches these figures; it pays nothing for them."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.fleet.registry import Fleet
+from router.http.grpc import GrpcPool
 from router.http.upstream.pool import UpstreamPool
 
 
@@ -130,3 +131,31 @@ class PoolCollector(Collector):
             "Pooled connections found closed by the worker at checkout, discarded before any write",
             value=stats.stale_discarded,
         )
+
+
+class GrpcPoolCollector(Collector):
+    """The gRPC pool's connections and calls, read at scrape time."""
+
+    def __init__(self, pool: GrpcPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._pool.statistics()
+        yield GaugeMetricFamily(
+            "router_grpc_connections",
+            "Open HTTP/2 connections to grpc:// workers (at most one per worker)",
+            value=stats.connections,
+        )
+        yield CounterMetricFamily(
+            "router_grpc_connections_opened",
+            "HTTP/2 connections opened to grpc:// workers",
+            value=stats.opened,
+        )
+        calls = GaugeMetricFamily(
+            "router_grpc_calls",
+            "gRPC calls to grpc:// workers by state: open, or waiting at the per-worker cap",
+            labels=["state"],
+        )
+        calls.add_metric(["open"], stats.calls_open)
+        calls.add_metric(["waiting"], stats.calls_waiting)
+        yield calls

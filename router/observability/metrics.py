@@ -23,8 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from router.fleet.records import Mode, Role
 from router.fleet.registry import Fleet
+from router.http.grpc import GrpcPool
 from router.http.upstream.pool import UpstreamPool
-from router.observability.collectors import FleetCollector, PoolCollector
+from router.observability.collectors import FleetCollector, GrpcPoolCollector, PoolCollector
 
 _Family = TypeVar("_Family", Counter, Histogram)
 
@@ -323,6 +324,10 @@ class RouterMetrics:
     def watch_pool(self, pool: UpstreamPool) -> None:
         """Export the upstream pool's connections, waiting checkouts and stale discards."""
         self.registry.register(PoolCollector(pool))
+
+    def watch_grpc_pool(self, pool: GrpcPool) -> None:
+        """Export the gRPC pool's connections and calls."""
+        self.registry.register(GrpcPoolCollector(pool))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

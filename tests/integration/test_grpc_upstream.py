@@ -113,6 +113,32 @@ async def test_chat_unary_and_streamed_are_openai_answers(
     assert (await a.routing())["dispatches"] == 2
 
 
+async def test_the_calls_share_one_connection_shown_on_metrics(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+
+            async def one() -> None:
+                assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(one)
+            metrics = (await client.get("/metrics")).text
+    figures = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("router_grpc_")
+    }
+    assert figures["router_grpc_connections"] == 1
+    assert figures["router_grpc_connections_opened_total"] == 1
+    assert figures['router_grpc_calls{state="open"}'] == 0
+    assert (await a.routing())["dispatches"] == 8
+
+
 async def test_completions_n_2_by_index_and_a_stop_string(
     engines: tuple[FakeGrpcEngine, ...],
 ) -> None:
@@ -323,10 +349,33 @@ async def test_a_grpc_worker_learns_its_model_and_facts_and_is_health_checked_ov
                 if worker["engine"] is not None and not worker["healthy"]:
                     break
                 await trio.sleep(0.05)
+            paths = (await a.routing())["paths"]
             await a.behave()
             while not (await client.get("/v1/workers")).json()["workers"][0]["healthy"]:  # noqa: ASYNC110 - the router's listing
                 await trio.sleep(0.05)
     assert worker["model"] == [MODEL]
     assert (worker["engine"], worker["max_model_len"]) == ("vllm", {MODEL: 2048})
-    paths = (await a.routing())["paths"]
     assert paths["/vllm.grpc.engine.VllmEngine/HealthCheck"] >= 1
+
+
+async def test_a_grpc_workers_engine_load_is_read_over_get_loads(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url, policy="least_load", engine_load_interval_s=0.05) as client:
+            while True:
+                (worker,) = (await client.get("/v1/workers")).json()["workers"]
+                if (worker["engine_load"] or {}).get("requests") is not None:
+                    break
+                await trio.sleep(0.05)
+            metrics = (await client.get("/metrics")).text
+    assert worker["engine_load"]["requests"] == 0  # the idle engine's own count
+    assert (await a.routing())["paths"]["/vllm.grpc.engine.VllmEngine/GetLoads"] >= 1
+    (ok,) = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('router_engine_load_reads_total{outcome="ok",source="grpc_loads"}')
+    ]
+    assert float(ok.split()[-1]) >= 1
