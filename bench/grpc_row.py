@@ -1,0 +1,187 @@
+"""The gRPC rows beside the HTTP ones: ours and smg, each in front of fake HTTP workers and
+in front of fake gRPC engines, in one run.
+
+    python -m bench.grpc_row [--duration 5] [--rounds 2] [--json PATH]
+
+Two fake HTTP workers (`router fake-worker`) and two fake gRPC engines (`router
+fake-worker --protocol grpc`) serve the same model; four contenders stand in front:
+`ours` and `smg` over HTTP, `ours-grpc` and `smg-grpc` over gRPC (the router renders the
+chat template, tokenizes, and makes the answer from the token ids). wrk drives the cases
+of `bench.plan` (unary and burst-stream chat at c=32) against each, rounds interleaved;
+the figures are the contender's own CPU: requests per CPU-second, and for streams CPU per
+streamed token. docs/performance.md ("The gRPC rows") keeps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.plan import CASES, MODEL, STREAM_TOKENS, UNARY_TOKENS, chat_body
+from bench.procs import Proc, free_port, python_module, start
+from bench.wrk import find_wrk, run_wrk, write_script
+
+FLEET_SIZE = 2
+CHAT_PATH = "/v1/chat/completions"
+ROW_CASES = ("unary-c32", "stream-c32")
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    contender: str
+    case: str
+    round: int
+    requests: int
+    errors: int
+    duration_s: float
+    cpu_s: float
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def per_cpu_s(self) -> float:
+        return self.requests / self.cpu_s if self.cpu_s else 0.0
+
+
+def _fleet(work: Path, protocol: str) -> tuple[list[Proc], list[str]]:
+    procs, urls = [], []
+    for index in range(FLEET_SIZE):
+        args = ["fake-worker", "--model", MODEL]
+        if protocol == "grpc":
+            args += ["--protocol", "grpc", "--model-dir", str(work / f"model{index}")]
+        else:
+            args += ["--port", "0"]
+        procs.append(start(f"{protocol}-worker{index}", python_module("router.cli", *args), work))
+    for proc in procs:
+        (url,) = proc.wait_for_log(r"fake-worker listening on ((?:http|grpc)://\S+)")
+        urls.append(url)
+    return procs, urls
+
+
+def _contender(work: Path, name: str, urls: list[str]) -> tuple[Proc, str]:
+    port = free_port()
+    if name.startswith("ours"):
+        command = python_module(
+            "router.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            *(arg for url in urls for arg in ("--worker", f"{url},model={MODEL}")),
+        )
+    else:
+        command = python_module(
+            "smg",
+            "launch",
+            "--worker-urls",
+            *urls,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        )
+    proc = start(name, command, work)
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_for_answer(url + CHAT_PATH, chat_body(stream=False, tokens=4), timeout_s=60)
+    proc.settle_tree(1)
+    return proc, url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.grpc_row")
+    parser.add_argument("--duration", type=int, default=5, help="seconds per wrk run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None, help="write every run here")
+    args = parser.parse_args()
+    wrk = find_wrk()
+    rows: list[Row] = []
+    procs: list[Proc] = []
+    with tempfile.TemporaryDirectory(prefix="bench-grpc-") as tmp:
+        work = Path(tmp)
+        try:
+            http_procs, http_urls = _fleet(work, "http")
+            grpc_procs, grpc_urls = _fleet(work, "grpc")
+            procs += http_procs + grpc_procs
+            targets: dict[str, tuple[Proc, str]] = {}
+            for name, urls in (
+                ("ours", http_urls),
+                ("ours-grpc", grpc_urls),
+                ("smg", http_urls),
+                ("smg-grpc", grpc_urls),
+            ):
+                proc, url = _contender(work, name, urls)
+                procs.append(proc)
+                targets[name] = (proc, url)
+            scripts = {
+                case: write_script(work, case.replace("-", "_"), CASES[case].body)
+                for case in ROW_CASES
+            }
+            for _, url in targets.values():  # warm-up, not counted
+                run_wrk(wrk, url + CHAT_PATH, scripts["unary-c32"], 32, 1)
+            for round_ in range(args.rounds):
+                for case in ROW_CASES:
+                    for name, (proc, url) in targets.items():
+                        before = proc.cpu_seconds()
+                        result = run_wrk(
+                            wrk,
+                            url + CHAT_PATH,
+                            scripts[case],
+                            CASES[case].connections,
+                            args.duration,
+                        )
+                        rows.append(
+                            Row(
+                                name,
+                                case,
+                                round_,
+                                result.requests,
+                                result.errors,
+                                result.duration_s,
+                                proc.cpu_seconds() - before,
+                                result.p50_ms,
+                                result.p99_ms,
+                            )
+                        )
+                        print(
+                            f"round {round_} {case:10} {name:9} {result.requests:6} req "
+                            f"{rows[-1].per_cpu_s:7.0f} req/CPU-s errors {result.errors}",
+                            flush=True,
+                        )
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+    print(table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(row) for row in rows], indent=1) + "\n")
+
+
+def table(rows: list[Row]) -> str:
+    """Per contender and case, summed over rounds: req/CPU-s, CPU per token, p50/p99."""
+    lines = [
+        "| contender | case | requests | errors | req/CPU-s | CPU per token (us) | p50 ms | p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(row.case, row.contender) for row in rows})
+    for case, contender in keys:
+        mine = [row for row in rows if row.case == case and row.contender == contender]
+        requests = sum(row.requests for row in mine)
+        cpu = sum(row.cpu_s for row in mine)
+        tokens = requests * (STREAM_TOKENS if CASES[case].stream else UNARY_TOKENS)
+        lines.append(
+            f"| {contender} | {case} | {requests:,} | {sum(row.errors for row in mine)} | "
+            f"{requests / cpu if cpu else 0:,.0f} | {cpu / tokens * 1e6 if tokens else 0:.1f} | "
+            f"{max(row.p50_ms for row in mine):.1f} | {max(row.p99_ms for row in mine):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
