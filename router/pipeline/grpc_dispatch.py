@@ -16,10 +16,9 @@ edge where gRPC's outcomes become the same vocabulary (`AttemptFailed`), by one 
 The text is made here from the ids (`router.prompts.detokenize.StreamedText`, one per
 choice, primed with the prompt as vLLM primes its detokenizer), so multi-byte characters,
 leading spaces, stop strings and what they hold back come out as the engine's own
-detokenizer gives them. A streamed answer is OpenAI's: a role chunk per choice first
-(chat), then content deltas, the finish reason with the last delta, the usage chunk
-when asked (`stream_options.include_usage`, cached tokens from the engine's count), and
-`[DONE]`. A unary answer is assembled from the engine's `complete` per choice.
+detokenizer gives them; the answer's bytes are the route's API's
+(`router.pipeline.grpc_answers`), streamed as the ids come, or assembled from the
+engine's `complete` per choice.
 
 A generation this side stops reading (the client left, the request was cancelled, the
 stream stalled) is aborted at the engine: its stream is reset and `Abort` names it.
@@ -28,7 +27,6 @@ stream stalled) is aborted at the engine: its stream is reset and `Abort` names 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +57,7 @@ from router.http.grpc import (
 from router.http.server.messages import ResponseWriter
 from router.http.upstream.exceptions import LocalShortage
 from router.pipeline.dispatch import Answer, AttemptFailed, Timeouts
+from router.pipeline.grpc_answers import AnswerShapes, Finished, Usage, shapes_for
 from router.pipeline.grpc_request import GrpcGeneration, build_generate, completions_prompt
 from router.pipeline.resolve import GenerationRequest
 from router.prompts.chat_request import NotRendered
@@ -76,7 +75,6 @@ STREAM_HEADERS: list[tuple[bytes, bytes]] = [
     (b"cache-control", b"no-cache"),
 ]
 JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
-DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +205,8 @@ def prompt_ids(generation: GenerationRequest, tokenizer: TextTokenizer) -> list[
     """The prompt's token ids as vLLM computes them; BadRequest naming what the router
     does not render."""
     try:
-        if generation.route == "chat":
-            return tokenizer.chat_tokens(generation.body)
+        if generation.route in ("chat", "messages"):
+            return tokenizer.chat_tokens(generation.body, anthropic=generation.route == "messages")
         prompt = completions_prompt(generation.body)
         return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     except NotRendered as exc:
@@ -217,95 +215,6 @@ def prompt_ids(generation: GenerationRequest, tokenizer: TextTokenizer) -> list[
         ) from None
     except TemplateFailed as exc:
         raise BadRequest(f"the chat template failed for this request: {exc}") from None
-
-
-class OpenAIShapes:
-    """The bytes of one answer's chunks and bodies, chat or completions, as vLLM writes
-    them (a template per answer: no dict built per token)."""
-
-    __slots__ = ("_chat", "_head", "_id", "_model", "created")
-
-    def __init__(self, route: str, request_id: str, model: str) -> None:
-        self._chat = route == "chat"
-        self._id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
-        self._model = model
-        self.created = int(time.time())  # the answer's timestamp: wall clock by definition
-        kind = "chat.completion.chunk" if self._chat else "text_completion"
-        self._head = (
-            b'data: {"id":'
-            + orjson.dumps(self._id)
-            + b',"object":"'
-            + kind.encode()
-            + b'","created":'
-            + str(self.created).encode()
-            + b',"model":'
-            + orjson.dumps(model)
-            + b',"choices":['
-        )
-
-    def role(self, index: int) -> bytes:
-        """Chat's first chunk of a choice (completions have none)."""
-        if not self._chat:
-            return b""
-        return (
-            self._head
-            + b'{"index":%d,"delta":{"role":"assistant","content":""},' % index
-            + b'"logprobs":null,"finish_reason":null}]}\n\n'
-        )
-
-    def delta(
-        self, index: int, text: str, finish: str | None = None, stop_reason: Any = None
-    ) -> bytes:
-        content = orjson.dumps(text)
-        piece = b'"delta":{"content":%s}' % content if self._chat else b'"text":%s' % content
-        tail = (
-            b'null,"finish_reason":null'
-            if finish is None
-            else b'null,"finish_reason":%s,"stop_reason":%s'
-            % (orjson.dumps(finish), orjson.dumps(stop_reason))
-        )
-        return self._head + b'{"index":%d,%s,"logprobs":%s}]}\n\n' % (index, piece, tail)
-
-    def usage(self, usage: dict[str, Any]) -> bytes:
-        return self._head + b'],"usage":' + orjson.dumps(usage) + b"}\n\n"
-
-    def unary(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
-        return orjson.dumps(
-            {
-                "id": self._id,
-                "object": "chat.completion" if self._chat else "text_completion",
-                "created": self.created,
-                "model": self._model,
-                "choices": choices,
-                "usage": usage,
-            }
-        )
-
-    def choice(self, index: int, text: str, finish: str, stop_reason: Any) -> dict[str, Any]:
-        if self._chat:
-            return {
-                "index": index,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": stop_reason,
-            }
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish,
-            "stop_reason": stop_reason,
-        }
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
 
 
 class Choices:
@@ -317,7 +226,7 @@ class Choices:
         self._built = built
         self._tokenizer = tokenizer
         self.texts: dict[int, StreamedText] = {}
-        self.finished: dict[int, tuple[str, Any]] = {}
+        self.finished: dict[int, Finished] = {}
 
     def text(self, index: int) -> StreamedText:
         text = self.texts.get(index)
@@ -398,7 +307,7 @@ class GrpcDispatch:
         engine = await self.engines.get(url)
         ids = prompt_ids(generation, engine.tokenizer)
         built = build_generate(messages(), generation, ids, request_id, engine.eos_ids, rank)
-        shapes = OpenAIShapes(generation.route, request_id, generation.model)
+        shapes = shapes_for(generation.route, request_id, generation.model)
         choices = Choices(built, engine.tokenizer)
         done = False
         try:
@@ -452,7 +361,7 @@ class GrpcDispatch:
         call: GrpcCall,
         built: GrpcGeneration,
         choices: Choices,
-        shapes: OpenAIShapes,
+        shapes: AnswerShapes,
         writer: ResponseWriter,
         begin: Callable[[int], Awaitable[None]],
         worker_header: tuple[bytes, bytes],
@@ -461,7 +370,8 @@ class GrpcDispatch:
         message = await self._first(url, call)
         await begin(200)
         await writer.start(200, [*STREAM_HEADERS, worker_header])
-        out = b"".join(shapes.role(index) for index in range(built.n))
+        first = message.chunk if message.WhichOneof("response") == "chunk" else message.complete
+        out = shapes.opening(built.n, first.prompt_tokens)
         prompt_tokens = cached_tokens = 0
         idle_s = self.timeouts.stream_idle_s
         error: bytes | None = None
@@ -480,18 +390,17 @@ class GrpcDispatch:
                     prompt_tokens = complete.prompt_tokens or prompt_tokens
                     cached_tokens = complete.cached_tokens or cached_tokens
                     text = choices.text(complete.index)
-                    finish, stop_reason = finish_of(complete, text)
-                    if finish in ("abort", "error"):
+                    if complete.finish_reason in ("abort", "error"):
                         error = stream_error_event(
-                            f"worker {url} ended the generation ({finish})",
+                            f"worker {url} ended the generation ({complete.finish_reason})",
                             "stream_interrupted",
                             dialect,
                         )
                         break
-                    out += shapes.delta(
-                        complete.index, text.take(finished=True), finish, stop_reason
-                    )
-                    choices.finished[complete.index] = (finish, stop_reason)
+                    finish, stop_reason = finish_of(complete, text)
+                    done = Finished(complete.index, text.take(finished=True), finish, stop_reason)
+                    out += shapes.finish(done)
+                    choices.finished[complete.index] = done
                 if out:
                     await writer.write(out)
                     out = b""
@@ -528,9 +437,8 @@ class GrpcDispatch:
             await writer.write(error)
             await writer.finish()
             return 200
-        if built.include_usage:
-            out += shapes.usage(usage_of(prompt_tokens, choices.completion_tokens, cached_tokens))
-        await writer.write(out + DONE)
+        usage = Usage(prompt_tokens, choices.completion_tokens, cached_tokens)
+        await writer.write(out + shapes.closing(usage, built.include_usage))
         await writer.finish()
         return 200
 
@@ -539,28 +447,29 @@ class GrpcDispatch:
         url: str,
         call: GrpcCall,
         choices: Choices,
-        shapes: OpenAIShapes,
+        shapes: AnswerShapes,
         writer: ResponseWriter,
         begin: Callable[[int], Awaitable[None]],
         worker_header: tuple[bytes, bytes],
     ) -> int:
         message = await self._first(url, call)
         prompt_tokens = cached_tokens = 0
-        body: list[dict[str, Any]] = []
+        finished: list[Finished] = []
         idle_s = self.timeouts.stream_idle_s
         while message is not None:
             if message.WhichOneof("response") == "complete":
                 complete = message.complete
                 prompt_tokens, cached_tokens = complete.prompt_tokens, complete.cached_tokens
-                finish = complete.finish_reason
-                if finish in ("abort", "error"):
+                if complete.finish_reason in ("abort", "error"):
                     raise AttemptFailed(
-                        "generation_" + finish, f"{url} ended the generation ({finish})", fault=True
+                        "generation_" + complete.finish_reason,
+                        f"{url} ended the generation ({complete.finish_reason})",
+                        fault=True,
                     )
                 text = choices.push(complete.index, complete.output_ids)
                 finish, stop_reason = finish_of(complete, text)
-                body.append(
-                    shapes.choice(complete.index, text.take(finished=True), finish, stop_reason)
+                finished.append(
+                    Finished(complete.index, text.take(finished=True), finish, stop_reason)
                 )
             with trio.move_on_after(idle_s) as waited:
                 raw = await call.receive_message()
@@ -569,10 +478,9 @@ class GrpcDispatch:
                     "body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True
                 )
             message = None if raw is None else _parse(url, raw)
-        body.sort(key=lambda choice: choice["index"])
-        usage = usage_of(prompt_tokens, choices.completion_tokens, cached_tokens)
+        usage = Usage(prompt_tokens, choices.completion_tokens, cached_tokens)
         await begin(200)
-        await writer.respond(200, [*JSON_HEADERS, worker_header], shapes.unary(body, usage))
+        await writer.respond(200, [*JSON_HEADERS, worker_header], shapes.unary(finished, usage))
         return 200
 
 

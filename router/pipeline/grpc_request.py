@@ -1,14 +1,17 @@
-"""What a `grpc://` worker is sent: an OpenAI chat or completions body as vLLM's
-`GenerateRequest` (token ids, sampling parameters), and what the gRPC path cannot do.
+"""What a `grpc://` worker is sent: an OpenAI chat or completions body, or an Anthropic
+Messages body, as vLLM's `GenerateRequest` (token ids, sampling parameters), and what
+the gRPC path cannot do.
 
 The router renders and tokenizes the prompt itself (`router.prompts`) and maps the
 body's sampling fields onto the engine's `SamplingParams` as vLLM's OpenAI server maps
 them, with its defaults: completions generate 16 tokens unless `max_tokens` says
-otherwise; chat up to the context; special tokens skipped and spaced.
+otherwise; chat up to the context; special tokens skipped and spaced. A Messages body
+maps as vLLM's Anthropic endpoint maps it (`stop_sequences` are stop strings).
 
 `grpc_gap` names what the path does not do, before any worker is picked: tool calls,
-structured output, logprobs, multimodal content, `echo` and `suffix`, batched prompts,
-and every route but chat and completions. A request with a gap goes to an HTTP worker of
+structured output, logprobs, multimodal content (and Messages' tool and thinking
+blocks), `echo` and `suffix`, batched prompts, and every route but chat, completions and
+Messages. A request with a gap goes to an HTTP worker of
 its model when one exists, else is refused with a 400 that names the gap; it is never
 answered without what it asked for.
 """
@@ -22,7 +25,7 @@ from typing import Any
 from router.api.errors import BadRequest
 from router.pipeline.resolve import GenerationRequest
 
-GRPC_ROUTES = frozenset({"chat", "completions"})
+GRPC_ROUTES = frozenset({"chat", "completions", "messages"})
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """vLLM's `CompletionRequest.max_tokens` default (chat has none: the context's rest)."""
 
@@ -80,7 +83,11 @@ def grpc_gap(generation: GenerationRequest) -> str | None:
                 for part in content:
                     kind = part.get("type") if isinstance(part, Mapping) else None
                     if kind != "text":
-                        return f"multimodal input (a `{kind}` content part)"
+                        return f"a `{kind}` content part"
+    if route == "messages":
+        thinking = body.get("thinking")
+        if isinstance(thinking, Mapping) and thinking.get("type") == "enabled":
+            return "thinking"
     best_of, n = body.get("best_of"), body.get("n")
     if isinstance(best_of, int) and best_of > (n if isinstance(n, int) else 1):
         return "`best_of`"
@@ -141,13 +148,15 @@ def build_generate(
         limit = _int(body, "max_completion_tokens", None)
         if limit is None:
             limit = _int(body, "max_tokens", None)
+    elif generation.route == "messages":
+        limit = _int(body, "max_tokens", None)
     else:
         limit = _int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     if limit is not None:
         params.max_tokens = limit
     min_tokens = _int(body, "min_tokens", 0) or 0
     params.min_tokens = min_tokens
-    stops = _stops(body)
+    stops = _stops(body, "stop_sequences" if generation.route == "messages" else "stop")
     params.stop.extend(stops)
     stop_token_ids = _ids(body, "stop_token_ids")
     params.stop_token_ids.extend(stop_token_ids)
@@ -223,15 +232,15 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
+def _stops(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    stop = body.get(name)
     if stop is None:
         return ()
     if isinstance(stop, str):
         return (stop,) if stop else ()
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return tuple(s for s in stop if s)
-    raise BadRequest("'stop' must be a string or a list of strings")
+    raise BadRequest(f"'{name}' must be a string or a list of strings")
 
 
 def _ids(body: Mapping[str, Any], name: str) -> list[int]:

@@ -379,3 +379,66 @@ async def test_a_grpc_workers_engine_load_is_read_over_get_loads(
         if line.startswith('router_engine_load_reads_total{outcome="ok",source="grpc_loads"}')
     ]
     assert float(ok.split()[-1]) >= 1
+
+
+MESSAGES = {
+    "model": MODEL,
+    "max_tokens": 4,
+    "messages": [{"role": "user", "content": "hello there"}],
+}
+
+
+def anthropic_events(text: str) -> list[tuple[str, Any]]:
+    found = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n", 1)
+        found.append((name.removeprefix("event: "), orjson.loads(data.removeprefix("data: "))))
+    return found
+
+
+async def test_anthropic_messages_unary_and_streamed(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            unary = await client.post("/v1/messages", json=MESSAGES)
+            streamed = await client.post("/v1/messages", json={**MESSAGES, "stream": True})
+            stopped = await client.post(
+                "/v1/messages", json={**MESSAGES, "stop_sequences": ["tok2"]}
+            )
+    body = unary.json()
+    assert (body["type"], body["role"], body["content"]) == (
+        "message",
+        "assistant",
+        [{"type": "text", "text": WORDS}],
+    )
+    assert (body["stop_reason"], body["usage"]["output_tokens"]) == ("max_tokens", 4)
+    seen = anthropic_events(streamed.text)
+    assert [name for name, _ in seen][:2] == ["message_start", "content_block_start"]
+    assert [name for name, _ in seen][-3:] == [
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert seen[0][1]["message"]["usage"]["input_tokens"] == body["usage"]["input_tokens"]
+    text = "".join(d["delta"]["text"] for name, d in seen if name == "content_block_delta")
+    assert text == WORDS
+    assert seen[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    assert stopped.json()["stop_reason"] == "stop_sequence"
+    assert stopped.json()["stop_sequence"] == "tok2"
+    assert stopped.json()["content"] == [{"type": "text", "text": " tok0 tok1 "}]
+
+
+async def test_a_broken_messages_stream_ends_with_anthropics_error_event(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave(fail_first=1, fail_mode="midstream", fail_after_chunks=2, fail_status=500)
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            answer = await client.post("/v1/messages", json={**MESSAGES, "stream": True})
+    name, last = anthropic_events(answer.text)[-1]
+    assert name == "error"
+    assert last["type"] == "error" and last["error"]["code"] == "stream_interrupted"

@@ -1,0 +1,247 @@
+"""The client's answer made from a gRPC generation: the bytes of each API's stream events
+and unary bodies, as the engines' own HTTP servers write them.
+
+- OpenAI chat completions and completions (`OpenAIAnswer`), as vLLM writes them: a chat
+  stream opens each choice with a `role` chunk; deltas; the finish reason (and vLLM's
+  `stop_reason`) with the last delta; a usage chunk when asked; `[DONE]`.
+- Anthropic Messages (`AnthropicAnswer`): `message_start` (with the input tokens),
+  one text block (`content_block_start`, `text_delta`s, `content_block_stop`),
+  `message_delta` with the stop reason and output tokens, `message_stop`.
+
+A stream's events are built from a template made once per answer: no dict per token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One choice once its sequence ended."""
+
+    index: int
+    text: str
+    finish: str
+    stop_reason: Any
+    """The stop string, or the stop token id, that ended it (vLLM's `stop_reason`)."""
+
+
+class AnswerShapes(Protocol):
+    def opening(self, n: int, prompt_tokens: int) -> bytes:
+        """What a stream begins with, once the first token is in."""
+        ...
+
+    def delta(self, index: int, text: str) -> bytes: ...
+
+    def finish(self, done: Finished) -> bytes:
+        """A choice's last text and its end."""
+        ...
+
+    def closing(self, usage: Usage, include_usage: bool) -> bytes:
+        """What a whole stream ends with."""
+        ...
+
+    def unary(self, choices: list[Finished], usage: Usage) -> bytes: ...
+
+
+def shapes_for(route: str, request_id: str, model: str) -> AnswerShapes:
+    if route == "messages":
+        return AnthropicAnswer(request_id, model)
+    return OpenAIAnswer(route, request_id, model)
+
+
+def openai_usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIAnswer:
+    """Chat completions (`chat`) or completions, as vLLM writes them."""
+
+    __slots__ = ("_chat", "_head", "_id", "_model", "created")
+
+    def __init__(self, route: str, request_id: str, model: str) -> None:
+        self._chat = route == "chat"
+        self._id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
+        self._model = model
+        self.created = int(time.time())  # the answer's timestamp: wall clock by definition
+        kind = "chat.completion.chunk" if self._chat else "text_completion"
+        self._head = (
+            b'data: {"id":'
+            + orjson.dumps(self._id)
+            + b',"object":"'
+            + kind.encode()
+            + b'","created":'
+            + str(self.created).encode()
+            + b',"model":'
+            + orjson.dumps(model)
+            + b',"choices":['
+        )
+
+    def opening(self, n: int, prompt_tokens: int) -> bytes:
+        if not self._chat:
+            return b""
+        return b"".join(
+            self._head
+            + b'{"index":%d,"delta":{"role":"assistant","content":""},' % index
+            + b'"logprobs":null,"finish_reason":null}]}\n\n'
+            for index in range(n)
+        )
+
+    def delta(self, index: int, text: str) -> bytes:
+        return self._chunk(index, text, b'null,"finish_reason":null')
+
+    def finish(self, done: Finished) -> bytes:
+        tail = b'null,"finish_reason":%s,"stop_reason":%s' % (
+            orjson.dumps(done.finish),
+            orjson.dumps(done.stop_reason),
+        )
+        return self._chunk(done.index, done.text, tail)
+
+    def _chunk(self, index: int, text: str, tail: bytes) -> bytes:
+        content = orjson.dumps(text)
+        piece = b'"delta":{"content":%s}' % content if self._chat else b'"text":%s' % content
+        return self._head + b'{"index":%d,%s,"logprobs":%s}]}\n\n' % (index, piece, tail)
+
+    def closing(self, usage: Usage, include_usage: bool) -> bytes:
+        if not include_usage:
+            return DONE
+        return self._head + b'],"usage":' + orjson.dumps(openai_usage(usage)) + b"}\n\n" + DONE
+
+    def unary(self, choices: list[Finished], usage: Usage) -> bytes:
+        return orjson.dumps(
+            {
+                "id": self._id,
+                "object": "chat.completion" if self._chat else "text_completion",
+                "created": self.created,
+                "model": self._model,
+                "choices": [self._choice(done) for done in sorted(choices, key=_index)],
+                "usage": openai_usage(usage),
+            }
+        )
+
+    def _choice(self, done: Finished) -> dict[str, Any]:
+        if self._chat:
+            return {
+                "index": done.index,
+                "message": {"role": "assistant", "content": done.text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": done.finish,
+                "stop_reason": done.stop_reason,
+            }
+        return {
+            "index": done.index,
+            "text": done.text,
+            "logprobs": None,
+            "finish_reason": done.finish,
+            "stop_reason": done.stop_reason,
+        }
+
+
+def _index(done: Finished) -> int:
+    return done.index
+
+
+def anthropic_stop(done: Finished) -> tuple[str, str | None]:
+    """Anthropic's `stop_reason` and `stop_sequence` for a finished sequence."""
+    if done.finish == "length":
+        return "max_tokens", None
+    if isinstance(done.stop_reason, str):
+        return "stop_sequence", done.stop_reason
+    return "end_turn", None
+
+
+def _event(name: bytes, payload: dict[str, Any]) -> bytes:
+    return b"event: " + name + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+class AnthropicAnswer:
+    """Anthropic Messages: one text block per answer (Messages has no `n`)."""
+
+    __slots__ = ("_id", "_model", "_stop")
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self._id = "msg_" + request_id
+        self._model = model
+        self._stop: tuple[str, str | None] = ("end_turn", None)
+
+    def opening(self, n: int, prompt_tokens: int) -> bytes:
+        message: dict[str, Any] = {
+            "id": self._id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        }
+        return _event(b"message_start", {"type": "message_start", "message": message}) + _event(
+            b"content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        )
+
+    def delta(self, index: int, text: str) -> bytes:
+        return (
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+            b'"delta":{"type":"text_delta","text":%s}}\n\n' % orjson.dumps(text)
+        )
+
+    def finish(self, done: Finished) -> bytes:
+        self._stop = anthropic_stop(done)
+        out = self.delta(0, done.text) if done.text else b""
+        return out + _event(b"content_block_stop", {"type": "content_block_stop", "index": 0})
+
+    def closing(self, usage: Usage, include_usage: bool) -> bytes:
+        stop_reason, stop_sequence = self._stop
+        return _event(
+            b"message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": {"output_tokens": usage.completion_tokens},
+            },
+        ) + _event(b"message_stop", {"type": "message_stop"})
+
+    def unary(self, choices: list[Finished], usage: Usage) -> bytes:
+        (done,) = choices
+        stop_reason, stop_sequence = anthropic_stop(done)
+        return orjson.dumps(
+            {
+                "id": self._id,
+                "type": "message",
+                "role": "assistant",
+                "model": self._model,
+                "content": [{"type": "text", "text": done.text}],
+                "stop_reason": stop_reason,
+                "stop_sequence": stop_sequence,
+                "usage": {
+                    "input_tokens": usage.prompt_tokens,
+                    "output_tokens": usage.completion_tokens,
+                    "cache_read_input_tokens": usage.cached_tokens,
+                },
+            }
+        )
