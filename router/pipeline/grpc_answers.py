@@ -7,6 +7,11 @@ and unary bodies, as the engines' own HTTP servers write them.
 - Anthropic Messages (`AnthropicAnswer`): `message_start` (with the input tokens),
   one text block (`content_block_start`, `text_delta`s, `content_block_stop`),
   `message_delta` with the stop reason and output tokens, `message_stop`.
+- OpenAI Responses (`ResponsesAnswer`): `response.created`, `response.in_progress`, one
+  message item with one `output_text` part (`output_item.added`, `content_part.added`,
+  `output_text.delta`s, then their `done` events), and `response.completed` (or
+  `response.incomplete` when the output token limit ended it) with the usage; every
+  event numbered (`sequence_number`).
 
 A stream's events are built from a template made once per answer: no dict per token.
 """
@@ -59,6 +64,8 @@ class AnswerShapes(Protocol):
 def shapes_for(route: str, request_id: str, model: str) -> AnswerShapes:
     if route == "messages":
         return AnthropicAnswer(request_id, model)
+    if route == "responses":
+        return ResponsesAnswer(request_id, model)
     return OpenAIAnswer(route, request_id, model)
 
 
@@ -245,3 +252,102 @@ class AnthropicAnswer:
                 },
             }
         )
+
+
+class ResponsesAnswer:
+    """OpenAI Responses: one message item holding one `output_text` part (no `n`)."""
+
+    __slots__ = ("_created", "_done", "_id", "_item", "_model", "_sequence", "_texts")
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self._id = "resp_" + request_id
+        self._item = "msg_" + request_id
+        self._model = model
+        self._created = int(time.time())  # the answer's timestamp: wall clock by definition
+        self._sequence = 0
+        self._done: Finished | None = None
+        self._texts: list[str] = []
+
+    def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
+        body = {"type": kind, "sequence_number": self._sequence, **payload}
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+
+    def _response(
+        self, status: str, output: list[dict[str, Any]], usage: Usage | None
+    ) -> dict[str, Any]:
+        response: dict[str, Any] = {
+            "id": self._id,
+            "object": "response",
+            "created_at": self._created,
+            "status": status,
+            "model": self._model,
+            "output": output,
+            "usage": None,
+        }
+        if status == "incomplete":
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+        if usage is not None:
+            response["usage"] = {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            }
+        return response
+
+    def _message(self, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._part(text)]
+        status = "in_progress" if text is None else "completed"
+        return {
+            "id": self._item,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": []}
+
+    def opening(self, n: int, prompt_tokens: int) -> bytes:
+        response = self._response("in_progress", [], None)
+        where = {"item_id": self._item, "output_index": 0, "content_index": 0}
+        return (
+            self._event("response.created", {"response": response})
+            + self._event("response.in_progress", {"response": response})
+            + self._event(
+                "response.output_item.added", {"output_index": 0, "item": self._message(None)}
+            )
+            + self._event("response.content_part.added", {**where, "part": self._part("")})
+        )
+
+    def delta(self, index: int, text: str) -> bytes:
+        self._texts.append(text)
+        where = {"item_id": self._item, "output_index": 0, "content_index": 0}
+        return self._event("response.output_text.delta", {**where, "delta": text, "logprobs": []})
+
+    def finish(self, done: Finished) -> bytes:
+        self._done = done
+        return self.delta(0, done.text) if done.text else b""
+
+    def closing(self, usage: Usage, include_usage: bool) -> bytes:
+        done = self._done
+        assert done is not None
+        text = "".join(self._texts)
+        where = {"item_id": self._item, "output_index": 0, "content_index": 0}
+        status = "incomplete" if done.finish == "length" else "completed"
+        item = self._message(text)
+        return (
+            self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
+            + self._event("response.content_part.done", {**where, "part": self._part(text)})
+            + self._event("response.output_item.done", {"output_index": 0, "item": item})
+            + self._event(f"response.{status}", {"response": self._response(status, [item], usage)})
+        )
+
+    def unary(self, choices: list[Finished], usage: Usage) -> bytes:
+        (done,) = choices
+        status = "incomplete" if done.finish == "length" else "completed"
+        return orjson.dumps(self._response(status, [self._message(done.text)], usage))

@@ -205,7 +205,7 @@ def prompt_ids(generation: GenerationRequest, tokenizer: TextTokenizer) -> list[
     """The prompt's token ids as vLLM computes them; BadRequest naming what the router
     does not render."""
     try:
-        if generation.route in ("chat", "messages"):
+        if generation.route in ("chat", "messages", "responses"):
             return tokenizer.chat_tokens(generation.body, anthropic=generation.route == "messages")
         prompt = completions_prompt(generation.body)
         return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt

@@ -1,5 +1,5 @@
-"""What a `grpc://` worker is sent: an OpenAI chat or completions body, or an Anthropic
-Messages body, as vLLM's `GenerateRequest` (token ids, sampling parameters), and what
+"""What a `grpc://` worker is sent: an OpenAI chat, completions or Responses body, or an
+Anthropic Messages body, as vLLM's `GenerateRequest` (token ids, sampling parameters), and what
 the gRPC path cannot do.
 
 The router renders and tokenizes the prompt itself (`router.prompts`) and maps the
@@ -10,8 +10,8 @@ maps as vLLM's Anthropic endpoint maps it (`stop_sequences` are stop strings).
 
 `grpc_gap` names what the path does not do, before any worker is picked: tool calls,
 structured output, logprobs, multimodal content (and Messages' tool and thinking
-blocks), `echo` and `suffix`, batched prompts, and every route but chat, completions and
-Messages. A request with a gap goes to an HTTP worker of
+blocks), Responses' `previous_response_id` and non-message items, `echo` and `suffix`,
+batched prompts, and every route but chat, completions, Messages and Responses. A request with a gap goes to an HTTP worker of
 its model when one exists, else is refused with a 400 that names the gap; it is never
 answered without what it asked for.
 """
@@ -25,7 +25,7 @@ from typing import Any
 from router.api.errors import BadRequest
 from router.pipeline.resolve import GenerationRequest
 
-GRPC_ROUTES = frozenset({"chat", "completions", "messages"})
+GRPC_ROUTES = frozenset({"chat", "completions", "messages", "responses"})
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """vLLM's `CompletionRequest.max_tokens` default (chat has none: the context's rest)."""
 
@@ -84,6 +84,25 @@ def grpc_gap(generation: GenerationRequest) -> str | None:
                     kind = part.get("type") if isinstance(part, Mapping) else None
                     if kind != "text":
                         return f"a `{kind}` content part"
+    if route == "responses":
+        if body.get("previous_response_id") is not None:
+            return "`previous_response_id` (the router keeps no responses)"
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, Mapping) else None
+        if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
+            return "structured output (`text.format`)"
+        items = body.get("input")
+        for item in items if isinstance(items, list) else ():
+            if not isinstance(item, Mapping):
+                continue
+            kind = item.get("type", "message")
+            if kind != "message":
+                return f"a `{kind}` input item"
+            content = item.get("content")
+            for part in content if isinstance(content, list) else ():
+                part_kind = part.get("type") if isinstance(part, Mapping) else None
+                if part_kind not in ("input_text", "output_text", "text"):
+                    return f"a `{part_kind}` content part"
     if route == "messages":
         thinking = body.get("thinking")
         if isinstance(thinking, Mapping) and thinking.get("type") == "enabled":
@@ -150,6 +169,8 @@ def build_generate(
             limit = _int(body, "max_tokens", None)
     elif generation.route == "messages":
         limit = _int(body, "max_tokens", None)
+    elif generation.route == "responses":
+        limit = _int(body, "max_output_tokens", None)
     else:
         limit = _int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     if limit is not None:

@@ -442,3 +442,46 @@ async def test_a_broken_messages_stream_ends_with_anthropics_error_event(
     name, last = anthropic_events(answer.text)[-1]
     assert name == "error"
     assert last["type"] == "error" and last["error"]["code"] == "stream_interrupted"
+
+
+RESPONSES = {"model": MODEL, "input": "hello there"}
+
+
+async def test_responses_unary_and_streamed(engines: tuple[FakeGrpcEngine, ...]) -> None:
+    a, _ = engines
+    await a.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            unary = await client.post("/v1/responses", json=RESPONSES)
+            streamed = await client.post("/v1/responses", json={**RESPONSES, "stream": True})
+            cut = await client.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 2})
+            refused = await client.post(
+                "/v1/responses", json={**RESPONSES, "previous_response_id": "resp_1"}
+            )
+    body = unary.json()
+    assert (body["object"], body["status"]) == ("response", "completed")
+    (item,) = body["output"]
+    assert item["content"] == [{"type": "output_text", "text": WORDS, "annotations": []}]
+    assert body["usage"]["output_tokens"] == 4
+    seen = anthropic_events(streamed.text)  # `event:` and `data:` lines, as Anthropic's
+    names = [name for name, _ in seen]
+    assert names[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert names[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [data["sequence_number"] for _, data in seen] == list(range(len(seen)))
+    deltas = "".join(d["delta"] for name, d in seen if name == "response.output_text.delta")
+    assert deltas == WORDS == seen[-4][1]["text"]
+    assert seen[-1][1]["response"]["usage"]["output_tokens"] == 4
+    assert cut.json()["status"] == "incomplete"
+    assert cut.json()["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert refused.status_code == 400
+    assert "previous_response_id" in refused.json()["error"]["message"]
