@@ -112,7 +112,11 @@ class GrpcCall:
                 self._window = trio.Event()
                 continue
             last = size == len(data)
-            connection.h2.send_data(self.stream_id, bytes(data[:size]), end_stream=end and last)
+            try:
+                connection.h2.send_data(self.stream_id, bytes(data[:size]), end_stream=end and last)
+            except h2.exceptions.ProtocolError as exc:
+                # The stream or the connection ended under us (a reset, a GOAWAY).
+                raise GrpcBroken(f"{connection.label}: cannot send the request: {exc}") from None
             data = data[size:]
             connection.flush_soon()
 
@@ -261,6 +265,9 @@ class GrpcConnection:
                 f"{self.label}: the worker's limit of concurrent streams is reached",
                 unprocessed=True,
             ) from None
+        except h2.exceptions.ProtocolError as exc:
+            self.accepting = False
+            raise GrpcBroken(f"{self.label}: {exc}", unprocessed=True) from None
         call = GrpcCall(self, stream_id)
         self.calls[stream_id] = call
         self.flush_soon()
@@ -279,8 +286,8 @@ class GrpcConnection:
             return
         try:
             self.h2.acknowledge_received_data(size, stream_id)
-        except h2.exceptions.StreamClosedError:
-            return  # a stream already over: its window no longer matters
+        except h2.exceptions.ProtocolError:
+            return  # a stream (or connection) already over: its window no longer matters
         self.flush_soon()
 
     def reset(self, stream_id: int) -> None:
@@ -288,8 +295,8 @@ class GrpcConnection:
             return
         try:
             self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
-        except h2.exceptions.StreamClosedError:
-            return
+        except h2.exceptions.ProtocolError:
+            return  # already closed, or the connection is going away: nothing to reset
         self.flush_soon()
 
     def forget(self, stream_id: int) -> None:

@@ -13,6 +13,7 @@ waits for one to end, no longer than its connect timeout, then raises `LocalShor
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -27,6 +28,8 @@ from router.http.upstream.exceptions import POOL_WAIT_KIND, LocalShortage
 from router.http.upstream.worker_url import parse_worker_url
 
 __all__ = ["GrpcPool", "GrpcPoolSettings", "GrpcPoolStatistics", "open_grpc_pool"]
+
+log = logging.getLogger("router.grpc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +190,12 @@ class GrpcPool:
             return connection
 
     async def _serve(self, endpoint: _Endpoint, connection: GrpcConnection) -> None:
+        """Run one connection in the pool's nursery. A bug in handling one worker's bytes
+        ends that connection (its calls fail), never the pool and every other worker's."""
         try:
             await connection.serve()
+        except Exception:
+            log.exception("the gRPC connection to %s failed", endpoint.url)
         finally:
             self._closed += 1
             if endpoint.connection is connection:
