@@ -54,7 +54,7 @@ from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.candidates import AllOpenMode
 from router.fleet.health import serve_health_checks
 from router.fleet.registry import BreakerFactory, Fleet
-from router.http.grpc import GrpcPool, open_grpc_pool
+from router.http.grpc import GrpcPool, GrpcPoolSettings, open_grpc_pool
 from router.http.server.load import ServerLoad
 from router.http.server.loop import serve_http
 from router.http.server.settings import ServerSettings
@@ -300,7 +300,9 @@ async def run_router(
     )
     async with (
         open_upstream_pool(pool_settings) as pool,
-        open_grpc_pool() as grpc,
+        open_grpc_pool(
+            GrpcPoolSettings(max_calls_per_worker=settings.max_connections_per_worker)
+        ) as grpc,
         httpx.AsyncClient(timeout=settings.health_timeout_s) as http,
         open_tracing(settings.otlp_traces_endpoint) as tracing,
         trio.open_nursery() as nursery,

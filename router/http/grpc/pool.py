@@ -34,8 +34,9 @@ log = logging.getLogger("router.grpc")
 
 @dataclass(frozen=True, slots=True)
 class GrpcPoolSettings:
-    max_calls_per_worker: int = 4096
-    """Calls open at once on one worker's connection; calls beyond it wait their turn."""
+    max_calls_per_worker: int = 256
+    """Calls open at once on one worker's connection; calls beyond it wait their turn
+    (`router serve` sets it from `--max-connections-per-worker`)."""
     max_message_bytes: int = 16 * 1024 * 1024
     """The largest message taken from a worker (a whole unary answer of a long
     generation is far below it)."""
