@@ -133,6 +133,10 @@ def call_failure(url: str, error: GrpcError | LocalShortage) -> AttemptFailed:
     if isinstance(error, GrpcConnectError):
         return AttemptFailed("connect_error", str(error), fault=True)
     if isinstance(error, GrpcBroken):
+        if error.unprocessed:
+            # The worker said it never began the call (GOAWAY, REFUSED_STREAM): going
+            # away is no fault, and the call goes elsewhere exactly once.
+            return AttemptFailed("worker_went_away", f"{url}: {error}", fault=False)
         return AttemptFailed("transport_error", f"{url} broke the call: {error}", fault=True)
     return AttemptFailed("invalid_body", f"{url} sent what gRPC cannot carry: {error}", fault=True)
 
