@@ -152,19 +152,24 @@ class EngineText:
 class GrpcEngines:
     """Each gRPC worker's tokenizer and end-of-sequence ids: `GetModelInfo` once per
     worker, the tokenizer loaded once per directory (in a thread: a large model's takes
-    a while), both kept until the worker leaves (`forget`)."""
+    a while), both kept until the worker leaves (`forget`). A directory that cannot be
+    loaded here is not tried again for `retry_s`: requests meanwhile go elsewhere at
+    once, without a thread each."""
 
     def __init__(
         self,
         pool: GrpcPool,
         timeout_s: float,
         load: Callable[[str], TextTokenizer] = HfTokenizer,
+        retry_s: float = 10.0,
     ) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
         self._load = load
+        self._retry_s = retry_s
         self._engines: dict[str, EngineText] = {}
         self._tokenizers: dict[str, TextTokenizer] = {}
+        self._unloadable: dict[str, tuple[float, str]] = {}
         self._locks: dict[str, trio.Lock] = {}
 
     async def get(self, url: str) -> EngineText:
@@ -187,14 +192,22 @@ class GrpcEngines:
             path = info.tokenizer_path
             tokenizer = self._tokenizers.get(path)
             if tokenizer is None:
-                try:
-                    tokenizer = await trio.to_thread.run_sync(self._load, path)
-                except (ValueError, OSError) as exc:
+                now = trio.current_time()
+                failed = self._unloadable.get(path)
+                if failed is None or now - failed[0] >= self._retry_s:
+                    try:
+                        tokenizer = await trio.to_thread.run_sync(self._load, path)
+                    except (ValueError, OSError) as exc:
+                        failed = self._unloadable[path] = (now, str(exc))
+                if tokenizer is None:
+                    assert failed is not None
                     raise AttemptFailed(
                         "no_tokenizer",
-                        f"{url}: the tokenizer it names ({path!r}) cannot be loaded here: {exc}",
+                        f"{url}: the tokenizer it names ({path!r}) cannot be loaded here: "
+                        f"{failed[1]}",
                         fault=False,
-                    ) from None
+                    )
+                self._unloadable.pop(path, None)
                 self._tokenizers[path] = tokenizer
             engine = EngineText(tokenizer, frozenset(info.eos_token_ids))
             self._engines[url] = engine

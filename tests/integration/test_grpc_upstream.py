@@ -18,8 +18,13 @@ import httpx
 import orjson
 import pytest
 import trio
+import trio.testing
 
 from router.cli.serve import RunningRouter
+from router.http.grpc import open_grpc_pool
+from router.pipeline.dispatch import AttemptFailed
+from router.pipeline.grpc_dispatch import GrpcEngines
+from router.prompts.tokenizer import HfTokenizer
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.grpc_fake_process import FakeGrpcEngine, fake_grpc_engine
 from tests.support.http_client import RawClient
@@ -485,3 +490,30 @@ async def test_responses_unary_and_streamed(engines: tuple[FakeGrpcEngine, ...])
     assert cut.json()["incomplete_details"] == {"reason": "max_output_tokens"}
     assert refused.status_code == 400
     assert "previous_response_id" in refused.json()["error"]["message"]
+
+
+async def test_a_tokenizer_that_cannot_be_loaded_is_tried_again_only_after_a_while(
+    engines: tuple[FakeGrpcEngine, ...], mock_clock: trio.testing.MockClock
+) -> None:
+    a, _ = engines
+    loads: list[str] = []
+
+    def load(path: str) -> HfTokenizer:
+        loads.append(path)
+        raise ValueError("no tokenizer here")
+
+    with trio.fail_after(GUARD_S):
+        async with open_grpc_pool() as pool:
+            known = GrpcEngines(pool, GUARD_S, load, retry_s=10.0)
+            for _ in range(3):
+                with pytest.raises(AttemptFailed, match="no tokenizer here") as failed:
+                    await known.get(a.url)
+                assert not failed.value.fault  # the router's trouble, not the worker's
+            mock_clock.jump(9.999)
+            with pytest.raises(AttemptFailed):
+                await known.get(a.url)
+            assert len(loads) == 1
+            mock_clock.jump(0.001)
+            with pytest.raises(AttemptFailed):
+                await known.get(a.url)
+    assert loads == [str(a.model_dir.resolve())] * 2
