@@ -87,6 +87,11 @@ def _contender(work: Path, name: str, urls: list[str]) -> tuple[Proc, str]:
             "127.0.0.1",
             "--port",
             str(port),
+            # Two smg processes at once: each its own metrics port (default 29000).
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
         )
     proc = start(name, command, work)
     url = f"http://127.0.0.1:{port}"

@@ -71,7 +71,7 @@ class BadRequest(RouterError):
 
 class NotOverGrpc(BadRequest):
     """400: the request needs what the gRPC path does not do (tool calls, structured
-    output, logprobs, multimodal input, a route other than chat, completions, Messages and Responses),
+    output, logprobs, multimodal input, a route other than the generation routes),
     and no HTTP worker of its model could take it instead. The message names the gap."""
 
     code = "unsupported_over_grpc"

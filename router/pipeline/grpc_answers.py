@@ -12,6 +12,9 @@ and unary bodies, as the engines' own HTTP servers write them.
   `output_text.delta`s, then their `done` events), and `response.completed` (or
   `response.incomplete` when the output token limit ended it) with the usage; every
   event numbered (`sequence_number`).
+- SGLang's `/generate` (`GenerateAnswer`): each event the text so far with its
+  `meta_info`, the last with the finish reason and counts, then `[DONE]`; unary, the
+  text and its `meta_info`.
 
 A stream's events are built from a template made once per answer: no dict per token.
 """
@@ -62,6 +65,8 @@ class AnswerShapes(Protocol):
 
 
 def shapes_for(route: str, request_id: str, model: str) -> AnswerShapes:
+    if route == "generate":
+        return GenerateAnswer(request_id)
     if route == "messages":
         return AnthropicAnswer(request_id, model)
     if route == "responses":
@@ -351,3 +356,55 @@ class ResponsesAnswer:
         (done,) = choices
         status = "incomplete" if done.finish == "length" else "completed"
         return orjson.dumps(self._response(status, [self._message(done.text)], usage))
+
+
+class GenerateAnswer:
+    """SGLang's `/generate`: a stream carries the whole text so far in each event, as
+    SGLang streams it by default."""
+
+    __slots__ = ("_done", "_id", "_texts")
+
+    def __init__(self, request_id: str) -> None:
+        self._id = request_id
+        self._texts: list[str] = []
+        self._done: Finished | None = None
+
+    def _meta(self, done: Finished | None, usage: Usage | None) -> dict[str, Any]:
+        finish: dict[str, Any] | None = None
+        if done is not None:
+            if done.finish == "length":
+                finish = {"type": "length", "length": usage.completion_tokens if usage else 0}
+            else:
+                finish = {"type": "stop", "matched": done.stop_reason}
+        meta: dict[str, Any] = {"id": self._id, "finish_reason": finish}
+        if usage is not None:
+            meta |= {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "cached_tokens": usage.cached_tokens,
+            }
+        return meta
+
+    def opening(self, n: int, prompt_tokens: int) -> bytes:
+        return b""
+
+    def delta(self, index: int, text: str) -> bytes:
+        self._texts.append(text)
+        whole = "".join(self._texts)
+        return (
+            b"data: " + orjson.dumps({"text": whole, "meta_info": self._meta(None, None)}) + b"\n\n"
+        )
+
+    def finish(self, done: Finished) -> bytes:
+        self._done = done
+        self._texts.append(done.text)
+        return b""
+
+    def closing(self, usage: Usage, include_usage: bool) -> bytes:
+        whole = "".join(self._texts)
+        meta = self._meta(self._done, usage)
+        return b"data: " + orjson.dumps({"text": whole, "meta_info": meta}) + b"\n\n" + DONE
+
+    def unary(self, choices: list[Finished], usage: Usage) -> bytes:
+        done = choices[0]
+        return orjson.dumps({"text": done.text, "meta_info": self._meta(done, usage)})

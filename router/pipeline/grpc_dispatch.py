@@ -58,7 +58,12 @@ from router.http.server.messages import ResponseWriter
 from router.http.upstream.exceptions import LocalShortage
 from router.pipeline.dispatch import Answer, AttemptFailed, Timeouts
 from router.pipeline.grpc_answers import AnswerShapes, Finished, Usage, shapes_for
-from router.pipeline.grpc_request import GrpcGeneration, build_generate, completions_prompt
+from router.pipeline.grpc_request import (
+    GrpcGeneration,
+    build_generate,
+    completions_prompt,
+    generate_prompt,
+)
 from router.pipeline.resolve import GenerationRequest
 from router.prompts.chat_request import NotRendered
 from router.prompts.chat_template import TemplateFailed
@@ -224,7 +229,10 @@ def prompt_ids(generation: GenerationRequest, tokenizer: TextTokenizer) -> list[
     try:
         if generation.route in ("chat", "messages", "responses"):
             return tokenizer.chat_tokens(generation.body, anthropic=generation.route == "messages")
-        prompt = completions_prompt(generation.body)
+        if generation.route == "generate":
+            prompt = generate_prompt(generation.body)
+        else:
+            prompt = completions_prompt(generation.body)
         return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     except NotRendered as exc:
         raise BadRequest(

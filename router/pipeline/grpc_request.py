@@ -1,17 +1,19 @@
-"""What a `grpc://` worker is sent: an OpenAI chat, completions or Responses body, or an
-Anthropic Messages body, as vLLM's `GenerateRequest` (token ids, sampling parameters), and what
+"""What a `grpc://` worker is sent: an OpenAI chat, completions or Responses body, an
+Anthropic Messages body, or SGLang's `/generate` body, as vLLM's `GenerateRequest` (token ids, sampling parameters), and what
 the gRPC path cannot do.
 
 The router renders and tokenizes the prompt itself (`router.prompts`) and maps the
 body's sampling fields onto the engine's `SamplingParams` as vLLM's OpenAI server maps
 them, with its defaults: completions generate 16 tokens unless `max_tokens` says
 otherwise; chat up to the context; special tokens skipped and spaced. A Messages body
-maps as vLLM's Anthropic endpoint maps it (`stop_sequences` are stop strings).
+maps as vLLM's Anthropic endpoint maps it (`stop_sequences` are stop strings); a
+`/generate` body's `sampling_params` as SGLang reads them (`max_new_tokens`, default 128).
 
 `grpc_gap` names what the path does not do, before any worker is picked: tool calls,
 structured output, logprobs, multimodal content (and Messages' tool and thinking
 blocks), Responses' `previous_response_id` and non-message items, `echo` and `suffix`,
-batched prompts, and every route but chat, completions, Messages and Responses. A request with a gap goes to an HTTP worker of
+batched prompts, `/generate`'s logprobs, images and LoRA, and every route but chat,
+completions, Messages, Responses and `/generate`. A request with a gap goes to an HTTP worker of
 its model when one exists, else is refused with a 400 that names the gap; it is never
 answered without what it asked for.
 """
@@ -25,9 +27,11 @@ from typing import Any
 from router.api.errors import BadRequest
 from router.pipeline.resolve import GenerationRequest
 
-GRPC_ROUTES = frozenset({"chat", "completions", "messages", "responses"})
+GRPC_ROUTES = frozenset({"chat", "completions", "messages", "responses", "generate"})
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """vLLM's `CompletionRequest.max_tokens` default (chat has none: the context's rest)."""
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's `max_new_tokens` default for `/generate`."""
 
 # Fields that ask for structured output (vLLM's names, old and new).
 _STRUCTURED = (
@@ -67,6 +71,14 @@ def grpc_gap(generation: GenerationRequest) -> str | None:
             return f"structured output (`{name}`)"
     if body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"):
         return "logprobs"
+    if route == "generate":
+        for name in ("return_logprob", "image_data", "lora_path", "input_embeds"):
+            if body.get(name):
+                return f"`{name}`"
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+            return "batched prompts"
+        return None
     if route == "completions":
         if body.get("echo"):
             return "`echo`"
@@ -125,6 +137,17 @@ def completions_prompt(body: Mapping[str, Any]) -> str | list[int]:
     raise BadRequest("'prompt' must be a string or a list of token ids")
 
 
+def generate_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """The one prompt of a `/generate` body: its `input_ids`, else its `text`."""
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids):
+        return list(ids)
+    text = body.get("text")
+    if isinstance(text, str):
+        return text
+    raise BadRequest("'text' must be a string or 'input_ids' a list of token ids")
+
+
 @dataclass(frozen=True, slots=True)
 class GrpcGeneration:
     """One attempt's `GenerateRequest` and what reading its answer needs."""
@@ -154,7 +177,11 @@ def build_generate(
 ) -> GrpcGeneration:
     """The `GenerateRequest` of `generation` with prompt `prompt_ids` (`messages`: the
     `vllm_engine_pb2` module). Raises BadRequest for a sampling field of the wrong type."""
-    body = generation.body
+    body: Mapping[str, Any] = generation.body
+    if generation.route == "generate":
+        # SGLang's native API: the sampling fields live in `sampling_params`.
+        sampling = body.get("sampling_params")
+        body = sampling if isinstance(sampling, Mapping) else {}
     params = messages.SamplingParams()
     for name in _FLOATS:
         value = _float(body, name)
@@ -171,11 +198,14 @@ def build_generate(
         limit = _int(body, "max_tokens", None)
     elif generation.route == "responses":
         limit = _int(body, "max_output_tokens", None)
+    elif generation.route == "generate":
+        limit = _int(body, "max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS)
     else:
         limit = _int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     if limit is not None:
         params.max_tokens = limit
-    min_tokens = _int(body, "min_tokens", 0) or 0
+    min_name = "min_new_tokens" if generation.route == "generate" else "min_tokens"
+    min_tokens = _int(body, min_name, 0) or 0
     params.min_tokens = min_tokens
     stops = _stops(body, "stop_sequences" if generation.route == "messages" else "stop")
     params.stop.extend(stops)

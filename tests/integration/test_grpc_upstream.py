@@ -517,3 +517,28 @@ async def test_a_tokenizer_that_cannot_be_loaded_is_tried_again_only_after_a_whi
             with pytest.raises(AttemptFailed):
                 await known.get(a.url)
     assert loads == [str(a.model_dir.resolve())] * 2
+
+
+async def test_sglangs_generate_unary_and_streamed(engines: tuple[FakeGrpcEngine, ...]) -> None:
+    a, _ = engines
+    await a.behave()
+    body = {"model": MODEL, "text": "hello there", "sampling_params": {"max_new_tokens": 4}}
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            unary = await client.post("/generate", json=body)
+            streamed = await client.post("/generate", json={**body, "stream": True})
+            ids = await client.post(
+                "/generate", json={"model": MODEL, "input_ids": [5, 6], "sampling_params": {}}
+            )
+    assert unary.json()["text"] == WORDS
+    meta = unary.json()["meta_info"]
+    assert (meta["finish_reason"], meta["completion_tokens"]) == (
+        {"type": "length", "length": 4},
+        4,
+    )
+    seen = events(streamed.text)
+    assert seen[-1] == "[DONE]"
+    assert [e["text"] for e in seen[:-1]][-1] == WORDS  # each event the text so far
+    assert seen[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    # No max_new_tokens: SGLang's 128 is the limit the engine gets; the fake stops at 4.
+    assert ids.json()["meta_info"]["finish_reason"]["type"] == "length"

@@ -66,6 +66,17 @@ def test_messages_and_responses_take_their_own_limits_and_stops() -> None:
     assert responses.sampling_params.max_tokens == 5
 
 
+def test_generate_reads_sglangs_sampling_params() -> None:
+    sent = built(
+        "/generate",
+        model="m",
+        text="x",
+        sampling_params={"max_new_tokens": 3, "min_new_tokens": 1, "stop": ["z"], "top_k": 2},
+    ).sampling_params
+    assert (sent.max_tokens, sent.min_tokens, list(sent.stop), sent.top_k) == (3, 1, ["z"], 2)
+    assert built("/generate", model="m", input_ids=[1]).sampling_params.max_tokens == 128
+
+
 def test_stop_ids_are_the_requests_and_the_models_unless_eos_is_ignored() -> None:
     generation = request("/v1/completions", model="m", prompt="x", stop_token_ids=[9])
     assert build_generate(pb, generation, [5], "r", frozenset({1}), 0).stop_ids == {1, 9}
@@ -113,7 +124,9 @@ def test_a_field_of_the_wrong_type_is_the_clients_400(body: dict[str, Any], why:
         ("/v1/completions", {"model": "m", "prompt": [1, 2]}, None),
         ("/v1/responses", {"model": "m", "input": "x", "previous_response_id": "r"}, "previous"),
         ("/v1/messages", {**CHAT, "max_tokens": 3, "thinking": {"type": "enabled"}}, "thinking"),
-        ("/generate", {"model": "m", "text": "x"}, "the /generate route"),
+        ("/generate", {"model": "m", "text": "x"}, None),
+        ("/generate", {"model": "m", "text": "x", "return_logprob": True}, "`return_logprob`"),
+        ("/generate", {"model": "m", "text": ["x", "y"]}, "batched prompts"),
         ("/v1/embeddings", {"model": "m", "input": "x"}, "the /v1/embeddings route"),
     ],
 )
