@@ -32,7 +32,7 @@ MODEL_ALIAS_ENV = ENV_PREFIX + "MODEL_ALIAS"
 MODEL_FALLBACK_ENV = ENV_PREFIX + "MODEL_FALLBACK"
 MODEL_ALIAS_HELP = "a public model name for served models with weights: ALIAS=MODEL[:WEIGHT][,MODEL[:WEIGHT]...] (a canary: chat=v1:95,v2:5)"
 MODEL_FALLBACK_HELP = "the models a model gives way to when it has no worker that can take a request (never for an unknown model): MODEL=FALLBACK[,FALLBACK...]"
-WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
+WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), adapters= (LoRA adapters it holds, a+b), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
 WORKERS_FILE_HELP = "YAML list of worker records (or a mapping with a `workers` list)"
 CONFIG_HELP = (
     "YAML file of settings: any option by its name (host, policy, ...), plus workers / workers_file"
@@ -116,6 +116,9 @@ class Settings:
     engine_load_interval_s: float = 0.5
     engine_load_timeout_s: float = 1.0
     engine_load_window_s: float = 0.25
+    adapter_list_interval_s: float = 5.0
+    adapter_slot_cost: float = 1.0
+    adapter_wait_cost: float = 4.0
     spread_margin: float = 0.5
     policy_seed: int = -1
     kv_tokenizer: str = ""

@@ -281,6 +281,27 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "adapter_list_interval_s",
+        float,
+        5.0,
+        "seconds between readings of each engine's model list for the LoRA adapters it holds (entries with a parent), which requests naming an adapter are planned over; an engine that answers 404 for an adapter it was listed with is read again at once; 0: never read, only the adapters records declare",
+        minimum=0,
+    ),
+    Option(
+        "adapter_slot_cost",
+        float,
+        1.0,
+        "least_load, power_of_two and kv_aware: what sending a request for a LoRA adapter to an engine that is not running it but has a free adapter slot (vLLM's max_loras) costs, in requests in flight, against one already running it",
+        minimum=0,
+    ),
+    Option(
+        "adapter_wait_cost",
+        float,
+        4.0,
+        "least_load, power_of_two and kv_aware: what sending a request for a LoRA adapter to an engine whose adapter slots all run other adapters (so the request waits for one) costs, in requests in flight",
+        minimum=0,
+    ),
+    Option(
         "spread_margin",
         float,
         0.5,

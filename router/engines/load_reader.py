@@ -9,7 +9,8 @@ Which way a worker's engine is read (`LoadSource`), decided from what it is and 
 - `loads`: an SGLang engine without the stream: `GET /v1/loads` every `interval_s` (a
   release without the route answers 404, and the task moves to `metrics`);
 - `metrics`: vLLM, and an engine of unknown kind: `GET /metrics` every `interval_s`,
-  reading only the running, waiting and KV-usage families (`router.engines.load_readings`).
+  reading only the running, waiting and KV-usage families (`router.engines.load_readings`),
+  and from the same page the engine's LoRA adapter slots (`router.engines.lora_activity`).
 
 A read that fails, times out (`timeout_s`), answers other than 200, is too large or
 cannot be read makes every view of the worker unknown at once, so no reading is ever
@@ -46,6 +47,7 @@ from router.engines.load_readings import (
     metrics_readings,
     whole_engine,
 )
+from router.engines.lora_activity import adapter_activity
 from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 from router.fleet.records import EventEndpoint
 from router.fleet.registry import Fleet, Worker
@@ -205,6 +207,7 @@ class EngineLoads:
                 # A worker that changed gets a new reader; until it reads, it is unknown.
                 for share in worker.shares:
                     share.lose()
+                worker.adapters.activity = None
 
     async def _pushed_streams(
         self, worker: Worker, http: httpx.AsyncClient
@@ -247,6 +250,8 @@ class EngineLoads:
                 outcome = "failed"
             except (BadReading, StreamTooLarge, orjson.JSONDecodeError):
                 outcome = "bad_answer"
+            if outcome != "ok":
+                worker.adapters.activity = None
             known = apply_readings(
                 worker, {rank: (got, taken_at) for rank, got in readings.items()}, settings.window_s
             )
@@ -273,7 +278,10 @@ class EngineLoads:
             body = await read_capped(response, self.settings.max_answer_bytes)
         if source is LoadSource.LOADS:
             return loads_readings(orjson.loads(body))
-        return metrics_readings(body.decode("utf-8", "replace"), worker.record.engine)
+        text = body.decode("utf-8", "replace")
+        # The adapter slots come with the same page (vLLM's `vllm:lora_requests_info`).
+        worker.adapters.activity = adapter_activity(text)
+        return metrics_readings(text, worker.record.engine)
 
     # -- pushed streams ----------------------------------------------------------------
 

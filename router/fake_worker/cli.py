@@ -122,6 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="requests another sender holds on this engine, shown in its running gauge",
     )
+    lora = parser.add_argument_group("LoRA adapters (--engine vllm)")
+    lora.add_argument(
+        "--lora-adapters",
+        type=_names,
+        default=(),
+        metavar="A,B",
+        help="LoRA adapters the engine holds, as vLLM's --lora-modules: listed in /v1/models with parent, served by name (comma-separated)",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="adapters run at once, as vLLM's; requests for another wait for a slot (default 1)",
+    )
+    lora.add_argument(
+        "--runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
         "--fail-first",
@@ -136,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_registration_arguments(parser)
     return parser
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def parse_command(argv: list[str]) -> tuple[FakeWorkerSettings, FakeRegistration | None]:

@@ -8,7 +8,10 @@ takes and how their exchanges fit together; the attempt loop (`router.pipeline.s
 whether another attempt follows.
 
 The verdict is recorded in one place, `Lease.settle`; a failure leaves this module as a
-`WorkerFailed` that names its worker from where it is raised.
+`WorkerFailed` that names its worker from where it is raised. A worker's 404 for a LoRA
+adapter it was thought to hold is a routing miss (`adapter_missing`): another worker is
+tried, the breaker records nothing, and `on_adapter_miss` tells whoever keeps the
+fleet's adapters.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from router.pipeline.dispatch import (
     Answer,
     AttemptFailed,
     Timeouts,
+    adapter_missing,
     client_headers,
     first_stream_chunk,
     judge_answer,
@@ -129,6 +133,8 @@ class Lease:
     settled: bool = False
     committed: bool = False
     """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
+    adapter: str | None = None
+    """The LoRA adapter the attempt runs on the worker, counted in flight there."""
 
     async def commit(self) -> None:
         """Pass the point of no return, unless the attempt was cancelled meanwhile.
@@ -176,6 +182,7 @@ class AttemptRunner:
         *,
         worker_api_key: str = "",
         on_release: Callable[[Worker], None] = lambda worker: None,
+        on_adapter_miss: Callable[[Worker, str], None] = lambda worker, adapter: None,
     ) -> None:
         self.fleet = fleet
         self.pool = pool
@@ -187,6 +194,7 @@ class AttemptRunner:
         self.ranks = RankChooser()
         self._worker_api_key = worker_api_key
         self._on_release = on_release
+        self._on_adapter_miss = on_adapter_miss
 
     def pick(self, plan: Plan, role: Role, ctx: RequestContext) -> tuple[Worker, int | None] | None:
         """The role's policy pick among the plan's candidates the request has not tried,
@@ -202,6 +210,7 @@ class AttemptRunner:
             generation.body,
             generation.route,
             generation.tokens,
+            self.fleet.adapter_parent(generation.model),
         )
         # A policy that also chooses the DP rank (kv_aware: the rank holding the prompt's
         # blocks) has a `pick_ranked`.
@@ -255,6 +264,8 @@ class AttemptRunner:
         try:
             lease.settle()
         finally:
+            if lease.adapter is not None:
+                lease.worker.adapters.ended(lease.adapter)
             lease.worker.end(lease.rank)
             lease.trace.end()
             self.fleet.lease_ended(lease.worker)
@@ -275,6 +286,22 @@ class AttemptRunner:
         ctx.log.tried[worker.role].add(worker.id)
         return WorkerFailed(worker, failure)
 
+    def _hold_adapter(self, lease: Lease, model: str) -> None:
+        """Count the attempt in flight on its worker's adapter, when `model` is one the
+        worker holds (the adapter policies read it before the engine's own reading)."""
+        adapters = lease.worker.adapters
+        if lease.adapter is None and model in adapters.held:
+            lease.adapter = model
+            adapters.began(model)
+
+    def _judge_adapter(self, lease: Lease, answer: Answer, model: str) -> None:
+        """Raise AttemptFailed for a 404 to a request for an adapter the worker was thought
+        to hold (a routing miss), after telling `on_adapter_miss`."""
+        worker = lease.worker
+        if answer.status == 404 and model in worker.adapters.held:
+            self._on_adapter_miss(worker, model)
+            raise adapter_missing(answer, worker.url, model)
+
     def _headers(self, lease: Lease, request: Request) -> list[tuple[bytes, bytes]]:
         key = lease.worker.record.api_key or self._worker_api_key
         credential = b"Bearer " + key.encode() if key else None
@@ -289,6 +316,7 @@ class AttemptRunner:
         worker = lease.worker
         generation = ctx.generation
         idle_s = self.timeouts.stream_idle_s
+        self._hold_adapter(lease, generation.model)
         try:
             async with open_upstream_response(
                 self.pool,
@@ -317,6 +345,7 @@ class AttemptRunner:
                 answer = await read_answer(response, worker.url, idle_s)
             # The upstream connection is back in the pool before a slow client is written to.
             judge_answer(answer, worker.url, expect_json=not generation.stream)
+            self._judge_adapter(lease, answer, generation.model)
         except AttemptFailed as failure:
             raise self._failed(lease, failure, ctx) from failure
         await self._begin_answer(lease, answer.status, ctx)
@@ -339,6 +368,7 @@ class AttemptRunner:
         """
         worker = lease.worker
         generation = ctx.generation
+        self._hold_adapter(lease, generation.model)
         try:
             async with open_upstream_response(
                 self.pool,
@@ -351,6 +381,7 @@ class AttemptRunner:
                 lease.trace.answered(response.status)
                 answer = await read_answer(response, worker.url, self.timeouts.stream_idle_s)
             judge_answer(answer, worker.url, expect_json=not generation.stream)
+            self._judge_adapter(lease, answer, generation.model)
             if answer.status >= 400:
                 raise AttemptFailed(
                     f"{worker.role.value}_status_{answer.status}",

@@ -241,6 +241,18 @@ def judge_answer(answer: Answer, url: str, *, expect_json: bool) -> Answer:
     return answer
 
 
+def adapter_missing(answer: Answer, url: str, adapter: str) -> AttemptFailed:
+    """A worker's 404 for a LoRA adapter it was thought to hold: a routing miss, not the
+    client's error (another worker holds it) nor the worker's fault (it serves, it only
+    lacks that adapter now). Retried elsewhere; the breaker records nothing."""
+    return AttemptFailed(
+        "adapter_missing",
+        f"{url} answered 404 for adapter {adapter!r}, which it was listed with",
+        fault=False,
+        answer=answer,
+    )
+
+
 async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float) -> bytes:
     """The first body bytes of a 200 stream; nothing has reached the client yet."""
     try:

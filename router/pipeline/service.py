@@ -29,7 +29,7 @@ from router.api.routes import ROUTES
 from router.fleet.candidates import AllOpenMode
 from router.fleet.ranks import RankChooser
 from router.fleet.records import Mode, Role
-from router.fleet.registry import Fleet
+from router.fleet.registry import Fleet, Worker
 from router.http.direct_socket import SendStalled
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.upstream.pool import UpstreamPool
@@ -44,6 +44,7 @@ from router.pipeline.pd import PDStrategy
 from router.pipeline.plan import Plan, plan_request
 from router.pipeline.resolve import GenerationRequest, parse_generation_request
 from router.pipeline.wait import WorkerWait, WorkerWaitSettings
+from router.policies.adapter_affinity import AdapterAffinitySettings
 from router.policies.by_name import make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareSettings
 from router.policies.kv_aware import KvAware, KvPolicyInputs
@@ -87,6 +88,8 @@ class FailoverSettings:
     """The operator's aliases and fallbacks."""
     answer_alias: bool = False
     """Write an alias, not the served model, in the answer's `model` field."""
+    adapters: AdapterAffinitySettings = field(default_factory=AdapterAffinitySettings)
+    """What a LoRA adapter's slots cost the load-reading policies."""
 
 
 class GenerationService:
@@ -102,9 +105,12 @@ class GenerationService:
         pipeline_metrics: PipelineMetrics,
         *,
         draw: Callable[[], float] | None = None,
+        on_adapter_miss: Callable[[Worker, str], None] | None = None,
     ) -> None:
         """`draw` picks among an alias's models (numbers in [0, 1); default: a generator
-        seeded by the OS)."""
+        seeded by the OS). `on_adapter_miss(worker, adapter)` hears of each routing miss
+        (`router.engines.adapter_lists.AdapterLists.missed`; default: the fleet alone
+        forgets the adapter on that worker)."""
         self.settings = settings
         self.names = settings.names
         self.draw = draw if draw is not None else random.Random().random
@@ -117,7 +123,14 @@ class GenerationService:
         ties = NearTies(settings.spread.margin, rng)
 
         def build(name: str) -> Policy:
-            return make_policy(name, rng=rng, cache=settings.cache, kv=settings.kv, ties=ties)
+            return make_policy(
+                name,
+                rng=rng,
+                cache=settings.cache,
+                kv=settings.kv,
+                ties=ties,
+                adapters=settings.adapters,
+            )
 
         self.policies = {
             Role.MIXED: build(settings.policy),
@@ -148,6 +161,9 @@ class GenerationService:
             self.policies,
             worker_api_key=settings.worker_api_key,
             on_release=self.waits.notify,
+            on_adapter_miss=on_adapter_miss
+            if on_adapter_miss is not None
+            else fleet.adapter_missed,
         )
         self.strategies: dict[Mode, Strategy] = {
             Mode.MIXED: MixedStrategy(self.runner),
