@@ -1,10 +1,13 @@
 """An engine's LoRA adapter slots, from vLLM's `vllm:lora_requests_info` on its `/metrics`.
 
 vLLM keeps one series of that gauge per combination of its labels: `max_lora` (its
-`--max-loras`), `running_lora_adapters` and `waiting_lora_adapters` (the adapters of its
-running and waiting requests, comma-separated, empty for none). The value is the time the
-series was last set, and old series are never removed: the newest one is the engine's
-state. An engine run without LoRA exports no such gauge; its slots are unknown (None),
+`--max-loras`), `running_lora_adapters` and `waiting_lora_adapters` (adapter names,
+comma-separated, empty for none). The value is the time the series was last set, and old
+series are never removed: the newest one is the engine's state. In vLLM 0.32 both labels
+name the same set, the adapters with a request in flight that has been scheduled at least
+once (a request still waiting for its first step has told the metrics nothing yet), so
+`running` is what decides; `waiting` is read as the label says, for engines that fill it
+apart. An engine run without LoRA exports no such gauge; its slots are unknown (None),
 never "no adapter running".
 
 Read by the engine load reader on the page it already fetched (`router.engines.

@@ -14,6 +14,10 @@
 - `vllm:lora_requests_info` (`lora_info_series`): one series per combination of
   `max_lora`, `running_lora_adapters` and `waiting_lora_adapters` the engine has shown,
   its value the wall-clock time it was last set, old ones kept, as vLLM's gauge does.
+  As vLLM 0.32 fills them, both adapter labels name the same set: the adapters of the
+  requests it runs. (vLLM learns a request's adapter from its first scheduled step, so a
+  request still waiting for a slot shows in neither, and every adapter it knows of goes
+  in both, with its count, zero or not, of which only the names are exported.)
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ class AdapterSlots:
     def lora_info_series(self, now: float) -> list[tuple[str, str, float]]:
         """`(running, waiting, set_at)` of every series to show, the current state's set
         at `now` (wall-clock seconds, as vLLM's `set_to_current_time`)."""
-        key = (",".join(self.running), ",".join(self.waiting))
+        names = ",".join(self.running)
+        key = (names, names)
         self._series[key] = now
         self._series.move_to_end(key)
         while len(self._series) > MAX_KEPT_SERIES:

@@ -8,8 +8,9 @@ adapter the engine answered 404 for (a routing miss) is held no more, even a dec
 one, until the engine's list names it again.
 
 What the engine does with them comes from vLLM's `vllm:lora_requests_info` (read with the
-engine's load, `router.engines.load_reader`): how many adapters it may run at once
-(`--max-loras`), the adapters of its running requests and those of its waiting ones.
+engine's load, `router.engines.load_reader`, which says what the labels mean): how many
+adapters it may run at once (`--max-loras`), the adapters of its running requests and
+those of its waiting ones.
 A request for an adapter the engine is not running waits in its queue while every slot
 is taken by others, so one engine serving several adapters serialises them. This
 process's own requests in flight per adapter count as running: the engine's reading lags
@@ -112,6 +113,7 @@ class WorkerAdapters:
         if adapter in activity.running:
             return SlotState.RUNNING
         if adapter in activity.waiting:
+            # Its requests wait already (an engine that names them apart from the running).
             return SlotState.WAITS
         if adapter in self.inflight:
             # Ours, sent since the reading: the engine runs it, or is about to.

@@ -179,4 +179,4 @@ async def test_least_load_sends_an_adapter_to_the_engine_running_it_not_the_ligh
                 for handle in fleet:
                     handle.worker.release_answers()
     assert _dispatches(fleet) == [1, 5]
-    assert workers[0]["adapter_slots"] == {"max_loras": 1, "running": ["b"], "waiting": []}
+    assert workers[0]["adapter_slots"] == {"max_loras": 1, "running": ["b"], "waiting": ["b"]}
