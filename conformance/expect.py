@@ -102,6 +102,15 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
             failures.append(
                 f"body_json: {len(garbled)} of {len(answers)} bodies are not JSON; first: {garbled[0].excerpt()}"
             )
+    if expect.lists_models:
+        short = [(a, _unlisted(expect.lists_models, a.json())) for a in answers]
+        short = [(a, problems) for a, problems in short if problems]
+        if short:
+            first, problems = short[0]
+            failures.append(
+                f"lists_models: {len(short)} of {len(answers)} answers fall short; first: "
+                f"{'; '.join(problems)}; body: {first.excerpt(300)}"
+            )
     if expect.stream_end is not None:
         ends: Counter[str] = Counter(stream_end(a) for a in answers)
         if set(ends) != {expect.stream_end}:
@@ -109,6 +118,25 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
                 f"stream_end: expected {expect.stream_end} on every stream, got {_counts(ends)}{_last_event(answers)}"
             )
     return failures
+
+
+def _unlisted(wanted: Mapping[str, str | None], body: Any) -> list[str]:
+    """How a model list falls short of `wanted` (id -> parent); empty when it lists all."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return ["the answer is not a model list"]
+    parents = {
+        entry["id"]: entry.get("parent")
+        for entry in data
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+    }
+    problems = []
+    for model, parent in wanted.items():
+        if model not in parents:
+            problems.append(f"{model!r} is not listed")
+        elif parents[model] != parent:
+            problems.append(f"{model!r} has parent {parents[model]!r}, expected {parent!r}")
+    return problems
 
 
 def check_workers(expect: Expect, case: Case, view: WorkerView) -> list[str]:

@@ -55,6 +55,7 @@ EXPECT_FIELDS = (
     "body_json",
     "handoffs",
     "error_shape",
+    "lists_models",
 )
 # Past this a request would hold a fleet longer than any case should take.
 MAX_COUNT = 1000
@@ -187,7 +188,23 @@ class RequestReader:
             handoffs=self.handoffs(m["handoffs"], join(field, "handoffs"))
             if "handoffs" in m
             else None,
+            lists_models=self.lists_models(m["lists_models"], join(field, "lists_models"))
+            if "lists_models" in m
+            else {},
         )
+
+    def lists_models(self, node: Node, field: str) -> dict[str, str | None]:
+        """Model ids, each with the `parent` it must be listed with (null: none)."""
+        r = self.r
+        listed: dict[str, str | None] = {}
+        for key, _, value in r.items(node, field):
+            parent = r.scalar(value, join(field, key))
+            if parent is not None and not isinstance(parent, str):
+                raise r.fail(value, join(field, key), f"must be a model id or null, got {parent!r}")
+            listed[key] = parent
+        if not listed:
+            raise r.fail(node, field, "names no model")
+        return listed
 
     def status(self, node: Node, field: str, count: int) -> dict[StatusKey, Range]:
         r = self.r
