@@ -60,6 +60,9 @@ CAPABILITIES: Mapping[str, str] = {
     "worker.status": "a worker's own record can say DRAINING, and the plane honours it",
     "discovery.etcd": "the plane follows worker records in etcd",
     "discovery.kubernetes": "the plane follows Pods through the Kubernetes API",
+    # Upstream protocol (implied by the fleet a run is on, not by a case)
+    "upstream.grpc": "the plane routes to gRPC engines (`grpc://` workers, `--fleet grpc` or "
+    "`vllm-grpc`): it tokenizes prompts itself and speaks the engines' gRPC services",
 }
 
 

@@ -65,14 +65,28 @@ BUSIEST_WORKER = "busiest"
 NO_STATUS: Literal["error"] = "error"
 DEFAULT_MODEL = "m"
 # What a case's workers can be: `router fake-worker` processes (scripted behaviour, debug
-# counters), or real vLLM engines (the CPU build of `make engine-env`, real faults only).
-FLEET_KINDS = ("fake", "vllm")
+# counters) speaking HTTP (`fake`) or gRPC (`grpc`), or real vLLM engines (the CPU build of
+# `make engine-env`, real faults only) serving their HTTP API (`vllm`) or their gRPC
+# service (`vllm-grpc`).
+FLEET_KINDS = ("fake", "vllm", "grpc", "vllm-grpc")
+# Fleets of real engines: started once per run and lent to one case at a time.
+ENGINE_FLEETS = frozenset({"vllm", "vllm-grpc"})
+# Fleets whose workers speak gRPC (`grpc://` URLs): a plane routes to them only through a
+# gRPC path of its own (the `upstream.grpc` capability), tokenizing prompts itself.
+GRPC_FLEETS = frozenset({"grpc", "vllm-grpc"})
+# The routes a gRPC worker serves through a plane: generation only (no `Embed` on the fake).
+GRPC_ROUTES = ("chat", "completions", "generate", "responses", "messages")
 # What a `fault` step does to a worker's process: SIGKILL its group (unreachable),
 # SIGSTOP / SIGCONT it (a hang with its sockets open, and its end), or start it again on
 # the same port (after a kill, or killing it first).
 FAULT_ACTIONS = ("kill", "stop", "resume", "restart")
 
 StatusKey = int | Literal["error"]
+
+
+def fleet_capabilities(fleet: str) -> frozenset[str]:
+    """What a plane needs to run any case on a fleet of this kind, beyond the case's own."""
+    return frozenset({"upstream.grpc"}) if fleet in GRPC_FLEETS else frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +215,8 @@ class Expect:
     """
 
     status: Mapping[StatusKey, Range] | None = None
-    error_code: str | None = None
+    # Every answer's `error.code` is this one, or one of these (a list in the case file).
+    error_code: str | tuple[str, ...] | None = None
     message_contains: tuple[str, ...] = ()
     headers: Mapping[str, HeaderCheck] = field(default_factory=dict)
     dispatches: Mapping[str, Range] = field(default_factory=dict)

@@ -163,7 +163,7 @@ class RequestReader:
             status=self.status(m["status"], join(field, "status"), request.count)
             if "status" in m
             else None,
-            error_code=r.string(m["error_code"], join(field, "error_code"))
+            error_code=self.error_code(m["error_code"], join(field, "error_code"))
             if "error_code" in m
             else None,
             message_contains=r.strings(m["message_contains"], join(field, "message_contains"))
@@ -205,6 +205,13 @@ class RequestReader:
         if not listed:
             raise r.fail(node, field, "names no model")
         return listed
+
+    def error_code(self, node: Node, field: str) -> str | tuple[str, ...]:
+        """One code, or a list of the codes an answer may have (at least one)."""
+        codes = self.r.strings(node, field)
+        if not codes:
+            raise self.r.fail(node, field, "names no error code")
+        return codes[0] if len(codes) == 1 and isinstance(node, ScalarNode) else codes
 
     def status(self, node: Node, field: str, count: int) -> dict[StatusKey, Range]:
         r = self.r

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -29,6 +30,12 @@ class PythonPlane(Plane):
     name = "python"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("python_divergences.yaml")
     distribution = "trio-router"
+    install_hint: ClassVar[str] = "pip install -e '.[test]' (make setup installs it)"
+    # Capabilities it lacks, and what it does instead.
+    missing_notes: ClassVar[Mapping[str, str]] = {
+        "upstream.grpc": "router serve has no gRPC upstream yet: it routes to http:// workers "
+        "only, so no case of a gRPC fleet runs",
+    }
     capabilities = frozenset(
         {
             "breaker.single_probe",

@@ -9,7 +9,11 @@ Mapping notes, each observed on the binary rather than taken from its help text:
 - cooldowns and health intervals are whole seconds;
 - success threshold is set to 1 so that one good probe closes the breaker, as in the spec;
 - under Kubernetes discovery it reads the kubeconfig from `KUBECONFIG` and takes one
-  port (`--service-discovery-port`) for every Pod; a Pod that is not Ready is no worker.
+  port (`--service-discovery-port`) for every Pod; a Pod that is not Ready is no worker;
+- its gRPC path: `--worker-urls grpc://HOST:PORT` (the fleet's URLs on `--fleet grpc` or
+  `vllm-grpc`); it asks each engine service's `HealthCheck` to learn the engine's kind,
+  loads the tokenizer from the directory `GetModelInfo` names, and tokenizes itself. The
+  same flags apply; `smg_grpc_divergences.yaml` lists where that path diverges.
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ POLICIES = {
 class SmgPlane(Plane):
     name = "smg"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("smg_divergences.yaml")
+    grpc_divergences: ClassVar[Path | None] = Path(__file__).with_name("smg_grpc_divergences.yaml")
     # Its interpreter names the installed release (`smg --version` says "smg 1.13.0").
     distribution = "smg"
+    install_hint: ClassVar[str] = "pip install smg (make setup installs it)"
     capabilities = frozenset(
         {
             "breaker.all_open_reject",
@@ -68,6 +74,8 @@ class SmgPlane(Plane):
             # --model-alias ALIAS=MODEL (one model, no weights), and the priority scheduler.
             "model.alias",
             "admission.priority",
+            # gRPC engines behind it (`--fleet grpc`, `vllm-grpc`).
+            "upstream.grpc",
         }
     )
     # Observed with `conformance run --plane smg --run-unsupported -v`.

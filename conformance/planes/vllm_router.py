@@ -61,7 +61,9 @@ def _interpreter(binary: str) -> str:
 class VllmRouterPlane(SmgPlane):
     name = "vllm-router"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("vllm_router_divergences.yaml")
+    grpc_divergences: ClassVar[Path | None] = None
     distribution = "vllm-router"
+    install_hint: ClassVar[str] = "pip install vllm-router (make setup installs it)"
     capabilities = frozenset(
         {
             "breaker.all_open_reject",
@@ -78,6 +80,8 @@ class VllmRouterPlane(SmgPlane):
     )
     # Observed with `conformance run --plane vllm-router --run-unsupported -v`.
     missing_notes: ClassVar[Mapping[str, str]] = {
+        "upstream.grpc": "no gRPC path: given grpc:// worker URLs (0.1.17) it treats them "
+        "as HTTP hosts, waits 30 s for them to become healthy and exits with an error",
         "breaker.single_probe": "half-open admits every request: 8 concurrent requests just after "
         "the cooldown sent 4 to the half-open worker",
         "breaker.backoff": "the cooldown never grows: about 3 s after a failed probe with a 2 s "
