@@ -115,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kv-engines: play the contenders this many times over, in turn",
     )
     parser.add_argument(
+        "--lora-engines",
+        action="store_true",
+        help="run the LoRA adapter benchmark on real engines instead (bench/lora_engines.py): adapter and base-model requests from 6 clients through ours least_load with and without the adapter slots weighed, ours round_robin and smg, in front of three vLLM engines with --max-loras 1 holding two of three adapters each (make engine-env); writes its own block of policies.md beside --out",
+    )
+    parser.add_argument(
+        "--lora-repeat",
+        type=int,
+        default=1,
+        help="with --lora-engines: play the contenders this many times over, in turn",
+    )
+    parser.add_argument(
         "--engine-costs",
         action="store_true",
         help="run the engine-costs benchmark instead (bench/engine_costs.py): kv_aware's token ids from the model directory against the engine's /tokenize, and the cost of reading engines' load, on one vLLM engine (make engine-env); writes its own block of --out",
@@ -188,6 +199,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             scenarios=_names(args.kv_scenarios, ("evicting", "roomy"), "scenario"),
             groups=_names(args.kv_groups, kv_engines.ALL_GROUPS, "group"),
             repeat=max(1, args.kv_repeat),
+        )
+    if args.lora_engines:
+        from bench import lora_engines
+
+        started = time.monotonic()
+        return lora_engines.run(
+            args.out.with_name("policies.md"),
+            args.quick,
+            lambda message: print(
+                f"[{datetime.now():%H:%M:%S} {time.monotonic() - started:6.1f}s] {message}",
+                flush=True,
+            ),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            repeat=max(1, args.lora_repeat),
         )
     if args.traffic:
         from bench import traffic
