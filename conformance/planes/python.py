@@ -76,6 +76,11 @@ class PythonPlane(Plane):
             "model.alias_weights",
             "model.fallback",
             "admission.priority",
+            # Adapters learned from the engines' model lists, a 404 for one a routing miss,
+            # and the slots of vllm:lora_requests_info in the load policies.
+            "lora.adapters",
+            "lora.routing_miss",
+            "lora.affinity",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
