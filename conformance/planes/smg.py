@@ -99,6 +99,15 @@ class SmgPlane(Plane):
         "cache_aware.smallest_tree": "below --cache-threshold it takes the least loaded worker, "
         "not the one with the smallest tree: with every load 0 a prompt matching 0.26 of worker "
         "a's text (threshold 0.5) went to a in some runs and to b in others, so no count holds",
+        # Observed on the lora/ cases (1.13.0): engines listing adapters x, y with parent m.
+        "lora.adapters": "it lists and routes the base model only: /v1/models answered m alone, "
+        'and every request for adapter x or y was its own 404 model_not_found ("No worker '
+        "available for model 'x'\"), 0 dispatches, though engines held them "
+        "(lora/adapter-goes-only-to-engines-holding-it)",
+        "lora.routing_miss": "no request for an adapter reaches an engine (lora.adapters): 8 of 8 "
+        "were its own 404 (lora/unloaded-adapter-is-a-routing-miss)",
+        "lora.affinity": "no request for an adapter reaches an engine (lora.adapters): 4 of 4 "
+        "were its own 404 (lora/affinity-prefers-the-engine-running-the-adapter)",
     }
     pd_flag: ClassVar[str] = "--pd-disaggregation"
     stop_grace_s = 0.3
