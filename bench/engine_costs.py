@@ -222,7 +222,9 @@ def _reader_cost(work: Path, quick: bool, log: Log) -> list[str]:
             fakes.append(start(f"fake{index}", command, work))
             urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(fakes, urls, strict=True):
-            proc.wait_for_answer(url + "/v1/completions", b'{"max_tokens": 1}', 30.0)
+            proc.wait_for_answer(
+                url + "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', 30.0
+            )
         workers = [arg for url in urls for arg in ("--worker", url)]
         rows = []
         for name, flags in (
