@@ -93,14 +93,26 @@ NO_FLAG = (
         kv_tokenizer=False,
     ),
 )
+OWN_LOAD = (
+    KvContender("ours kv_aware (own count)", "kv_aware", ("--engine-load-interval-s", "0")),
+    KvContender(
+        "ours kv_aware (--processes 2, own count)",
+        "kv_aware",
+        ("--engine-load-interval-s", "0"),
+        processes=2,
+    ),
+)
+"""Each process counting only its own requests, not reading the engines' load: beside
+`side` and `two`, what reading the load changes."""
 RESTARTED = SIDE_BY_SIDE[:2]
 GROUPS = {
     "side": SIDE_BY_SIDE,
     "two": TWO_PROCESSES,
     "replicas": REPLICAS,
     "noflag": NO_FLAG,
+    "ownload": OWN_LOAD,
 }
-ALL_GROUPS = ("side", "two", "replicas", "noflag", "restart")
+ALL_GROUPS = ("side", "two", "replicas", "noflag", "ownload", "restart")
 
 
 def log_name(contender: str) -> str:
