@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 
 import trio
 
@@ -27,6 +28,7 @@ from router.fake_worker.settings import (
     FakeWorkerSettings,
     publisher_settings,
 )
+from router.fake_worker.vocabulary import write_tokenizer
 
 EXIT_BIND_FAILED = 3
 
@@ -135,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-after-chunks", type=int, default=0, help="data events before a midstream break"
     )
     add_registration_arguments(parser)
+    parser.add_argument(
+        "--write-tokenizer",
+        default="",
+        metavar="PATH",
+        help="write the fake's vocabulary as a tokenizer.json at PATH (token k reads `tok{k} `), for a router's --kv-tokenizer, and exit",
+    )
     return parser
 
 
@@ -241,4 +249,8 @@ def _first_leaf(group: BaseExceptionGroup[OSError]) -> OSError:
 
 
 def main(argv: list[str]) -> int:
+    vocabulary = build_parser().parse_args(argv).write_tokenizer
+    if vocabulary:
+        print(write_tokenizer(Path(vocabulary)), flush=True)
+        return 0
     return trio.run(run, *parse_command(argv))
