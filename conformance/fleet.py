@@ -228,6 +228,8 @@ def worker_argv(
     if spec.kv_events:
         # vLLM's engine kind: `/kv_event_sources` is where a plane learns the publisher.
         argv += ["--engine", "vllm", "--cache-tokens", str(KV_CACHE_TOKENS), "--kv-events"]
+    elif spec.engine != "sglang":
+        argv += ["--engine", spec.engine]
     return argv
 
 

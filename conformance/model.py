@@ -99,6 +99,9 @@ class WorkerSpec:
     kv_events: bool = False
     """Keeps a prefix cache and publishes its KV-cache events as vLLM does (ZMQ, a replay
     socket, `/kv_event_sources`): what `kv_aware` routes by."""
+    engine: str = "sglang"
+    """The engine the fake answers as: `vllm` streams token ids when asked and takes a
+    prompt of ids (what a plane that resumes streams needs); `kv_events` implies it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,9 @@ class RouterSettings:
     max_concurrent: int | None = None
     """Requests served at once; beyond it they queue (at most `queue_size`), then 429."""
     queue_size: int | None = None
+    resume_limit: int | None = None
+    """Times a stream whose worker broke after the first byte goes on on another worker;
+    None: the plane's own default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +198,12 @@ class Expect:
     error_shape: str | None = None  # every error answer, and every stream's error event, has it
     body_json: bool = False  # every answer's body is one JSON document
     handoffs: HandoffCheck | None = None
+    stream_text: str | None = None
+    """Every stream's text (chat `delta.content`, completions `text`, joined) is exactly this."""
+    stream_usage: Mapping[str, int] | None = None
+    """Every stream has exactly one usage event, with these counts."""
+    stream_ids: int | None = None
+    """Every stream's events carry this many distinct `id`s (1: one answer, however made)."""
 
     @property
     def reads_workers(self) -> bool:
@@ -416,6 +428,8 @@ class Case:
             needed.add("admission.queue")
         if s.max_body_bytes is not None:
             needed.add("limits.body_size")
+        if s.resume_limit is not None and s.resume_limit > 0:
+            needed.add("stream.resume")
         for step in self.steps:
             if isinstance(step, SendStep | PollStep) and step.request.route != "chat":
                 needed.add(f"route.{step.request.route}")

@@ -21,7 +21,17 @@ from conformance.model import (
 )
 from conformance.nodes import NodeReader, join
 
-WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour", "kv_events")
+WORKER_FIELDS = (
+    "model",
+    "role",
+    "dp_size",
+    "bootstrap_port",
+    "status",
+    "behaviour",
+    "kv_events",
+    "engine",
+)
+ENGINES = ("sglang", "vllm")
 
 
 class FleetReader:
@@ -79,6 +89,9 @@ class FleetReader:
             kv_events=r.boolean(m["kv_events"], join(field, "kv_events"))
             if "kv_events" in m
             else False,
+            engine=r.choice(m["engine"], join(field, "engine"), ENGINES)
+            if "engine" in m
+            else "sglang",
         )
 
     def behaviour(self, node: Node, field: str) -> dict[str, Any]:

@@ -54,7 +54,11 @@ EXPECT_FIELDS = (
     "body_json",
     "handoffs",
     "error_shape",
+    "stream_text",
+    "stream_usage",
+    "stream_ids",
 )
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 # Past this a request would hold a fleet longer than any case should take.
 MAX_COUNT = 1000
 # A raw body is built in memory and sent whole; past this a case costs more than it shows.
@@ -147,6 +151,11 @@ class RequestReader:
             return Expect()
         r = self.r
         m = r.mapping(node, field, EXPECT_FIELDS)
+        for name in ("stream_text", "stream_usage", "stream_ids"):
+            if name in m and not request.stream:
+                raise r.fail(
+                    m[name], join(field, name), "only a streaming request (stream: true) has one"
+                )
         stream_end = None
         if "stream_end" in m:
             stream_end = r.choice(m["stream_end"], join(field, "stream_end"), STREAM_ENDS)
@@ -185,7 +194,29 @@ class RequestReader:
             handoffs=self.handoffs(m["handoffs"], join(field, "handoffs"))
             if "handoffs" in m
             else None,
+            stream_text=self.text(m["stream_text"], join(field, "stream_text"))
+            if "stream_text" in m
+            else None,
+            stream_usage=self.usage(m["stream_usage"], join(field, "stream_usage"))
+            if "stream_usage" in m
+            else None,
+            stream_ids=r.integer(m["stream_ids"], join(field, "stream_ids"), 1, MAX_COUNT)
+            if "stream_ids" in m
+            else None,
         )
+
+    def text(self, node: Node, field: str) -> str:
+        value = self.r.scalar(node, field)
+        if not isinstance(value, str):
+            raise self.r.fail(node, field, f"must be a string (quote it), got {value!r}")
+        return value
+
+    def usage(self, node: Node, field: str) -> dict[str, int]:
+        r = self.r
+        m = r.mapping(node, field, USAGE_FIELDS)
+        if not m:
+            raise r.fail(node, field, f"needs at least one of {', '.join(USAGE_FIELDS)}")
+        return {key: r.integer(value, join(field, key), 0) for key, value in m.items()}
 
     def status(self, node: Node, field: str, count: int) -> dict[StatusKey, Range]:
         r = self.r

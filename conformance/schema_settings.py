@@ -30,6 +30,7 @@ SETTINGS_FIELDS = (
     "api_key",
     "max_concurrent",
     "queue_size",
+    "resume_limit",
 )
 CACHE_AWARE_FIELDS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
@@ -75,6 +76,9 @@ class SettingsReader:
             cache_aware=self.cache_aware(m["cache_aware"])
             if "cache_aware" in m
             else CacheAwareSettings(),
+            resume_limit=r.integer(m["resume_limit"], "settings.resume_limit", 0, 100)
+            if "resume_limit" in m
+            else None,
         )
 
     def cache_aware(self, node: Node) -> CacheAwareSettings:
