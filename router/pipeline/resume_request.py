@@ -61,9 +61,9 @@ class RequestResume:
         self.why_not: Refusal | None = None
         """Why this request's stream cannot resume (decided before its first attempt)."""
         self.ended_broken = False
+        """A stream relayed without a filter broke (it ended with the error event)."""
         self.broken: StreamBroken | None = None
         """How the stream last broke (the error event it ends with if nothing goes on)."""
-        """A stream relayed without a filter broke (it ended with the error event)."""
         if not settings.enabled(generation.route) or (
             opt_out is not None and opt_out.strip().lower() in (b"off", b"0", b"false", b"no")
         ):

@@ -302,7 +302,10 @@ class GenerationService:
         if resume.seam is not None:
             # A continuation broke: it had started, so the resume before it went on.
             self.pipeline_metrics.count_resume(generation.route, Outcome.RESUMED)
-        resume.broken = cut.broken
+        # Kept for the error event a later failure ends with; without its traceback, whose
+        # frames hold this request's context (and with it this exception): a cycle that
+        # would keep every broken stream's buffers until a full collection.
+        resume.broken = cut.broken.with_traceback(None)
         decision = resume.decide(cut.worker)
         if isinstance(decision, Refusal):
             self._refused(ctx, decision)

@@ -8,6 +8,7 @@ and is counted with its reason. Costs are read from the workers' own counters.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,6 +23,7 @@ from router.fake_worker.behaviour import FailMode
 from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.vocabulary import write_tokenizer
+from router.pipeline.dispatch import StreamBroken
 from tests.support.failover import dispatches, scrape
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
@@ -319,3 +321,28 @@ async def test_pd_a_decode_broken_mid_stream_goes_on_through_a_new_pair(vocabula
     rooms = [h["bootstrap_room"] for h in first_prefill.worker.routing.handoffs]
     assert len(set(rooms)) == 2
     assert counted == {("resumed", "chat"): 1}
+
+
+async def test_a_broken_stream_leaves_nothing_for_the_cycle_collector(vocabulary: str) -> None:
+    """How a stream broke is kept for the error event a later failure ends with: kept
+    with its traceback, whose frames hold the request (and so the kept exception), every
+    broken stream's buffers would wait for a full collection."""
+    streams: list[Stream] = []
+    gc.collect()
+    gc.disable()
+    try:
+        with trio.fail_after(GUARD_S):
+            for route, changes in (("completions", {}), ("chat", {"n": 2})):
+                async with resuming_fleet([breaks_at(3), VLLM], kv_tokenizer=vocabulary) as (
+                    _,
+                    _,
+                    client,
+                ):
+                    streams.append(await post(client, route, **changes))
+            left = [o for o in gc.get_objects() if isinstance(o, StreamBroken)]
+    finally:
+        gc.enable()
+    resumed, refused = streams
+    assert_whole(resumed)
+    assert [e["code"] for e in refused.errors] == ["stream_interrupted"]
+    assert left == []
