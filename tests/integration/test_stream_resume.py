@@ -9,6 +9,7 @@ and is counted with its reason. Costs are read from the workers' own counters.
 from __future__ import annotations
 
 import gc
+import signal
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,6 +25,7 @@ from router.fake_worker.formats import expected_text
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.vocabulary import write_tokenizer
 from router.pipeline.dispatch import StreamBroken
+from tests.support.cli_process import open_cli_piped
 from tests.support.failover import dispatches, scrape
 from tests.support.fake_fleet import FakeWorkerHandle, open_fake_fleet
 from tests.support.router_instance import open_router
@@ -320,6 +322,67 @@ async def test_pd_a_decode_broken_mid_stream_goes_on_through_a_new_pair(vocabula
     assert (dispatches(first_prefill), dispatches(broken), dispatches(good)) == (2, 1, 1)
     rooms = [h["bootstrap_room"] for h in first_prefill.worker.routing.handoffs]
     assert len(set(rooms)) == 2
+    assert counted == {("resumed", "chat"): 1}
+
+
+async def test_pd_a_decode_worker_killed_mid_stream_completes_through_a_new_pair(
+    vocabulary: str,
+) -> None:
+    """The decode serving the stream is a process of its own, SIGKILLed once the client has
+    four events: the router sees its connection end, and the rest comes from the other
+    prefill and the other decode."""
+    prefills = [
+        FakeWorkerSettings(engine="vllm", role="prefill", bootstrap_port=port)
+        for port in (9101, 9102)
+    ]
+    decode = FakeWorkerSettings(engine="vllm", role="decode")
+    killed_decode = (
+        "fake-worker",
+        "--port",
+        "0",
+        "--engine",
+        "vllm",
+        "--role",
+        "decode",
+        "--token-latency-ms",
+        "50",
+    )
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_cli_piped(*killed_decode) as (process, stdout, _),
+            open_fake_fleet([*prefills, decode]) as fleet,
+        ):
+            doomed = await stdout.url(r"fake-worker listening on (http://\S+)")
+            specs = [
+                f"{doomed},model={MODEL},engine=vllm,role=decode",
+                *(worker_spec(w) for w in fleet),
+            ]
+            async with (
+                open_router(specs, policy="round_robin", kv_tokenizer=vocabulary) as router,
+                httpx.AsyncClient(base_url=router.url, timeout=10) as client,
+            ):
+                seen = bytearray()
+                async with client.stream("POST", PATHS["chat"], json=CHAT) as response:
+                    assert response.headers["x-router-worker"] == doomed
+                    async for chunk in response.aiter_raw():
+                        seen += chunk
+                        if process.returncode is None and seen.count(b"data: ") >= 4:
+                            process.kill()
+                            assert await process.wait() == -signal.SIGKILL
+                    stream = Stream(httpx.Response(200, content=bytes(seen)))
+                counted = await outcomes(client)
+    assert_whole(stream)
+    first_prefill, second_prefill, good_decode = fleet
+    assert (dispatches(first_prefill), dispatches(second_prefill), dispatches(good_decode)) == (
+        1,
+        1,
+        1,
+    )
+    rooms = [
+        w.worker.routing.handoffs[0]["bootstrap_room"] for w in (first_prefill, second_prefill)
+    ]
+    assert rooms[0] != rooms[1]
+    assert good_decode.worker.routing.handoffs[0]["bootstrap_room"] == rooms[1]
     assert counted == {("resumed", "chat"): 1}
 
 
