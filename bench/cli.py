@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the replicas benchmark instead (bench/replicas.py): one router against three replicas reading the engines' load, and three counting only their own, on fake engines of unequal speed; writes its own block of policies.md beside --out",
     )
+    parser.add_argument(
+        "--traffic",
+        action="store_true",
+        help="run the traffic-policy benchmark instead (bench/traffic.py): fair shares, priority classes, disconnecting clients, a canary alias and a fallback under a down fleet, on fake workers at overload; writes its own block of --out",
+    )
     return parser
 
 
@@ -196,6 +201,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             scenarios=_names(args.kv_scenarios, ("evicting", "roomy"), "scenario"),
             groups=_names(args.kv_groups, kv_engines.ALL_GROUPS, "group"),
             repeat=max(1, args.kv_repeat),
+        )
+    if args.traffic:
+        from bench import traffic
+
+        started = time.monotonic()
+        return traffic.run(
+            args.out,
+            args.quick,
+            lambda message: print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         )
     if args.engines:
         from bench import engines

@@ -10,6 +10,7 @@ import json
 import resource
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ TIMEOUT_S = 5
 _LUA = """\
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.body = [==[{body}]==]
+{headers}wrk.body = [==[{body}]==]
 
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -57,13 +58,20 @@ def find_wrk() -> str:
     return path
 
 
-def write_script(directory: Path, name: str, body: bytes) -> Path:
-    """A Lua script that POSTs `body` (JSON) and reports raw results."""
+def write_script(
+    directory: Path, name: str, body: bytes, headers: Mapping[str, str] | None = None
+) -> Path:
+    """A Lua script that POSTs `body` (JSON), with `headers` beside its content type, and
+    reports raw results."""
     text = body.decode()
     if "]==]" in text:
         raise ValueError("the body cannot hold the Lua long-bracket terminator")
+    lines = "".join(
+        f"wrk.headers[{json.dumps(key)}] = {json.dumps(value)}\n"
+        for key, value in (headers or {}).items()
+    )
     path = directory / f"{name}.lua"
-    path.write_text(_LUA.format(body=text, mark=RESULT_MARK))
+    path.write_text(_LUA.format(body=text, mark=RESULT_MARK, headers=lines))
     return path
 
 

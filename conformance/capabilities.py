@@ -48,10 +48,18 @@ CAPABILITIES: Mapping[str, str] = {
     # Admission
     "auth.client_key": "a client key the plane requires (`Authorization: Bearer`), 401 without it",
     "admission.queue": "a limit on requests served at once with a bounded queue; 429 when it is full",
+    "admission.priority": "priority classes in the admission queue: a request claims its class (`request.priority`) and higher classes are admitted first",
+    # Model names
+    "model.alias": "a public model name (`settings.aliases`) served by the model it names",
+    "model.alias_weights": "an alias of several served models splits its requests by weight (a canary)",
+    "model.fallback": "a model gives way to its fallbacks (`settings.fallbacks`) when it has no worker that can take the request, never when it is unknown",
     # Fleet state
     "worker.status": "a worker's own record can say DRAINING, and the plane honours it",
     "discovery.etcd": "the plane follows worker records in etcd",
     "discovery.kubernetes": "the plane follows Pods through the Kubernetes API",
+    # Upstream protocol (implied by the fleet a run is on, not by a case)
+    "upstream.grpc": "the plane routes to gRPC engines (`grpc://` workers, `--fleet grpc` or "
+    "`vllm-grpc`): it tokenizes prompts itself and speaks the engines' gRPC services",
 }
 
 

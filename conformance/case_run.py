@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,13 @@ class CaseRun:
     child: Child
     notes: list[str] = field(default_factory=list)
 
+    def claimed(self, request: RequestSpec) -> RequestSpec:
+        """`request` with the headers that make its claims in the plane's words."""
+        if request.priority is None:
+            return request
+        headers = {**request.headers, **self.plane.request_headers(self.launch, request)}
+        return dataclasses.replace(request, headers=headers)
+
     def noted(self, label: str, answers: Sequence[Answer]) -> list[Answer]:
         """`answers`, with the notes the client wrote on them kept for the case's record."""
         self.notes += [f"{label}: {note}" for answer in answers for note in answer.notes]
@@ -72,7 +80,7 @@ async def drive_steps(run: CaseRun) -> list[str]:
     async def collect(
         step: SendStep, done: trio.Event, into: list[Answer], started: Progress
     ) -> None:
-        answers = await send_many(client, run.url, step.request, model, started)
+        answers = await send_many(client, run.url, run.claimed(step.request), model, started)
         into += run.noted(step.label, answers)
         done.set()
 
@@ -97,7 +105,7 @@ async def drive_steps(run: CaseRun) -> list[str]:
             elif isinstance(step, SendStep):
                 before = await settled_routing(fleet, client) if step.expect.reads_workers else None
                 answers = await send_many(
-                    client, target_url(run, step.request), step.request, model
+                    client, target_url(run, step.request), run.claimed(step.request), model
                 )
                 lines = check_answers(step.expect, run.noted(f"step {index} {step.label}", answers))
                 if before is not None:
@@ -154,7 +162,9 @@ async def change_fleet(run: CaseRun, step: FleetChangeStep) -> None:
 async def poll(run: CaseRun, step: PollStep, label: str) -> list[str]:
     deadline = trio.current_time() + step.timeout_s
     while True:
-        answer = await send_one(run.client, run.url, step.request, run.case.default_model)
+        answer = await send_one(
+            run.client, run.url, run.claimed(step.request), run.case.default_model
+        )
         lines = check_answers(step.expect, run.noted(label, [answer]))
         if not lines:
             return []

@@ -1,14 +1,16 @@
 """`conformance`: run the YAML spec against data planes, validate it, list it.
 
     conformance run [--plane python|smg|vllm-router|all|module:Class] [--case GLOB] [--tag T]
-                    [--fleet fake|vllm] [--report-md FILE] [--report-yaml DIR]
+                    [--fleet fake|vllm|grpc|vllm-grpc] [--report-md FILE] [--report-yaml DIR]
                     [--junit FILE] [--jobs N] [--run-unsupported] [--case-timeout-s S]
     conformance validate [--plane P] [PATH ...]
-    conformance list [--plane P] [--case GLOB] [--tag T]
+    conformance list [--plane P] [--case GLOB] [--tag T] [--fleet F]
     conformance parity [DIR] [--out FILE]
 
 Exit status: 0 when every case passed or is a listed divergence or unsupported; 1 on any
-fail, stale divergence or case that could not run; 2 on bad arguments or an invalid spec;
+fail, stale divergence or case that could not run (real engines that did not start
+included); 2 on bad arguments or an invalid spec; 3 when the fleet or a plane is not
+installed (one line per missing piece, naming what to install; nothing is started);
 130 when interrupted (SIGINT or SIGTERM: every process the run started is stopped first).
 """
 
@@ -26,8 +28,10 @@ import trio
 
 from conformance.capabilities import unknown
 from conformance.divergences import Divergence, load_divergences, unknown_cases
+from conformance.engines import EngineUnavailable
+from conformance.environment import fleet_problem
 from conformance.loader import default_spec_root, load_cases, select_cases, spec_version
-from conformance.model import FLEET_KINDS, Case
+from conformance.model import ENGINE_FLEETS, FLEET_KINDS, Case, fleet_capabilities
 from conformance.nodes import SpecError
 from conformance.planes import PLANES, Plane, Unsupported, resolve_plane
 from conformance.publish import ReportError, load_reports, parity_markdown, write_report
@@ -41,7 +45,7 @@ from conformance.runner import (
     run_suite,
 )
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_INSTALLED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DEFAULT_REPORTS = Path("conformance/reports")
 
 
@@ -76,19 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run cases a plane lacks a capability for anyway, to observe it",
     )
-    run.add_argument(
-        "--fleet",
-        choices=FLEET_KINDS,
-        default="fake",
-        help="what the workers are: fake workers (default), or real vLLM engines (`make "
-        "engine-env`) for the cases whose `fleets` name vllm, one case at a time",
-    )
+    _fleet_option(run)
     run.add_argument(
         "--case-timeout-s",
         type=float,
         default=None,
         help=f"a case still running after this is an error (default {CASE_TIMEOUT_S:g}; "
-        f"{ENGINE_CASE_TIMEOUT_S:g} with --fleet vllm)",
+        f"{ENGINE_CASE_TIMEOUT_S:g} on real engines)",
     )
     run.add_argument(
         "-v", "--verbose", action="store_true", help="print every failure line as cases finish"
@@ -107,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _plane_option(listing)
     _selection(listing)
+    _fleet_option(listing, default=None)
 
     parity = commands.add_parser("parity", help="write the parity matrix from published reports")
     parity.add_argument(
@@ -126,6 +125,18 @@ def _plane_option(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         help=f"{', '.join(PLANES)}, all, or module:Class (repeatable; default all)",
+    )
+
+
+def _fleet_option(parser: argparse.ArgumentParser, default: str | None = "fake") -> None:
+    parser.add_argument(
+        "--fleet",
+        choices=FLEET_KINDS,
+        default=default,
+        help="what the workers are: fake workers over HTTP (fake, the default of run) or "
+        "gRPC (grpc), or real vLLM engines (`make engine-env`) serving HTTP (vllm) or gRPC "
+        "(vllm-grpc), one case at a time; only the cases whose `fleets` name it"
+        + ("" if default else " (list: every case, when not given)"),
     )
 
 
@@ -161,13 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"invalid case: {error}", file=sys.stderr)
         return EXIT_USAGE
     cases = select_cases(loaded.cases, args.case, args.tag)
-    if args.command == "run":
+    if args.fleet is not None:
         cases = [case for case in cases if args.fleet in case.fleets]
     if not cases:
         print("no case matches the selection", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "list":
-        return list_cases(cases, planes)
+        return list_cases(cases, planes, args.fleet or "fake")
     try:
         version = spec_version(root)
     except SpecError as error:
@@ -212,28 +223,28 @@ def validate(
             errors.append(
                 f"plane {plane.name}: unknown capability {name!r} (see conformance/capabilities.py)"
             )
-        path = plane.divergences
-        if path is None:
-            continue
-        try:
-            divergences = load_divergences(path)
-        except SpecError as bad_file:
-            errors.append(bad_file)
-            continue
-        if all_ids:
-            errors += unknown_cases(path, divergences, all_ids)
+        for path in dict.fromkeys((plane.divergences, plane.grpc_divergences)):
+            if path is None:
+                continue
+            try:
+                divergences = load_divergences(path)
+            except SpecError as bad_file:
+                errors.append(bad_file)
+                continue
+            if all_ids:
+                errors += unknown_cases(path, divergences, all_ids)
     for problem in errors:
         print(problem, file=sys.stderr)
     print(f"{len(loaded.cases)} valid case(s), {len(errors)} error(s)")
     return EXIT_USAGE if errors else EXIT_OK
 
 
-def list_cases(cases: Sequence[Case], planes: Sequence[Plane]) -> int:
-    divergences = {p.name: _divergences(p) for p in planes}
+def list_cases(cases: Sequence[Case], planes: Sequence[Plane], fleet: str = "fake") -> int:
+    divergences = {p.name: _divergences(p, fleet) for p in planes}
     for case in cases:
         verdicts = []
         for plane in planes:
-            missing = case.capabilities_needed() - plane.capabilities
+            missing = (case.capabilities_needed() | fleet_capabilities(fleet)) - plane.capabilities
             if missing:
                 verdicts.append(f"{plane.name}: unsupported")
             elif (refused := _refusal(plane, case)) is not None:
@@ -258,8 +269,8 @@ def _refusal(plane: Plane, case: Case) -> str | None:
     return None
 
 
-def _divergences(plane: Plane) -> dict[str, Divergence]:
-    return load_divergences(plane.divergences)
+def _divergences(plane: Plane, fleet: str) -> dict[str, Divergence]:
+    return load_divergences(plane.divergence_file(fleet))
 
 
 def parity(folder: Path, out: Path | None) -> int:
@@ -289,10 +300,17 @@ def run(
     version: str,
 ) -> int:
     try:
-        divergences = {plane.name: _divergences(plane) for plane in planes}
+        divergences = {plane.name: _divergences(plane, args.fleet) for plane in planes}
     except SpecError as bad_file:
         print(f"invalid divergence file: {bad_file}", file=sys.stderr)
         return EXIT_USAGE
+    probes = {plane.name: plane.probe() for plane in planes}
+    problems = [fleet_problem(args.fleet)] + [probe.problem for probe in probes.values()]
+    if any(problems):
+        for problem in problems:
+            if problem:
+                print(f"conformance: {problem}", file=sys.stderr)
+        return EXIT_NOT_INSTALLED
     total = len(cases) * len(planes)
     done = 0
 
@@ -318,7 +336,7 @@ def run(
             for line in outcome.plane_log.splitlines():
                 print(f"          | {line}", flush=True)
 
-    engines = args.fleet == "vllm"
+    engines = args.fleet in ENGINE_FLEETS
     timeout_s = args.case_timeout_s or (ENGINE_CASE_TIMEOUT_S if engines else CASE_TIMEOUT_S)
     jobs = 1 if engines else args.jobs
     options = RunOptions(
@@ -328,7 +346,7 @@ def run(
         case_timeout_s=timeout_s,
         fleet=args.fleet,
     )
-    versions = {plane.name: plane.version() for plane in planes}
+    versions = {name: probe.version for name, probe in probes.items()}
     print(
         f"running {len(cases)} case(s) of spec version {version} on "
         f"{', '.join(f'{n} ({v})' for n, v in versions.items())}, {jobs} at a time"
@@ -336,11 +354,19 @@ def run(
             f", on {max(len(case.fleet) for case in cases)} vLLM engine(s) started first"
             if engines
             else ""
-        ),
+        )
+        + (" (gRPC)" if args.fleet in ("grpc", "vllm-grpc") else ""),
         flush=True,
     )
     started = time.monotonic()
-    outcomes = trio.run(run_until_interrupted, cases, planes, divergences, options)
+    try:
+        outcomes = trio.run(run_until_interrupted, cases, planes, divergences, options)
+    except (EngineUnavailable, BaseExceptionGroup) as problem:
+        failed = _engines_failed(problem)
+        if failed is None:
+            raise
+        print(f"conformance: the engines did not start: {failed}", file=sys.stderr)
+        return EXIT_FAILED
     seconds = time.monotonic() - started
     if outcomes is None:
         print(
@@ -376,6 +402,22 @@ def run(
         + ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
     )
     return EXIT_FAILED if any(o.verdict in FAILING for o in outcomes) else EXIT_OK
+
+
+def _engines_failed(problem: BaseException) -> EngineUnavailable | None:
+    """The engine failure a run ended with, out of the groups its nurseries wrapped it
+    in; None when it ended with anything else too."""
+    if isinstance(problem, EngineUnavailable):
+        return problem
+    if not isinstance(problem, BaseExceptionGroup):
+        return None
+    failed, rest = problem.split(EngineUnavailable)
+    if failed is None or rest is not None:
+        return None
+    leaf: BaseException = failed
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf if isinstance(leaf, EngineUnavailable) else None
 
 
 async def run_until_interrupted(

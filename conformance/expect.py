@@ -57,11 +57,18 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
                 f"status: {'; '.join(wrong)} (all: {_counts(seen)}){_sample(answers, expect)}"
             )
     if expect.error_code is not None:
+        wanted = expect.error_code
+        allowed = (wanted,) if isinstance(wanted, str) else wanted
         codes = [a.error_field("code") for a in answers]
-        bad = [code for code in codes if code != expect.error_code]
+        bad = [code for code in codes if code not in allowed]
         if bad:
+            what = (
+                repr(wanted)
+                if isinstance(wanted, str)
+                else "one of " + ", ".join(map(repr, wanted))
+            )
             failures.append(
-                f"error_code: expected {expect.error_code!r} on every answer, "
+                f"error_code: expected {what} on every answer, "
                 f"{len(bad)} of {len(answers)} had {_counts(Counter(map(repr, bad)))}{_first_body(answers)}"
             )
     for needle in expect.message_contains:

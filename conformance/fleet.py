@@ -2,7 +2,9 @@
 
 The fake workers are the runner's eyes: `/debug/routing` says what each one received
 (dispatch counts, DP rank headers, PD handoff fields) and `/debug/behaviour` scripts what
-it does next. They run as separate processes, so the runner stays a black box to every
+it does next. A fake gRPC engine (`protocol="grpc"`, `router fake-worker --protocol
+grpc`) serves them on a side port of its own (`RunningWorker.debug_url`), and the plane
+gets its `grpc://` URL. They run as separate processes, so the runner stays a black box to every
 plane and to the router's own code, and a `fault` step does to a process what a real
 fault does: SIGKILL, SIGSTOP / SIGCONT, a new process on the same port.
 
@@ -27,7 +29,9 @@ from conformance.model import Case, WorkerSpec
 from conformance.processes import Child, ProcessFailed, open_process
 
 FAKE_WORKER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "router.cli", "fake-worker")
-LISTENING = re.compile(r"fake-worker listening on (http://\S+)")
+LISTENING = re.compile(r"fake-worker listening on ((?:http|grpc)://\S+)")
+# A fake gRPC engine's side port for /debug/*, printed after its own URL.
+DEBUG_LISTENING = re.compile(r"fake-worker debug on (http://\S+)")
 # Prefill workers advertise a bootstrap port nobody listens on (KV transfer is not faked).
 FIRST_BOOTSTRAP_PORT = 20000
 START_TIMEOUT_S = 20.0
@@ -46,10 +50,17 @@ class RunningWorker:
     spec: WorkerSpec
     url: str
     bootstrap_port: int | None
+    # Where its /debug/* endpoints are when not at `url` (a fake gRPC engine's side port).
+    debug_url: str | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def control_url(self) -> str:
+        """Where the runner reads its counters and scripts its behaviour."""
+        return self.debug_url or self.url
 
 
 class CaseFleet(Protocol):
@@ -84,6 +95,7 @@ class Fleet:
     """Where each worker's process runs in a task of its own (open_fleet's nursery)."""
     scopes: dict[str, trio.CancelScope] = field(default_factory=dict)
     command: Sequence[str] = FAKE_WORKER_COMMAND
+    protocol: str = "http"
     # Worker names a fault killed or stopped: they are not asked for their counters.
     down: set[str] = field(default_factory=set)
     killed: set[str] = field(default_factory=set)
@@ -103,7 +115,7 @@ class Fleet:
             client,
             "GET",
             {
-                name: (w.url + "/debug/routing", None)
+                name: (w.control_url + "/debug/routing", None)
                 for name, w in self.workers.items()
                 if name not in self.down
             },
@@ -139,7 +151,10 @@ class Fleet:
         worker = self.workers[name]
         port = int(worker.url.rsplit(":", 1)[1])
         host = worker.url.split("://", 1)[1].rsplit(":", 1)[0]
-        argv = worker_argv(worker.spec, worker.bootstrap_port, self.command, host, port)
+        debug_port = int(worker.debug_url.rsplit(":", 1)[1]) if worker.debug_url else 0
+        argv = worker_argv(
+            worker.spec, worker.bootstrap_port, self.command, host, port, self.protocol, debug_port
+        )
         self.earlier[name] = int(self.last.get(name, {}).get("dispatches", 0))
         self.scopes[name].cancel()  # the dead process's task
         child, self.scopes[name] = await self.nursery.start(
@@ -148,6 +163,8 @@ class Fleet:
         listening = None
         with trio.move_on_after(START_TIMEOUT_S):
             listening = await child.output.wait_for(LISTENING)
+            if self.protocol == "grpc":
+                await child.output.wait_for(DEBUG_LISTENING)
         if listening is None:
             raise FleetError(f"fake worker {name} did not start again:\n{child.output.tail(10)}")
         self.children[name] = child
@@ -161,7 +178,8 @@ class Fleet:
         self, client: httpx.AsyncClient, names: Sequence[str], behaviour: Mapping[str, Any]
     ) -> None:
         calls = {
-            name: (self.workers[name].url + "/debug/behaviour", dict(behaviour)) for name in names
+            name: (self.workers[name].control_url + "/debug/behaviour", dict(behaviour))
+            for name in names
         }
         await _each(client, "POST", calls)
 
@@ -207,6 +225,8 @@ def worker_argv(
     command: Sequence[str],
     host: str = "127.0.0.1",
     port: int = 0,
+    protocol: str = "http",
+    debug_port: int = 0,
 ) -> list[str]:
     argv = [
         *command,
@@ -225,6 +245,8 @@ def worker_argv(
     ]
     if bootstrap_port is not None:
         argv += ["--bootstrap-port", str(bootstrap_port)]
+    if protocol == "grpc":
+        argv += ["--protocol", "grpc", "--debug-port", str(debug_port)]
     if spec.kv_events:
         # vLLM's engine kind: `/kv_event_sources` is where a plane learns the publisher.
         argv += ["--engine", "vllm", "--cache-tokens", str(KV_CACHE_TOKENS), "--kv-events"]
@@ -235,9 +257,14 @@ def worker_argv(
 
 @asynccontextmanager
 async def open_fleet(
-    case: Case, client: httpx.AsyncClient, command: Sequence[str] = FAKE_WORKER_COMMAND
+    case: Case,
+    client: httpx.AsyncClient,
+    command: Sequence[str] = FAKE_WORKER_COMMAND,
+    protocol: str = "http",
 ) -> AsyncIterator[Fleet]:
     """Start the case's fake workers, all listening and scripted before the block runs.
+
+    `protocol="grpc"`: fake gRPC engines, each with its `/debug/*` on a side port.
 
     Every worker's starting behaviour is applied through `/debug/behaviour`, the same way
     a `set_behaviour` step changes it later. On exit (or cancellation) every worker is
@@ -258,7 +285,7 @@ async def open_fleet(
                 port = FIRST_BOOTSTRAP_PORT + index
             ports[spec.name] = port
             host = f"127.0.0.{index + 1}" if shared_port is not None else "127.0.0.1"
-            argv = worker_argv(spec, port, command, host, shared_port or 0)
+            argv = worker_argv(spec, port, command, host, shared_port or 0, protocol)
             child, scopes[spec.name] = await nursery.start(
                 _run_worker, argv, f"fake worker {spec.name}"
             )
@@ -266,11 +293,15 @@ async def open_fleet(
             if shared_port == 0:  # the first worker picks the port the others share
                 shared_port = await _listening_port(child)
         urls: dict[str, str] = {}
+        debug_urls: dict[str, str] = {}
         problems: list[str] = []
 
         async def wait_listening(name: str) -> None:
             try:
                 match = await children[name].output.wait_for(LISTENING)
+                if protocol == "grpc":
+                    debug = await children[name].output.wait_for(DEBUG_LISTENING)
+                    debug_urls[name] = debug.group(1).rstrip("/")
             except ProcessFailed as exc:
                 problems.append(str(exc))
                 return
@@ -288,9 +319,12 @@ async def open_fleet(
                 f"fake worker(s) {', '.join(late)} did not start within {START_TIMEOUT_S:g}s"
             )
         workers = {
-            spec.name: RunningWorker(spec, urls[spec.name], ports[spec.name]) for spec in case.fleet
+            spec.name: RunningWorker(
+                spec, urls[spec.name], ports[spec.name], debug_urls.get(spec.name)
+            )
+            for spec in case.fleet
         }
-        fleet = Fleet(workers, children, nursery, scopes, command=command)
+        fleet = Fleet(workers, children, nursery, scopes, command=command, protocol=protocol)
         for spec in case.fleet:
             if spec.behaviour:
                 await fleet.set_behaviour(client, [spec.name], spec.behaviour)

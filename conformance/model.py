@@ -61,14 +61,28 @@ BUSIEST_WORKER = "busiest"
 NO_STATUS: Literal["error"] = "error"
 DEFAULT_MODEL = "m"
 # What a case's workers can be: `router fake-worker` processes (scripted behaviour, debug
-# counters), or real vLLM engines (the CPU build of `make engine-env`, real faults only).
-FLEET_KINDS = ("fake", "vllm")
+# counters) speaking HTTP (`fake`) or gRPC (`grpc`), or real vLLM engines (the CPU build of
+# `make engine-env`, real faults only) serving their HTTP API (`vllm`) or their gRPC
+# service (`vllm-grpc`).
+FLEET_KINDS = ("fake", "vllm", "grpc", "vllm-grpc")
+# Fleets of real engines: started once per run and lent to one case at a time.
+ENGINE_FLEETS = frozenset({"vllm", "vllm-grpc"})
+# Fleets whose workers speak gRPC (`grpc://` URLs): a plane routes to them only through a
+# gRPC path of its own (the `upstream.grpc` capability), tokenizing prompts itself.
+GRPC_FLEETS = frozenset({"grpc", "vllm-grpc"})
+# The routes a gRPC worker serves through a plane: generation only (no `Embed` on the fake).
+GRPC_ROUTES = ("chat", "completions", "generate", "responses", "messages")
 # What a `fault` step does to a worker's process: SIGKILL its group (unreachable),
 # SIGSTOP / SIGCONT it (a hang with its sockets open, and its end), or start it again on
 # the same port (after a kill, or killing it first).
 FAULT_ACTIONS = ("kill", "stop", "resume", "restart")
 
 StatusKey = int | Literal["error"]
+
+
+def fleet_capabilities(fleet: str) -> frozenset[str]:
+    """What a plane needs to run any case on a fleet of this kind, beyond the case's own."""
+    return frozenset({"upstream.grpc"}) if fleet in GRPC_FLEETS else frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +164,14 @@ class RouterSettings:
     resume_limit: int | None = None
     """Times a stream whose worker broke after the first byte goes on on another worker;
     None: the plane's own default."""
+    aliases: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Public model names, each for served models with weights."""
+    fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Models a model gives way to when it has no worker that can take a request."""
+    priority_classes: tuple[str, ...] = ()
+    """Priority classes of the admission queue, highest first (a request's `priority`)."""
+    default_priority: str | None = None
+    """The class of a request that names none (required with `priority_classes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +211,8 @@ class Expect:
     """
 
     status: Mapping[StatusKey, Range] | None = None
-    error_code: str | None = None
+    # Every answer's `error.code` is this one, or one of these (a list in the case file).
+    error_code: str | tuple[str, ...] | None = None
     message_contains: tuple[str, ...] = ()
     headers: Mapping[str, HeaderCheck] = field(default_factory=dict)
     dispatches: Mapping[str, Range] = field(default_factory=dict)
@@ -241,6 +264,9 @@ class RequestSpec:
     # Sent to this fake worker itself, past the plane, as another router's request would
     # be: what the worker's cache then holds, the plane never saw.
     worker: str | None = None
+    # The priority class the request claims (one of `settings.priority_classes`); the plane
+    # adapter says how (`Plane.request_headers`).
+    priority: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +456,14 @@ class Case:
             needed.add("limits.body_size")
         if s.resume_limit is not None and s.resume_limit > 0:
             needed.add("stream.resume")
+        if s.aliases:
+            needed.add("model.alias")
+            if any(len(targets) > 1 for targets in s.aliases.values()):
+                needed.add("model.alias_weights")
+        if s.fallbacks:
+            needed.add("model.fallback")
+        if s.priority_classes:
+            needed.add("admission.priority")
         for step in self.steps:
             if isinstance(step, SendStep | PollStep) and step.request.route != "chat":
                 needed.add(f"route.{step.request.route}")

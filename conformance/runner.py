@@ -1,9 +1,12 @@
 """Run cases against planes: fleet up, plane up, steps driven and checked, all torn down.
 
-Each (case, plane) pair gets its own fleet of fake workers and its own plane process on
-ports of their own, so pairs run in parallel (`jobs` at a time) without colliding. On
-real engines (`fleet="vllm"`) the run starts a pool of engines once and lends it to one
-pair at a time, restored between pairs (`conformance.engine_fleet`).
+Each (case, plane) pair gets its own fleet of fake workers (HTTP ones, or gRPC ones on
+`fleet="grpc"`) and its own plane process on ports of their own, so pairs run in
+parallel (`jobs` at a time) without colliding. On real engines (`fleet="vllm"`, or
+`"vllm-grpc"` for engines serving gRPC) the run starts a pool of engines once and lends
+it to one pair at a time, restored between pairs (`conformance.engine_fleet`). On a
+fleet of gRPC workers a plane needs a gRPC path (`upstream.grpc`), and its gRPC
+divergences are the ones that hold.
 """
 
 from __future__ import annotations
@@ -25,9 +28,7 @@ from conformance.divergences import Divergence
 from conformance.engine_fleet import EnginePool, open_engine_pool
 from conformance.engines import EngineUnavailable
 from conformance.fleet import FAKE_WORKER_COMMAND, CaseFleet, FleetError, open_fleet
-from conformance.model import (
-    Case,
-)
+from conformance.model import ENGINE_FLEETS, GRPC_FLEETS, Case, fleet_capabilities
 from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.processes import Child, ProcessFailed, free_port, open_process
 from conformance.sidecars import open_sidecars
@@ -80,7 +81,7 @@ class RunOptions:
     on_outcome: Callable[[Outcome], None] | None = None
     case_timeout_s: float = CASE_TIMEOUT_S
     fleet: str = "fake"  # a FLEET_KINDS word: what the cases' workers are
-    # Set by `run_suite` on `fleet="vllm"`: the engines lent to each case in turn.
+    # Set by `run_suite` on an engine fleet: the engines lent to each case in turn.
     engine_pool: EnginePool | None = None
 
 
@@ -90,8 +91,10 @@ class RunOptions:
 async def run_case(
     case: Case, plane: Plane, divergences: Mapping[str, Divergence], options: RunOptions
 ) -> Outcome:
-    """Run `case` on `plane` and judge it against the plane's known divergences."""
-    missing = sorted(case.capabilities_needed() - plane.capabilities)
+    """Run `case` on `plane` and judge it against the plane's known divergences (those of
+    the plane's path the fleet takes)."""
+    needed = case.capabilities_needed() | fleet_capabilities(options.fleet)
+    missing = sorted(needed - plane.capabilities)
     unsupported = None
     if missing:
         notes = [
@@ -211,7 +214,12 @@ async def execute_case(case: Case, plane: Plane, options: RunOptions, observe: b
             opened: AbstractAsyncContextManager[CaseFleet] = (
                 options.engine_pool.lend(case)
                 if options.engine_pool is not None
-                else open_fleet(case, client, options.fake_worker_command)
+                else open_fleet(
+                    case,
+                    client,
+                    options.fake_worker_command,
+                    "grpc" if options.fleet in GRPC_FLEETS else "http",
+                )
             )
             async with opened as fleet:
                 launch = Launch(
@@ -313,12 +321,15 @@ async def run_suite(
 ) -> list[Outcome]:
     """Every case on every plane, `options.jobs` pairs at a time; outcomes in case order.
 
-    On `fleet="vllm"`: one pool of engines, as many as the largest fleet, for the whole
-    run; one pair at a time, and the pool restored after each (a restart that fails ends
-    the run with EngineUnavailable: the cases after it would only meet a broken fleet).
+    On an engine fleet (`vllm`, `vllm-grpc`): one pool of engines, as many as the largest
+    fleet, for the whole run; one pair at a time, and the pool restored after each (a
+    restart that fails ends the run with EngineUnavailable: the cases after it would only
+    meet a broken fleet).
     """
-    if options.fleet == "vllm" and options.engine_pool is None:
-        async with open_engine_pool(max(len(case.fleet) for case in cases)) as pool:
+    if options.fleet in ENGINE_FLEETS and options.engine_pool is None:
+        size = max(len(case.fleet) for case in cases)
+        protocol = "grpc" if options.fleet in GRPC_FLEETS else "http"
+        async with open_engine_pool(size, protocol) as pool:
             engines = replace(options, engine_pool=pool, jobs=1)
             return await run_suite(cases, planes, divergences, engines)
     limiter = trio.CapacityLimiter(max(1, options.jobs))

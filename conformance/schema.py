@@ -21,10 +21,14 @@ from conformance.capabilities import CAPABILITIES
 from conformance.model import (
     DEFAULT_MODEL,
     DISCOVERY_BACKENDS,
+    ENGINE_FLEETS,
     FLEET_KINDS,
+    GRPC_FLEETS,
+    GRPC_ROUTES,
     AwaitStep,
     Case,
     FleetChangeStep,
+    PollStep,
     SendStep,
     SetBehaviourStep,
     Step,
@@ -97,8 +101,12 @@ class CaseReader:
                     top["fleets"], "fleets", f"names no fleet kind ({', '.join(FLEET_KINDS)})"
                 )
             fleets = frozenset(kinds)
-        if "vllm" in fleets:
-            self.check_engine_fleet(top, fleet, steps, step_nodes, default_model, discovery)
+        if fleets & ENGINE_FLEETS:
+            kind = sorted(fleets & ENGINE_FLEETS)[0]
+            self.check_engine_fleet(top, fleet, steps, step_nodes, default_model, discovery, kind)
+        if fleets & GRPC_FLEETS:
+            kind = sorted(fleets & GRPC_FLEETS)[0]
+            self.check_grpc_fleet(top, fleet, steps, step_nodes, discovery, kind)
         requires: frozenset[str] = frozenset()
         if "requires" in top:
             requires = frozenset(r.strings(top["requires"], "requires"))
@@ -109,6 +117,8 @@ class CaseReader:
                         "requires",
                         r.unknown_word(name, CAPABILITIES, "capability"),
                     )
+        settings = self.settings_reader.settings(top.get("settings"))
+        self.check_priorities(settings.priority_classes, steps, step_nodes)
         return Case(
             id=self.case_id,
             path=self.path,
@@ -117,11 +127,25 @@ class CaseReader:
             tags=r.strings(top["tags"], "tags") if "tags" in top else (),
             requires=requires,
             fleet=fleet,
-            settings=self.settings_reader.settings(top.get("settings")),
+            settings=settings,
             steps=steps,
             discovery=discovery,
             fleets=fleets,
         )
+
+    def check_priorities(
+        self, classes: Sequence[str], steps: Sequence[Step], nodes: Sequence[Node]
+    ) -> None:
+        """A request's `priority` names one of the case's priority classes."""
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            if isinstance(step, SendStep | PollStep) and step.request.priority is not None:
+                if step.request.priority not in classes:
+                    known = ", ".join(classes) if classes else "none: set settings.priority_classes"
+                    raise self.r.fail(
+                        node,
+                        join(join("steps", index), "priority"),
+                        f"{step.request.priority!r} is not a priority class ({known})",
+                    )
 
     def check_engine_fleet(
         self,
@@ -131,16 +155,19 @@ class CaseReader:
         nodes: Sequence[Node],
         default_model: str,
         discovery: str | None,
+        kind: str = "vllm",
     ) -> None:
-        """What a case that runs on real engines (`fleets: [..., vllm]`) cannot ask for:
-        a real engine has no scripted behaviour and no handoff record, serves the one
-        model the runner's engines are started with, and is one mixed engine."""
+        """What a case that runs on real engines (`fleets: [..., vllm]` or `vllm-grpc`)
+        cannot ask for: a real engine has no scripted behaviour and no handoff record,
+        serves the one model the runner's engines are started with, and is one mixed
+        engine."""
         r = self.r
         where = "fleets"
+        engine = f"a real engine (fleets: {kind})"
         if default_model != DEFAULT_MODEL:
-            raise r.fail(top["model"], "model", f"a vllm fleet serves {DEFAULT_MODEL!r} only")
+            raise r.fail(top["model"], "model", f"a {kind} fleet serves {DEFAULT_MODEL!r} only")
         if discovery == "kubernetes":
-            raise r.fail(top["discovery"], "discovery", "a vllm fleet is not discovered as Pods")
+            raise r.fail(top["discovery"], "discovery", f"a {kind} fleet is not discovered as Pods")
         nodes_by_name = {name: value for name, _, value in r.items(top["fleet"], "fleet")}
         for worker in fleet:
             field = join("fleet", worker.name)
@@ -161,7 +188,7 @@ class CaseReader:
                 raise r.fail(
                     nodes_by_name[worker.name],
                     field,
-                    f"{problem}; a real engine (fleets: vllm) cannot (drop vllm from `{where}`)",
+                    f"{problem}; {engine} cannot (drop {kind} from `{where}`)",
                 )
         for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
             field = join("steps", index)
@@ -169,13 +196,61 @@ class CaseReader:
                 raise r.fail(
                     node,
                     join(field, "set_behaviour"),
-                    "a real engine (fleets: vllm) has no scripted behaviour",
+                    f"{engine} has no scripted behaviour",
                 )
             if isinstance(step, SendStep) and step.expect.handoffs is not None:
                 raise r.fail(
                     node,
                     join(field, "expect"),
-                    "a real engine (fleets: vllm) keeps no handoff record",
+                    f"{engine} keeps no handoff record",
+                )
+
+    def check_grpc_fleet(
+        self,
+        top: dict[str, Node],
+        fleet: Sequence[WorkerSpec],
+        steps: Sequence[Step],
+        nodes: Sequence[Node],
+        discovery: str | None,
+        kind: str,
+    ) -> None:
+        """What a case that runs on gRPC workers (`fleets: [..., grpc]` or `vllm-grpc`)
+        cannot ask for: a gRPC worker serves mixed generation only (no PD role, no KV
+        events, no embeddings), is given to the plane on its command line (no
+        discovery), and speaks no HTTP a request past the plane could use."""
+        r = self.r
+        where = f"a gRPC worker (fleets: {kind})"
+        if discovery is not None:
+            raise r.fail(top["discovery"], "discovery", f"{where} is not discovered (drop {kind})")
+        nodes_by_name = {name: value for name, _, value in r.items(top["fleet"], "fleet")}
+        for worker in fleet:
+            problem = (
+                f"is a {worker.role} worker"
+                if worker.role != "mixed"
+                else "publishes KV events (kv_events)"
+                if worker.kv_events
+                else None
+            )
+            if problem is not None:
+                raise r.fail(
+                    nodes_by_name[worker.name],
+                    join("fleet", worker.name),
+                    f"{problem}; {where} cannot (drop {kind} from `fleets`)",
+                )
+        for index, (step, node) in enumerate(zip(steps, nodes, strict=True)):
+            if not isinstance(step, SendStep | PollStep):
+                continue
+            field = join("steps", index)
+            if step.request.route not in GRPC_ROUTES:
+                raise r.fail(
+                    node,
+                    field,
+                    f"route {step.request.route} is not served by {where}: "
+                    f"{', '.join(GRPC_ROUTES)}",
+                )
+            if isinstance(step, SendStep) and step.request.worker is not None:
+                raise r.fail(
+                    node, field, f"{where} takes no HTTP request past the plane (send.worker)"
                 )
 
     def check_steps(

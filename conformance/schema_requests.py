@@ -40,6 +40,7 @@ REQUEST_FIELDS = (
     "raw",
     "background",
     "worker",
+    "priority",
 )
 POLL_FIELDS = ("model", "route", "stream", "body", "headers", "timeout_s", "within_s", "interval_s")
 RAW_FIELDS = ("text", "nested", "size", "content_type")
@@ -142,6 +143,7 @@ class RequestReader:
             if "background" in m
             else None,
             worker=r.string(m["worker"], join(field, "worker")) if "worker" in m else None,
+            priority=r.string(m["priority"], join(field, "priority")) if "priority" in m else None,
         )
 
     def expect(
@@ -169,7 +171,7 @@ class RequestReader:
             status=self.status(m["status"], join(field, "status"), request.count)
             if "status" in m
             else None,
-            error_code=r.string(m["error_code"], join(field, "error_code"))
+            error_code=self.error_code(m["error_code"], join(field, "error_code"))
             if "error_code" in m
             else None,
             message_contains=r.strings(m["message_contains"], join(field, "message_contains"))
@@ -217,6 +219,13 @@ class RequestReader:
         if not m:
             raise r.fail(node, field, f"needs at least one of {', '.join(USAGE_FIELDS)}")
         return {key: r.integer(value, join(field, key), 0) for key, value in m.items()}
+
+    def error_code(self, node: Node, field: str) -> str | tuple[str, ...]:
+        """One code, or a list of the codes an answer may have (at least one)."""
+        codes = self.r.strings(node, field)
+        if not codes:
+            raise self.r.fail(node, field, "names no error code")
+        return codes[0] if len(codes) == 1 and isinstance(node, ScalarNode) else codes
 
     def status(self, node: Node, field: str, count: int) -> dict[StatusKey, Range]:
         r = self.r

@@ -31,6 +31,10 @@ SETTINGS_FIELDS = (
     "max_concurrent",
     "queue_size",
     "resume_limit",
+    "aliases",
+    "fallbacks",
+    "priority_classes",
+    "default_priority",
 )
 CACHE_AWARE_FIELDS = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 BREAKER_FIELDS = ("threshold", "cooldown_s", "max_cooldown_s", "all_open")
@@ -52,7 +56,31 @@ class SettingsReader:
         def policy(key: str) -> str | None:
             return r.choice(m[key], join("settings", key), POLICIES) if key in m else None
 
+        classes = (
+            r.strings(m["priority_classes"], "settings.priority_classes")
+            if "priority_classes" in m
+            else ()
+        )
+        default_priority = (
+            r.string(m["default_priority"], "settings.default_priority")
+            if "default_priority" in m
+            else None
+        )
+        if classes and default_priority not in classes:
+            raise r.fail(
+                m.get("default_priority", m["priority_classes"]),
+                "settings.default_priority",
+                f"must name one of the priority classes ({', '.join(classes)})",
+            )
+        if default_priority is not None and not classes:
+            raise r.fail(
+                m["default_priority"], "settings.default_priority", "needs priority_classes"
+            )
         return RouterSettings(
+            aliases=self.aliases(m["aliases"]) if "aliases" in m else {},
+            fallbacks=self.fallbacks(m["fallbacks"]) if "fallbacks" in m else {},
+            priority_classes=classes,
+            default_priority=default_priority,
             policy=policy("policy"),
             prefill_policy=policy("prefill_policy"),
             decode_policy=policy("decode_policy"),
@@ -80,6 +108,31 @@ class SettingsReader:
             if "resume_limit" in m
             else None,
         )
+
+    def aliases(self, node: Node) -> dict[str, dict[str, float]]:
+        """`alias: {model: weight, ...}`: each alias for served models with weights."""
+        r = self.r
+        aliases: dict[str, dict[str, float]] = {}
+        for name, _, targets in r.items(node, "settings.aliases"):
+            field = join("settings.aliases", name)
+            aliases[name] = {
+                model: r.number(weight, join(field, model), positive=True)
+                for model, _, weight in r.items(targets, field)
+            }
+            if not aliases[name]:
+                raise r.fail(targets, field, "names no model")
+        return aliases
+
+    def fallbacks(self, node: Node) -> dict[str, tuple[str, ...]]:
+        """`model: [fallback, ...]`: what each model gives way to, in order."""
+        r = self.r
+        fallbacks: dict[str, tuple[str, ...]] = {}
+        for name, _, models in r.items(node, "settings.fallbacks"):
+            field = join("settings.fallbacks", name)
+            fallbacks[name] = r.strings(models, field)
+            if not fallbacks[name]:
+                raise r.fail(models, field, "names no fallback")
+        return fallbacks
 
     def cache_aware(self, node: Node) -> CacheAwareSettings:
         r = self.r

@@ -9,6 +9,7 @@ from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.planes.litellm import LiteLLMPlane
 from conformance.planes.python import PythonPlane
 from conformance.planes.smg import SmgPlane
+from conformance.planes.smg_1_10 import Smg110Plane
 from conformance.planes.vllm_router import VllmRouterPlane
 
 PLANES: dict[str, type[Plane]] = {
@@ -17,17 +18,24 @@ PLANES: dict[str, type[Plane]] = {
     VllmRouterPlane.name: VllmRouterPlane,
     LiteLLMPlane.name: LiteLLMPlane,
 }
+# Older releases kept to show a fix, run by name only: `--plane all` leaves them out.
+PINNED_PLANES: dict[str, type[Plane]] = {
+    Smg110Plane.name: Smg110Plane,
+}
 
-__all__ = ["PLANES", "Launch", "Plane", "Unsupported", "resolve_plane"]
+__all__ = ["PINNED_PLANES", "PLANES", "Launch", "Plane", "Unsupported", "resolve_plane"]
 
 
 def resolve_plane(spec: str) -> Plane:
     """A registered plane by name, or `module:Class` imported on the spot."""
     if spec in PLANES:
         return PLANES[spec]()
+    if spec in PINNED_PLANES:
+        return PINNED_PLANES[spec]()
     module_name, sep, class_name = spec.partition(":")
     if not sep:
-        raise ValueError(f"unknown plane {spec!r}: choose {', '.join(PLANES)} or give module:Class")
+        names = ", ".join([*PLANES, *PINNED_PLANES])
+        raise ValueError(f"unknown plane {spec!r}: choose {names} or give module:Class")
     cls = getattr(importlib.import_module(module_name), class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Plane)):
         raise ValueError(f"{spec!r} is not a Plane subclass")

@@ -7,13 +7,17 @@ An adapter is a `Plane` subclass in one module. It says:
   case needing one it lacks is reported `unsupported` and not run; `missing_notes` may
   say, per missing capability, what the plane was seen doing instead;
 - `divergences`: the YAML file of cases where the plane is known to behave otherwise
-  than the spec says, each with the observed behaviour and the reason;
+  than the spec says, each with the observed behaviour and the reason; a plane with a
+  gRPC path (`upstream.grpc`) keeps that path's in `grpc_divergences`, read on the fleets
+  whose workers speak gRPC;
 - `command(launch)`: the argv that starts it in front of a running fleet, with the case's
   neutral settings mapped to its flags. A setting it cannot express raises `Unsupported`;
 - how it reports its address: `listen_pattern` (it binds port 0 and prints its URL) or
   none (the runner picks a free port and passes it in `launch.port`);
 - `wait_ready`: when it has admitted the fleet (default: `/v1/models` lists every model);
-- `version_argv`: how to ask the plane's own binary or interpreter for its version;
+- `request_headers`: how a request claims its priority class in the plane's words;
+- `version_argv`: how to ask the plane's own binary or interpreter for its version; a
+  plane that cannot answer is not installed, and `install_hint` says how to install it;
 - `environment`: variables its processes get on top of the runner's;
 - `start_sidecars`: what it needs running before itself (an etcd, a fake Kubernetes API),
   started through a runner-owned `Sidecars` that stops all of it when the case ends;
@@ -44,12 +48,21 @@ import httpx
 import trio
 
 from conformance.fleet import RunningWorker
-from conformance.model import Case
+from conformance.model import GRPC_FLEETS, Case, RequestSpec
 from conformance.sidecars import Sidecars
 
 
 class Unsupported(Exception):
     """The plane cannot run this case as written: the message says which setting and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What asking a plane for its version found: the version, and, when it could not
+    answer, one line saying what to install (None: it is there)."""
+
+    version: str
+    problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +94,10 @@ class Plane(ABC):
     # For capabilities the plane lacks: what it does instead, as observed (shown in reports).
     missing_notes: ClassVar[Mapping[str, str]] = {}
     divergences: ClassVar[Path | None] = None
+    # The divergences of its gRPC path (fleets of gRPC workers), when it has one.
+    grpc_divergences: ClassVar[Path | None] = None
+    # What to run when the plane is not installed (its `version_argv` fails), in one line.
+    install_hint: ClassVar[str] = ""
     # When set, the plane is started on port 0 and its URL is read from its output.
     listen_pattern: ClassVar[re.Pattern[str] | None] = None
     stop_grace_s: ClassVar[float] = 2.0
@@ -107,9 +124,14 @@ class Plane(ABC):
         """The plane's version as its own binary or interpreter says it, for reports: the
         whole last line of `version_argv`'s output (`0.3.1+cpu (build 2026-11-02)` stays
         whole)."""
+        return self.probe().version
+
+    def probe(self) -> Probe:
+        """Ask the plane's binary or interpreter for its version. One that cannot answer
+        (missing, or failing) is not installed: `problem` then says what to install."""
         argv = self.version_argv()
         if argv is None:
-            return "unknown"
+            return Probe("unknown")
         try:
             done = subprocess.run(
                 argv,
@@ -121,11 +143,23 @@ class Plane(ABC):
                 stdin=subprocess.DEVNULL,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"unknown ({type(exc).__name__})"
+            return Probe(f"unknown ({type(exc).__name__})", self._not_installed(argv, str(exc)))
         lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
         if done.returncode != 0 or not lines:
-            return f"unknown (exit {done.returncode})"
-        return lines[-1]
+            error = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            return Probe(f"unknown (exit {done.returncode})", self._not_installed(argv, error))
+        return Probe(lines[-1])
+
+    def _not_installed(self, argv: Sequence[str], why: str) -> str:
+        hint = self.install_hint or (
+            f"pip install {self.distribution}" if self.distribution else "install it"
+        )
+        return f"plane {self.name} is not installed ({argv[0]}: {why}): {hint}"
+
+    def divergence_file(self, fleet: str) -> Path | None:
+        """The divergences that hold on `fleet`: its gRPC path's on a fleet of gRPC
+        workers, else its HTTP path's."""
+        return self.grpc_divergences if fleet in GRPC_FLEETS else self.divergences
 
     def environment(self) -> Mapping[str, str]:
         """Variables every process of this plane (sidecars included) gets on top of the
@@ -180,6 +214,12 @@ class Plane(ABC):
     @abstractmethod
     def command(self, launch: Launch) -> list[str]:
         """The argv that starts the plane in front of `launch.workers`."""
+
+    def request_headers(self, launch: Launch, request: RequestSpec) -> dict[str, str]:
+        """The headers that say what a request claims in the plane's own words (its priority
+        class: `request.priority`). Default: none; a plane with `admission.priority` says
+        how its clients name a class."""
+        return {}
 
     def auth_headers(self, launch: Launch) -> dict[str, str]:
         """The client key a case sets, for the runner's own requests (readiness polls)."""

@@ -66,6 +66,7 @@ class LiteLLMPlane(Plane):
     name = "litellm"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("litellm_divergences.yaml")
     distribution = "litellm"
+    install_hint: ClassVar[str] = "make litellm-env (a venv of its own, .venv-litellm)"
     interpreter: ClassVar[str] = str(VENV / "bin" / "python")
     capabilities = frozenset(
         {
@@ -82,6 +83,8 @@ class LiteLLMPlane(Plane):
     # Observed with `conformance run --plane litellm --run-unsupported -v` where it says
     # "observed"; the rest read from the installed package (1.106.12).
     missing_notes: ClassVar[Mapping[str, str]] = {
+        "upstream.grpc": "its deployments are HTTP API endpoints; no gRPC engine client (read, "
+        "not observed)",
         "policy.round_robin": "routing_strategy is simple-shuffle, least-busy, usage-based-routing(-v2), "
         "latency-based-routing or cost-based-routing: no round robin",
         "policy.power_of_two": "no power-of-two strategy",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -14,7 +15,7 @@ import yaml
 
 from conformance import etcd_sidecar, kube_sidecar
 from conformance.fleet import RunningWorker
-from conformance.model import Case
+from conformance.model import Case, RequestSpec
 from conformance.planes.base import Launch, Plane, Unsupported
 from conformance.planes.gateway_flags import (
     auth_and_admission_flags,
@@ -32,6 +33,12 @@ class PythonPlane(Plane):
     name = "python"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("python_divergences.yaml")
     distribution = "trio-router"
+    install_hint: ClassVar[str] = "pip install -e '.[test]' (make setup installs it)"
+    # Capabilities it lacks, and what it does instead.
+    missing_notes: ClassVar[Mapping[str, str]] = {
+        "upstream.grpc": "router serve has no gRPC upstream yet: it routes to http:// workers "
+        "only, so no case of a gRPC fleet runs",
+    }
     capabilities = frozenset(
         {
             "breaker.single_probe",
@@ -69,6 +76,11 @@ class PythonPlane(Plane):
             "limits.body_size",
             # `--resume-limit`, with the fake fleet's vocabulary as `--kv-tokenizer`.
             "stream.resume",
+            # --model-alias (weights too), --model-fallback, --priority-classes.
+            "model.alias",
+            "model.alias_weights",
+            "model.fallback",
+            "admission.priority",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
@@ -207,7 +219,18 @@ class PythonPlane(Plane):
         flags += auth_and_admission_flags(s)
         if s.resume_limit is not None:
             flags += ["--resume-limit", str(s.resume_limit)]
+        for alias, targets in s.aliases.items():
+            weighted = ",".join(f"{model}:{weight:g}" for model, weight in targets.items())
+            flags += ["--model-alias", f"{alias}={weighted}"]
+        for model, fallbacks in s.fallbacks.items():
+            flags += ["--model-fallback", f"{model}={','.join(fallbacks)}"]
+        if s.priority_classes:
+            flags += ["--priority-classes", ",".join(s.priority_classes)]
+            flags += ["--default-priority", str(s.default_priority)]
         return flags
+
+    def request_headers(self, launch: Launch, request: RequestSpec) -> dict[str, str]:
+        return {"x-priority": request.priority} if request.priority is not None else {}
 
 
 def _worker_spec(worker: RunningWorker) -> str:

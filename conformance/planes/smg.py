@@ -9,7 +9,11 @@ Mapping notes, each observed on the binary rather than taken from its help text:
 - cooldowns and health intervals are whole seconds;
 - success threshold is set to 1 so that one good probe closes the breaker, as in the spec;
 - under Kubernetes discovery it reads the kubeconfig from `KUBECONFIG` and takes one
-  port (`--service-discovery-port`) for every Pod; a Pod that is not Ready is no worker.
+  port (`--service-discovery-port`) for every Pod; a Pod that is not Ready is no worker;
+- its gRPC path: `--worker-urls grpc://HOST:PORT` (the fleet's URLs on `--fleet grpc` or
+  `vllm-grpc`); it asks each engine service's `HealthCheck` to learn the engine's kind,
+  loads the tokenizer from the directory `GetModelInfo` names, and tokenizes itself. The
+  same flags apply; `smg_grpc_divergences.yaml` lists where that path diverges.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import httpx
 
 from conformance import kube_sidecar
 from conformance.fleet import RunningWorker
-from conformance.model import Case
+from conformance.model import Case, RequestSpec
 from conformance.planes.base import Launch, Plane, Unsupported, wait_for_answer
 from conformance.planes.gateway_flags import (
     auth_and_admission_flags,
@@ -48,8 +52,10 @@ POLICIES = {
 class SmgPlane(Plane):
     name = "smg"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("smg_divergences.yaml")
+    grpc_divergences: ClassVar[Path | None] = Path(__file__).with_name("smg_grpc_divergences.yaml")
     # Its interpreter names the installed release (`smg --version` says "smg 1.13.0").
     distribution = "smg"
+    install_hint: ClassVar[str] = "pip install smg (make setup installs it)"
     capabilities = frozenset(
         {
             "breaker.all_open_reject",
@@ -65,6 +71,11 @@ class SmgPlane(Plane):
             # Every route of the engines' APIs, and a body limit (`--max-payload-size`).
             *(f"route.{name}" for name in ROUTES),
             "limits.body_size",
+            # --model-alias ALIAS=MODEL (one model, no weights), and the priority scheduler.
+            "model.alias",
+            "admission.priority",
+            # gRPC engines behind it (`--fleet grpc`, `vllm-grpc`).
+            "upstream.grpc",
         }
     )
     # Observed with `conformance run --plane smg --run-unsupported -v`.
@@ -86,6 +97,9 @@ class SmgPlane(Plane):
         "(another run: 1 of 6); with a 12 s wait it sent none (load/engine-load-elsewhere-avoided)",
         "pd.mixed_fleet": "--pd-disaggregation takes prefill and decode workers only",
         "discovery.etcd": "`smg launch --help` offers no etcd discovery (--discovery-provider is kubernetes or file)",
+        "model.alias_weights": "--model-alias takes ALIAS=CANONICAL: one served model per alias, "
+        "no weight (`smg launch --help`, 1.13.0)",
+        "model.fallback": "no flag of `smg launch --help` (1.13.0) names a model to fall back to",
         "cache_aware.smallest_tree": "below --cache-threshold it takes the least loaded worker, "
         "not the one with the smallest tree: with every load 0 a prompt matching 0.26 of worker "
         "a's text (threshold 0.5) went to a in some runs and to b in others, so no count holds",
@@ -128,6 +142,8 @@ class SmgPlane(Plane):
         ]
         argv += self.fleet_flags(launch)
         argv += self.settings_flags(launch.case)
+        if launch.case.settings.priority_classes:
+            argv += ["--priority-scheduler-config", str(_scheduler_config(launch))]
         return argv
 
     async def start_sidecars(self, sidecars: Sidecars, case: Case) -> None:
@@ -222,7 +238,27 @@ class SmgPlane(Plane):
             flags += ["--max-payload-size", str(s.max_body_bytes)]
         flags += cache_aware_flags(s.cache_aware)
         flags += auth_and_admission_flags(s)
+        flags += self.traffic_flags(case)
         return flags
+
+    def traffic_flags(self, case: Case) -> list[str]:
+        """Aliases (one model each: smg's `--model-alias` has no weights) and the priority
+        scheduler, whose classes are its own four (`smg_class`)."""
+        s = case.settings
+        flags: list[str] = []
+        for alias, targets in s.aliases.items():
+            if len(targets) != 1:
+                raise Unsupported(f"smg's --model-alias names one model; {alias!r} names more")
+            flags += ["--model-alias", f"{alias}={next(iter(targets))}"]
+        if s.priority_classes:
+            _smg_classes(case)
+            flags.append("--priority-scheduler-enabled")
+        return flags
+
+    def request_headers(self, launch: Launch, request: RequestSpec) -> dict[str, str]:
+        if request.priority is None:
+            return {}
+        return {"x-smg-priority": _smg_classes(launch.case)[request.priority]}
 
     @staticmethod
     def _policy(name: str) -> str:
@@ -244,6 +280,45 @@ class SmgPlane(Plane):
         await wait_for_answer(
             client, url + "/workers", self.auth_headers(launch), lists_every_worker_healthy, 0.1
         )
+
+
+def _scheduler_config(launch: Launch) -> Path:
+    """The scheduler's YAML: no class reserves a slot. Its built-in reservations (observed:
+    "sum of class reservations (3) exceeds capacity (1)" with --max-concurrent-requests 1)
+    make it fall back to its legacy admission on a small capacity, which has no classes.
+    1.13.0 names the fields `reserved_floor` and `reserved_per_slot`, and wants every field
+    of a class it lists."""
+    path = launch.workdir / "smg-priority.yaml"
+    classes = ("system", "interactive", "default", "bulk")
+    queue_size = launch.case.settings.queue_size or 100
+    path.write_text(
+        "classes:\n"
+        + "".join(
+            f"  {name}:\n"
+            "    reserved_floor: 0\n"
+            "    reserved_per_slot: 0\n"
+            f"    queue_size: {queue_size}\n"
+            "    queue_timeout_secs: 60\n"
+            # No promotion out of class order and no preemption: the spec has neither.
+            "    starvation_threshold_secs: 600\n"
+            "    can_preempt: false\n"
+            for name in classes
+        )
+    )
+    return path
+
+
+def _smg_classes(case: Case) -> dict[str, str]:
+    """A case's two classes as smg's: the higher, which must be the default, is smg's
+    `default` (what a request without the header gets), the lower `bulk`."""
+    s = case.settings
+    classes = s.priority_classes
+    if len(classes) != 2 or s.default_priority != classes[0]:
+        raise Unsupported(
+            "smg's classes are its own four; a case maps onto them with two classes whose "
+            "default is the higher one"
+        )
+    return {classes[0]: "default", classes[1]: "bulk"}
 
 
 def _whole_seconds(value: float, field: str) -> None:

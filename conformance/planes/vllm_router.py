@@ -61,7 +61,9 @@ def _interpreter(binary: str) -> str:
 class VllmRouterPlane(SmgPlane):
     name = "vllm-router"
     divergences: ClassVar[Path | None] = Path(__file__).with_name("vllm_router_divergences.yaml")
+    grpc_divergences: ClassVar[Path | None] = None
     distribution = "vllm-router"
+    install_hint: ClassVar[str] = "pip install vllm-router (make setup installs it)"
     capabilities = frozenset(
         {
             "breaker.all_open_reject",
@@ -78,6 +80,8 @@ class VllmRouterPlane(SmgPlane):
     )
     # Observed with `conformance run --plane vllm-router --run-unsupported -v`.
     missing_notes: ClassVar[Mapping[str, str]] = {
+        "upstream.grpc": "no gRPC path: given grpc:// worker URLs (0.1.17) it treats them "
+        "as HTTP hosts, waits 30 s for them to become healthy and exits with an error",
         "breaker.single_probe": "half-open admits every request: 8 concurrent requests just after "
         "the cooldown sent 4 to the half-open worker",
         "stream.resume": "a stream whose worker breaks mid-way is cut, never resumed (vllm-router "
@@ -93,6 +97,11 @@ class VllmRouterPlane(SmgPlane):
         "pd.bootstrap": "--vllm-pd-disaggregation hands off with vLLM's NIXL parameters "
         "(--kv-connector nixl|mooncake|moriio), not SGLang's bootstrap room the handoff checks read",
         "worker.status": "static workers have no DRAINING state to learn",
+        "model.alias": "no flag of `vllm-router --help` (0.1.17) names a model alias",
+        "model.alias_weights": "no model alias at all (0.1.17)",
+        "model.fallback": "no flag of `vllm-router --help` (0.1.17) names a fallback model",
+        "admission.priority": "--max-concurrent-requests has one FIFO queue; no flag names a "
+        "priority class or header (0.1.17)",
         "discovery.etcd": "no etcd discovery (--service-discovery follows Kubernetes Pods)",
         "discovery.kubernetes": "it has --service-discovery (Kubernetes Pods); the Kubernetes cases have not "
         "been mapped to it or run against it yet",

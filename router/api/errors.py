@@ -8,6 +8,7 @@ onto this tree at the boundary (`answer_refusal`), so the server never speaks fo
     RouterError
     ├── BadRequest 400, InvalidApiKey 401, NotFound 404, MethodNotAllowed 405,
     │   RequestTimeout 408, Conflict 409, PayloadTooLarge 413, HeadersTooLarge 431
+    │   └── BadRequest: InvalidPriority, PriorityNotAllowed, InvalidTenant (400 each)
     ├── ModelNotFound 404
     ├── WorkerUnreachable 502
     └── RetryLater (Retry-After)
@@ -66,6 +67,24 @@ class BadRequest(RouterError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class InvalidPriority(BadRequest):
+    """400: the priority header names no priority class of this router."""
+
+    code = "invalid_priority"
+
+
+class PriorityNotAllowed(BadRequest):
+    """400: the priority header claims a class above what the client's key may claim."""
+
+    code = "priority_not_allowed"
+
+
+class InvalidTenant(BadRequest):
+    """400: the tenant header the client's key names holds no usable tenant name."""
+
+    code = "invalid_tenant"
 
 
 class InvalidApiKey(RouterError):
@@ -189,17 +208,30 @@ class AdmissionRefused(RetryLater):
 
 
 class QueueFull(AdmissionRefused):
-    """429: the admission queue is full."""
+    """429: the admission queue is full, or the request's tenant's share of it
+    (`limit` says which: `queue` or `tenant_queue`)."""
 
     status = 429
     type = "rate_limit_error"
     code = "queue_full"
 
+    def __init__(self, message: str, retry_after_s: float = 1.0, limit: str = "queue") -> None:
+        super().__init__(message, retry_after_s)
+        self.limit = limit
+
 
 class QueueTimeout(AdmissionRefused):
-    """503: the request waited in the admission queue for as long as it may."""
+    """503: the request waited in the admission queue for as long as it may (`limit` names
+    what held it: `concurrency`, the router's limit, or `tenant_inflight`, its tenant's
+    own cap)."""
 
     code = "queue_timeout"
+
+    def __init__(
+        self, message: str, retry_after_s: float = 1.0, limit: str = "concurrency"
+    ) -> None:
+        super().__init__(message, retry_after_s)
+        self.limit = limit
 
 
 # The HTTP server's refusals, as the errors a client of the router is told.

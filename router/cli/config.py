@@ -20,13 +20,19 @@ import yaml
 from router.cli.options import ENV_PREFIX, OPTIONS, Option
 from router.discovery.kube_pods import BadSelector, pod_sources
 from router.discovery.static import parse_worker_spec, read_workers_file, records_from_list
+from router.edge.claims import PriorityClasses, TrafficSettings, TrafficSettingsError
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
+from router.pipeline.model_names import ModelNames, ModelNamesError
 from router.pipeline.resume import parse_routes
 from router.prompts.token_sources import parse_order
 
 WORKERS_ENV = ENV_PREFIX + "WORKERS"
 WORKERS_FILE_ENV = ENV_PREFIX + "WORKERS_FILE"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
+MODEL_ALIAS_ENV = ENV_PREFIX + "MODEL_ALIAS"
+MODEL_FALLBACK_ENV = ENV_PREFIX + "MODEL_FALLBACK"
+MODEL_ALIAS_HELP = "a public model name for served models with weights: ALIAS=MODEL[:WEIGHT][,MODEL[:WEIGHT]...] (a canary: chat=v1:95,v2:5)"
+MODEL_FALLBACK_HELP = "the models a model gives way to when it has no worker that can take a request (never for an unknown model): MODEL=FALLBACK[,FALLBACK...]"
 WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
 WORKERS_FILE_HELP = "YAML list of worker records (or a mapping with a `workers` list)"
 CONFIG_HELP = (
@@ -84,6 +90,8 @@ class Settings:
     pool_idle_expiry_s: float
     log_level: str
     workers: tuple[WorkerRecord, ...] = ()
+    model_aliases: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    model_fallbacks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     server: str = "native"
     processes: int = 1
     reuse_port: bool = False
@@ -119,6 +127,15 @@ class Settings:
     max_concurrent_requests: int = 0
     queue_size: int = 100
     queue_timeout_s: float = 60.0
+    priority_classes: str = ""
+    default_priority: str = ""
+    lowest_priority_share: float = 0.0
+    tenant_header: str = ""
+    tenant_max_inflight: int = 0
+    tenant_max_queued: int = 0
+    admission_metrics_by_tenant: bool = False
+    alias_answer_model: str = "served"
+    engine_priority_scheduling: bool = False
     worker_max_inflight: int = 0
     wait_for_workers_s: float = 5.0
     admin_api_key: str = ""
@@ -170,6 +187,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", dest="config", default=None, help=f"{CONFIG_HELP} (env {CONFIG_ENV})"
     )
+    parser.add_argument(
+        "--model-alias",
+        dest="model_alias",
+        action="append",
+        default=None,
+        metavar="ALIAS=MODEL[:WEIGHT],...",
+        help=f"{MODEL_ALIAS_HELP} (repeatable; env {MODEL_ALIAS_ENV}, space-separated)",
+    )
+    parser.add_argument(
+        "--model-fallback",
+        dest="model_fallback",
+        action="append",
+        default=None,
+        metavar="MODEL=FALLBACK,...",
+        help=f"{MODEL_FALLBACK_HELP} (repeatable; env {MODEL_FALLBACK_ENV}, space-separated)",
+    )
 
 
 def load_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
@@ -186,11 +219,12 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     config_path = args.config or environ.get(CONFIG_ENV)
     if config_path:
         file_values = _read_yaml_mapping(Path(config_path), "config file")
-        unknown = sorted(set(file_values) - set(_BY_NAME) - {"workers", "workers_file"})
+        extra = {"workers", "workers_file", "model_alias", "model_fallback"}
+        unknown = sorted(set(file_values) - set(_BY_NAME) - extra)
         if unknown:
             raise ConfigError(
                 f"config file {config_path}: unknown setting(s) {', '.join(unknown)} "
-                f"(known: {', '.join(sorted([*_BY_NAME, 'workers', 'workers_file']))})"
+                f"(known: {', '.join(sorted([*_BY_NAME, *extra]))})"
             )
     values: dict[str, Any] = {}
     for option in OPTIONS:
@@ -206,6 +240,9 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         else:
             values[option.name] = option.default
     values["workers"] = tuple(_worker_records(args, environ, file_values, config_path))
+    values["model_aliases"], values["model_fallbacks"] = _model_names(
+        args, environ, file_values, config_path
+    )
     return _validated(values)
 
 
@@ -233,6 +270,99 @@ def _worker_records(
     except InvalidWorkerRecord as exc:
         raise ConfigError(str(exc)) from None
     return records
+
+
+# -- aliases and fallbacks: ALIAS=MODEL[:WEIGHT],... and MODEL=FALLBACK,... ----------------
+
+
+def _model_names(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    file_values: Mapping[str, Any],
+    config_path: str | None,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The aliases and the fallbacks, each from its flags, else its variable, else the
+    config file (a list of flag specs, or a mapping)."""
+    aliases = _name_specs("model_alias", "--model-alias", MODEL_ALIAS_ENV, args, environ)
+    fallbacks = _name_specs("model_fallback", "--model-fallback", MODEL_FALLBACK_ENV, args, environ)
+    if aliases is None and "model_alias" in file_values:
+        source = f"config file {config_path}: model_alias"
+        aliases = _from_file("model_alias", file_values["model_alias"], source)
+    if fallbacks is None and "model_fallback" in file_values:
+        source = f"config file {config_path}: model_fallback"
+        fallbacks = _from_file("model_fallback", file_values["model_fallback"], source)
+    return tuple(aliases or ()), tuple(fallbacks or ())
+
+
+def _name_specs(
+    kind: str, flag: str, env: str, args: argparse.Namespace, environ: Mapping[str, str]
+) -> list[Any] | None:
+    """The specs of `kind` from its flags, else its variable; None when neither gives any."""
+    parse = _alias_spec if kind == "model_alias" else _fallback_spec
+    given = getattr(args, kind, None)
+    if given:
+        return [parse(spec, flag) for spec in given]
+    if environ.get(env):
+        return [parse(spec, env) for spec in environ[env].split()]
+    return None
+
+
+def _alias_spec(spec: str, source: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    name, _, targets = spec.partition("=")
+    if not name.strip() or not targets.strip():
+        raise ConfigError(f"{source} {spec!r}: expected ALIAS=MODEL[:WEIGHT][,MODEL[:WEIGHT]...]")
+    parsed = []
+    for target in targets.split(","):
+        model, _, weight = target.strip().partition(":")
+        try:
+            parsed.append((model.strip(), float(weight) if weight.strip() else 1.0))
+        except ValueError:
+            raise ConfigError(
+                f"{source} {spec!r}: the weight of {model.strip()!r} must be a number, got {weight!r}"
+            ) from None
+    return name.strip(), tuple(parsed)
+
+
+def _fallback_spec(spec: str, source: str) -> tuple[str, tuple[str, ...]]:
+    name, _, models = spec.partition("=")
+    if not name.strip() or not models.strip():
+        raise ConfigError(f"{source} {spec!r}: expected MODEL=FALLBACK[,FALLBACK...]")
+    return name.strip(), tuple(model.strip() for model in models.split(","))
+
+
+def _from_file(kind: str, value: Any, source: str) -> list[Any]:
+    """A config file's aliases or fallbacks: a list of flag specs, or a mapping (`alias:
+    model`, `alias: {model: weight}`; `model: fallback`, `model: [fallback, ...]`)."""
+    parse = _alias_spec if kind == "model_alias" else _fallback_spec
+    if isinstance(value, list) and all(isinstance(spec, str) for spec in value):
+        return [parse(spec, source) for spec in value]
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source} must be a mapping or a list of specs, got {value!r}")
+    entries: list[Any] = []
+    for name, target in value.items():
+        if kind == "model_alias":
+            if isinstance(target, str):
+                entries.append((str(name), ((target, 1.0),)))
+            elif isinstance(target, dict):
+                entries.append((str(name), tuple((str(m), w) for m, w in target.items())))
+            else:
+                raise ConfigError(
+                    f"{source}.{name} must be a model or a mapping of model to weight, got {target!r}"
+                )
+        elif isinstance(target, str):
+            entries.append((str(name), (target,)))
+        elif isinstance(target, list) and all(isinstance(model, str) for model in target):
+            entries.append((str(name), tuple(target)))
+        else:
+            raise ConfigError(
+                f"{source}.{name} must be a model or a list of models, got {target!r}"
+            )
+    return entries
+
+
+def model_names(settings: Settings) -> ModelNames:
+    """The aliases and fallbacks of `settings`, resolved (checked by `load_settings`)."""
+    return ModelNames(dict(settings.model_aliases), dict(settings.model_fallbacks))
 
 
 def _validated(values: dict[str, Any]) -> Settings:
@@ -268,7 +398,37 @@ def _validated(values: dict[str, Any]) -> Settings:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
-    return Settings(**values)
+    settings = Settings(**values)
+    try:
+        traffic = traffic_settings(settings)
+    except TrafficSettingsError as exc:
+        raise ConfigError(f"traffic policy: {exc}") from None
+    try:
+        model_names(settings)
+    except ModelNamesError as exc:
+        raise ConfigError(f"model names: {exc}") from None
+    if settings.engine_priority_scheduling and not traffic.classes.names:
+        raise ConfigError(
+            "engine_priority_scheduling sends each request's priority class to the engines: "
+            "it needs priority_classes"
+        )
+    return settings
+
+
+def traffic_settings(settings: Settings) -> TrafficSettings:
+    """The admission gate's classes and tenant defaults; TrafficSettingsError when they
+    cannot be used (a default priority that is no class, a reserved tenant header, ...)."""
+    names = tuple(name.strip() for name in settings.priority_classes.split(",") if name.strip())
+    return TrafficSettings(
+        classes=PriorityClasses(
+            names=names,
+            default=settings.default_priority.strip(),
+            lowest_share=settings.lowest_priority_share,
+        ),
+        tenant_header=settings.tenant_header.strip().lower(),
+        tenant_max_inflight=settings.tenant_max_inflight,
+        tenant_max_queued=settings.tenant_max_queued,
+    )
 
 
 def _check(option: Option, value: Any, source: str) -> Any:
@@ -340,5 +500,7 @@ def describe_options() -> Sequence[tuple[str, str, Any, str]]:
         ("--worker", WORKERS_ENV, None, WORKER_HELP),
         ("--workers-file", WORKERS_FILE_ENV, None, WORKERS_FILE_HELP),
         ("--config", CONFIG_ENV, None, CONFIG_HELP),
+        ("--model-alias", MODEL_ALIAS_ENV, None, MODEL_ALIAS_HELP),
+        ("--model-fallback", MODEL_FALLBACK_ENV, None, MODEL_FALLBACK_HELP),
     ]
     return rows

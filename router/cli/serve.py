@@ -22,7 +22,14 @@ import trio
 from prometheus_client import CollectorRegistry, Gauge
 
 from router.api.errors import answer_refusal
-from router.cli.config import ConfigError, Settings, add_arguments, load_settings
+from router.cli.config import (
+    ConfigError,
+    Settings,
+    add_arguments,
+    load_settings,
+    model_names,
+    traffic_settings,
+)
 from router.cli.fleet_pruning import DepartedWorkerPruner
 from router.discovery import DiscoveryHealth
 from router.discovery.kube_config import KubeConfigError
@@ -136,7 +143,7 @@ def _breaker_factory(settings: Settings, breakers: BreakerMetrics) -> BreakerFac
 def client_keys(settings: Settings) -> ClientKeys:
     """The client keys of `settings`; ConfigError when the keys file cannot be used."""
     try:
-        return ClientKeys(settings.api_key, settings.api_keys_file)
+        return ClientKeys(settings.api_key, settings.api_keys_file, traffic_settings(settings))
     except KeysFileError as error:
         raise ConfigError(str(error)) from None
 
@@ -209,6 +216,9 @@ def failover_settings(settings: Settings) -> FailoverSettings:
             routes=parse_routes(settings.resume_routes),
             max_ids=settings.resume_max_ids,
         ),
+        engine_priority=settings.engine_priority_scheduling,
+        names=model_names(settings),
+        answer_alias=settings.alias_answer_model == "alias",
     )
 
 
@@ -218,6 +228,7 @@ def admission_settings(settings: Settings) -> AdmissionSettings:
         queue_size=settings.queue_size,
         timeout_s=settings.queue_timeout_s,
         retry_after_s=settings.retry_after_s,
+        classes=traffic_settings(settings).classes,
     )
 
 
@@ -270,7 +281,9 @@ async def run_router(
     """
     shutdown = shutdown if shutdown is not None else trio.Event()
     keys = client_keys(settings)
-    metrics = RouterMetrics(registry=registry, key_label=keys.named)
+    metrics = RouterMetrics(
+        registry=registry, key_label=keys.named, tenant_label=settings.admission_metrics_by_tenant
+    )
     reads_engine_load = engine_load_settings(settings) is not None
     fleet = Fleet(
         _breaker_factory(settings, metrics.breakers),
@@ -280,8 +293,10 @@ async def run_router(
         engine_shares=reads_engine_load,
     )
     metrics.watch_fleet(fleet)
-    admission = AdmissionGate(admission_settings(settings))
-    metrics.registry.register(AdmissionCollector(admission))
+    admission = AdmissionGate(admission_settings(settings), metrics.admission)
+    metrics.registry.register(
+        AdmissionCollector(admission, by_tenant=settings.admission_metrics_by_tenant)
+    )
     pool_settings = PoolSettings(
         max_idle_per_worker=settings.pool_max_idle_per_worker,
         idle_expiry_s=settings.pool_idle_expiry_s,

@@ -118,6 +118,7 @@ class RouterApp:
 
     def _authorize_generation(self, request: Request, path: str) -> str | None:
         """The name of the client's key (None when keys are off); 401 before anything else.
+        Metrics name it only with named keys (`ClientKeys.named`).
 
         With keys on, the client's own `Authorization` goes no further than here: workers
         get the router's worker key instead (see `router.pipeline.dispatch.upstream_headers`).
@@ -130,29 +131,45 @@ class RouterApp:
             self._count_refusal(path, error.status)
             raise
         request.headers = [item for item in request.headers if item[0] != b"authorization"]
-        return name if self.keys.named else None
+        return name
 
     async def _admit_generation(
         self, request: Request, writer: ResponseWriter, path: str, key: str | None
     ) -> None:
-        if not self.admission.enabled:
-            # No limit: no context manager on the hot path either.
-            await self.generation.handle(request, writer, key)
+        """Read what the request claims (its class and tenant, as its key allows), then
+        serve it through the admission gate when there is a limit or a tenant cap."""
+        keys = self.keys
+        label = key if keys.named else None
+        gated = self.admission.enabled or keys.caps_in_force
+        if not gated and not keys.classes_in_force:
+            # Nothing to claim and nothing to wait for: no context manager on the hot path.
+            await self.generation.handle(request, writer, label)
             return
+        grants = keys.anonymous if key is None else keys.grants(key)
         try:
-            async with self.admission.admit():
-                await self.generation.handle(request, writer, key)
+            claims = grants.claims(request)
+            # The class goes on to engines that schedule by it (the service decides).
+            priority = claims.rank if keys.classes_in_force else None
+            if not gated:
+                await self.generation.handle(request, writer, label, priority)
+                return
+            async with self.admission.admit(claims):
+                await self.generation.handle(request, writer, label, priority)
         except RouterError as error:
-            # Raised by the gate before the request was served: the service counted nothing.
-            self._count_refusal(path, error.status, key)
+            # Raised by the claims or the gate before the request was served: the service
+            # counted nothing.
+            self._count_refusal(path, error.status, label)
             raise
 
     def _count_refusal(self, path: str, status: int, key: str | None = None) -> None:
         self.request_metrics.count_request("-", ROUTES[path].label, status, key)
 
     def _models(self) -> tuple[int, bytes, bytes]:
+        """The public names: every alias (`--model-alias`), then every served model."""
+        aliases = self.generation.names.aliases
+        served = [model for model in self.fleet.models() if model not in aliases]
         data = [
-            {"id": model, "object": "model", "owned_by": "router"} for model in self.fleet.models()
+            {"id": model, "object": "model", "owned_by": "router"} for model in (*aliases, *served)
         ]
         return 200, b"application/json", orjson.dumps({"object": "list", "data": data})
 

@@ -5,6 +5,10 @@ the `key` label of `router_requests_total`. The label's values come only from th
 (or `default` for `--api-key`), never from the client's bytes, so a client cannot grow
 the metric's cardinality. Every configured key is compared, in constant time each, so the
 answer takes as long for a near miss as for a stranger.
+
+A key's entry is its key (`name: key`, the original form) or a mapping with the key and
+what it may claim of admission (`router.edge.claims`): its priority class and the highest
+class it may claim, a tenant header, its weight and caps. Both forms mix in one file.
 """
 
 from __future__ import annotations
@@ -14,17 +18,28 @@ import hmac
 import logging
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 import yaml
 
 from router.api.errors import InvalidApiKey
+from router.edge.claims import Grants, KeyTraffic, TrafficSettings, TrafficSettingsError
 
 log = logging.getLogger("router.auth")
 
 SINGLE_KEY_NAME = "default"
+NO_KEY_NAME = "-"
+# The fields of a key's entry in its mapping form, beside `key`.
+TRAFFIC_FIELDS = (
+    "priority",
+    "max_priority",
+    "tenant_header",
+    "weight",
+    "max_inflight",
+    "max_queued",
+)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _BEARER = b"bearer "
 
@@ -37,6 +52,7 @@ class KeysFileError(ValueError):
 class NamedKey:
     name: str
     secret: bytes
+    traffic: KeyTraffic = field(default_factory=KeyTraffic)
 
     @property
     def digest(self) -> bytes:
@@ -49,7 +65,9 @@ def _digest(secret: bytes) -> bytes:
 
 
 def read_keys_file(path: Path) -> list[NamedKey]:
-    """A YAML mapping `name: key`. Names are short labels; keys are non-empty and unique."""
+    """A YAML mapping `name: key` or `name: {key: ..., priority: ..., ...}`. Names are short
+    labels; keys are non-empty and unique; a mapping's fields are checked for their types
+    here and for their meaning (classes, headers) by `ClientKeys`."""
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -60,11 +78,12 @@ def read_keys_file(path: Path) -> list[NamedKey]:
         raise KeysFileError(f"keys file {path}: expected a mapping of key name to key")
     keys: list[NamedKey] = []
     seen: set[bytes] = set()
-    for name, secret in data.items():
+    for name, entry in data.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise KeysFileError(
                 f"keys file {path}: key name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
+        secret, traffic = _entry(path, name, entry)
         if not isinstance(secret, str) or not secret or not secret.isprintable() or " " in secret:
             raise KeysFileError(
                 f"keys file {path}: the key of {name!r} must be a non-empty string without spaces"
@@ -75,8 +94,36 @@ def read_keys_file(path: Path) -> list[NamedKey]:
                 f"keys file {path}: the key of {name!r} is also given to another name"
             )
         seen.add(encoded)
-        keys.append(NamedKey(name, encoded))
+        keys.append(NamedKey(name, encoded, traffic))
     return keys
+
+
+def _entry(path: Path, name: str, entry: object) -> tuple[object, KeyTraffic]:
+    """The key and the traffic settings of one entry, in either form."""
+    if not isinstance(entry, dict):
+        return entry, KeyTraffic()
+    unknown = sorted(str(field) for field in entry if field not in ("key", *TRAFFIC_FIELDS))
+    if unknown:
+        raise KeysFileError(
+            f"keys file {path}: {name!r} has unknown field(s) {', '.join(unknown)} "
+            f"(known: key, {', '.join(TRAFFIC_FIELDS)})"
+        )
+    for setting in ("priority", "max_priority", "tenant_header"):
+        value = entry.get(setting)
+        if value is not None and not isinstance(value, str):
+            raise KeysFileError(f"keys file {path}: {name!r}: {setting} must be a string")
+    for setting in ("weight", "max_inflight", "max_queued"):
+        value = entry.get(setting)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise KeysFileError(f"keys file {path}: {name!r}: {setting} must be a whole number")
+    return entry.get("key"), KeyTraffic(
+        priority=entry.get("priority"),
+        max_priority=entry.get("max_priority"),
+        tenant_header=entry.get("tenant_header"),
+        weight=entry.get("weight"),
+        max_inflight=entry.get("max_inflight"),
+        max_queued=entry.get("max_queued"),
+    )
 
 
 def _warn_if_readable_by_others(path: Path) -> None:
@@ -95,14 +142,28 @@ class ClientKeys:
     """The keys a client may present, and which name each one has.
 
     `named` is True when the keys come from a file: only then do metrics carry a `key` label.
+    `grants(name)` is what a key may claim of admission; `anonymous` is what a request
+    without a key may (when the router checks no keys). `caps_in_force` says whether any
+    key (or the keyless client) has tenant caps, which need the admission gate even without
+    a concurrency limit; `classes_in_force` whether requests have classes to claim.
     """
 
-    def __init__(self, single_key: str = "", keys_file: str = "") -> None:
+    def __init__(
+        self, single_key: str = "", keys_file: str = "", traffic: TrafficSettings | None = None
+    ) -> None:
         self._single = single_key
         self._path = Path(keys_file) if keys_file else None
         self.named = self._path is not None
+        self.traffic = traffic if traffic is not None else TrafficSettings()
         self._keys: list[NamedKey] = []
         self._digests: list[tuple[bytes, str]] = []
+        self._grants: dict[str, Grants] = {}
+        try:
+            self.anonymous = Grants(NO_KEY_NAME, KeyTraffic(), self.traffic)
+        except TrafficSettingsError as error:
+            raise KeysFileError(str(error)) from None
+        self.classes_in_force = bool(self.traffic.classes.names)
+        self.caps_in_force = self.anonymous.capped
         self.reload()
 
     @property
@@ -111,6 +172,10 @@ class ClientKeys:
 
     def names(self) -> list[str]:
         return [key.name for key in self._keys]
+
+    def grants(self, name: str) -> Grants:
+        """What the key `name` (as `check` returned it) may claim of admission."""
+        return self._grants[name]
 
     def reload(self) -> None:
         """Read the keys again. Raises KeysFileError and keeps the old keys when the file is bad."""
@@ -124,8 +189,16 @@ class ClientKeys:
                     f"keys file {self._path}: the name {SINGLE_KEY_NAME!r} is taken by --api-key"
                 )
             keys.append(NamedKey(SINGLE_KEY_NAME, self._single.encode()))
+        grants: dict[str, Grants] = {}
+        for key in keys:
+            try:
+                grants[key.name] = Grants(key.name, key.traffic, self.traffic)
+            except TrafficSettingsError as error:
+                raise KeysFileError(f"keys file {self._path}: {key.name!r}: {error}") from None
         self._keys = keys
         self._digests = [(key.digest, key.name) for key in keys]
+        self._grants = grants
+        self.caps_in_force = self.anonymous.capped or any(grant.capped for grant in grants.values())
 
     def check(self, authorization: bytes | None) -> str:
         """The name of the key in an `Authorization: Bearer <key>` header.

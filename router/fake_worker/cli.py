@@ -1,6 +1,10 @@
 """`router fake-worker`: run one fake engine from the command line until SIGTERM or SIGINT.
 
-Exit status: 0 after a signal, 2 for bad arguments, 3 when the port cannot be bound.
+`--protocol grpc` serves the engine's gRPC service instead of its HTTP API
+(`router.fake_worker.grpc_engine`, which needs the `grpc` extra).
+
+Exit status: 0 after a signal, 2 for bad arguments, 3 when the port cannot be bound, 4
+when `--protocol grpc` lacks its packages (the line says what to install).
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ from router.fake_worker.settings import (
 from router.fake_worker.vocabulary import write_tokenizer
 
 EXIT_BIND_FAILED = 3
+EXIT_MISSING_PACKAGES = 4
+PROTOCOLS = ("http", "grpc")
+# The top-level modules of the `grpc` extra (protobuf's is `google`).
+GRPC_PACKAGES = frozenset({"grpc", "smg_grpc_proto", "google"})
+GRPC_PACKAGES_HINT = (
+    "router fake-worker: --protocol grpc needs grpcio and smg-grpc-proto: "
+    "pip install 'trio-router[grpc]'"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     where.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     where.add_argument("--model", default="fake-model", help="served model id")
+    where.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="http",
+        help="http: the engines' HTTP APIs; grpc: vLLM's gRPC engine service (default http)",
+    )
     where.add_argument("--engine", choices=ENGINES, default="sglang", help="API and metric names")
     where.add_argument("--role", choices=ROLES, default="mixed", help="PD role")
     where.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks")
@@ -135,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     fail.add_argument("--fail-mode", choices=[m.value for m in FailMode], default="status")
     fail.add_argument(
         "--fail-after-chunks", type=int, default=0, help="data events before a midstream break"
+    )
+    over_grpc = parser.add_argument_group("over gRPC (--protocol grpc)")
+    over_grpc.add_argument(
+        "--debug-port", type=int, default=0, help="the side port of /debug/*; 0 picks a free one"
+    )
+    over_grpc.add_argument(
+        "--model-dir",
+        default="",
+        help="where to write the tokenizer files GetModelInfo names (default: a temporary directory)",
     )
     add_registration_arguments(parser)
     parser.add_argument(
@@ -249,8 +276,28 @@ def _first_leaf(group: BaseExceptionGroup[OSError]) -> OSError:
 
 
 def main(argv: list[str]) -> int:
-    vocabulary = build_parser().parse_args(argv).write_tokenizer
-    if vocabulary:
-        print(write_tokenizer(Path(vocabulary)), flush=True)
+    args = build_parser().parse_args(argv)
+    if args.write_tokenizer:
+        print(write_tokenizer(Path(args.write_tokenizer)), flush=True)
         return 0
+    if args.protocol == "grpc":
+        return _main_grpc(argv, args)
     return trio.run(run, *parse_command(argv))
+
+
+def _main_grpc(argv: list[str], args: argparse.Namespace) -> int:
+    """The gRPC fake: its own process, on grpcio's asyncio server."""
+    settings, registration = parse_command(argv)
+    try:
+        from router.fake_worker.grpc_engine.main import GrpcOptions, run_grpc, unsupported
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in GRPC_PACKAGES:
+            raise
+        print(GRPC_PACKAGES_HINT, file=sys.stderr)
+        return EXIT_MISSING_PACKAGES
+    problem = unsupported(settings)
+    if registration is not None:
+        problem = "--register is not served over gRPC"
+    if problem is not None:
+        build_parser().error(problem)
+    return run_grpc(settings, GrpcOptions(args.debug_port, args.model_dir))

@@ -2,7 +2,9 @@
 
 The families the router counts come in groups, one per concern, and each layer is handed
 only the group it counts in: `RequestMetrics` (what the client got, and when),
-`PipelineMetrics` (how the request pipeline got there), `BreakerMetrics` (trips per
+`PipelineMetrics` (how the request pipeline got there, aliases and fallbacks included),
+`AdmissionMetrics` (how long
+admitted requests waited, by class and tenant), `BreakerMetrics` (trips per
 worker), `DiscoveryMetrics` (the discovery source). `RouterMetrics` builds the groups on
 one registry and exports them, with the figures read from the fleet and the upstream pool
 at scrape time (`router.observability.collectors`): the request path never touches those.
@@ -140,6 +142,21 @@ class PipelineMetrics:
             ["route", "reason"],
             registry=None,
         )
+        self.rewrites = Counter(
+            "router_model_rewrites",
+            "Requests for an alias, by alias and the served model drawn for them",
+            ["alias", "model"],
+            registry=None,
+        )
+        self.fallbacks = Counter(
+            "router_model_fallbacks",
+            "Requests planned for a fallback because their model had no worker that could "
+            "take them, by model and fallback",
+            ["model", "fallback"],
+            registry=None,
+        )
+        self._rewrites: dict[tuple[str, str], Counter] = {}
+        self._fallbacks: dict[tuple[str, str], Counter] = {}
         self._retries: dict[str, Counter] = {}
         self._modes: dict[str, Counter] = {}
         self._leg_failures: dict[str, Counter] = {}
@@ -165,6 +182,53 @@ class PipelineMetrics:
 
     def count_resume_refusal(self, route: str, reason: str) -> None:
         self.resume_refusals.labels(route, reason).inc()
+
+    def count_rewrite(self, alias: str, model: str) -> None:
+        """Count a request for `alias` planned for `model` (both names from the settings)."""
+        child = self._rewrites.get((alias, model))
+        if child is None:
+            child = self._rewrites[(alias, model)] = self.rewrites.labels(alias, model)
+        child.inc()
+
+    def count_fallback(self, model: str, fallback: str) -> None:
+        """Count a request of `model` planned for `fallback` (both from the settings)."""
+        child = self._fallbacks.get((model, fallback))
+        if child is None:
+            child = self._fallbacks[(model, fallback)] = self.fallbacks.labels(model, fallback)
+        child.inc()
+
+
+class AdmissionMetrics:
+    """How long admitted requests waited for their slot, by priority class, and by tenant
+    when `by_tenant` (opt-in). Class names come from the settings; tenant values are key
+    names from the keys file (`-` without a key), never a header's value, so neither label
+    can grow with what clients send. Observed for every admitted request, 0 for one
+    admitted at once."""
+
+    def __init__(self, *, by_tenant: bool = False) -> None:
+        self.by_tenant = by_tenant
+        self.wait = Histogram(
+            "router_admission_wait_seconds",
+            "Time an admitted request waited for its admission slot, by priority class",
+            ["class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.tenant_wait = Histogram(
+            "router_admission_tenant_wait_seconds",
+            "Time an admitted request waited for its admission slot, by client key name "
+            "(with --admission-metrics-by-tenant)",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=None,
+        )
+        self._wait: dict[str, Histogram] = {}
+        self._tenant_wait: dict[str, Histogram] = {}
+
+    def observe_wait(self, priority_class: str, key: str, seconds: float) -> None:
+        _bound(self._wait, self.wait, priority_class).observe(seconds)
+        if self.by_tenant:
+            _bound(self._tenant_wait, self.tenant_wait, key).observe(seconds)
 
 
 class BreakerMetrics:
@@ -232,7 +296,7 @@ class DiscoveryMetrics:
 
 class RouterMetrics:
     """One router's metrics: the groups each layer counts in (`requests`, `pipeline`,
-    `breakers`, `discovery`) on one registry, and what is read at scrape time."""
+    `admission`, `breakers`, `discovery`) on one registry, and what is read at scrape time."""
 
     def __init__(
         self,
@@ -240,9 +304,11 @@ class RouterMetrics:
         registry: CollectorRegistry | None = None,
         *,
         key_label: bool = False,
+        tenant_label: bool = False,
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.requests = RequestMetrics(key_label=key_label)
+        self.admission = AdmissionMetrics(by_tenant=tenant_label)
         self.pipeline = PipelineMetrics()
         self.breakers = BreakerMetrics()
         self.discovery = DiscoveryMetrics()
@@ -262,6 +328,10 @@ class RouterMetrics:
             self.pipeline.local_errors,
             self.pipeline.resumes,
             self.pipeline.resume_refusals,
+            self.admission.wait,
+            self.admission.tenant_wait,
+            self.pipeline.rewrites,
+            self.pipeline.fallbacks,
         ):
             self.registry.register(family)
         if fleet is not None:

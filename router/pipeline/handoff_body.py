@@ -1,16 +1,19 @@
-"""The PD body: the client's own bytes with the handoff fields spliced in.
+"""The body a worker gets: the client's own bytes with the router's members spliced in.
 
-The body is never re-serialised. Parsing and dumping again would change what the client
-sent (an integer above 64 bits becomes a float, `1.0` becomes `1`) and can fail on input
-that parsed (JSON nested deeper than the encoder allows). Instead the router's members are
-inserted right after the opening `{` of the top-level object; every byte the client sent
-follows unchanged.
+The router adds members of its own to a request body: the PD handoff (`bootstrap_host`,
+`bootstrap_port`, `bootstrap_room`, `disagg_prefill_dp_rank`), the served model of an
+alias or a fallback (`model`), the engine priority (`priority`). The body is never
+re-serialised. Parsing and dumping again would change what the client sent (an integer
+above 64 bits becomes a float, `1.0` becomes `1`) and can fail on input that parsed (JSON
+nested deeper than the encoder allows). Instead the router's members are inserted right
+after the opening `{` of the top-level object; every byte the client sent follows
+unchanged.
 
-A client body that already carries a handoff key (`bootstrap_host`, `bootstrap_port`,
-`bootstrap_room`, `disagg_prefill_dp_rank`) has those members removed, however they are
-spelled (a key may use escapes), and the router's take their place: the handoff is the
-router's to make, and a body never carries a key twice. The other members keep their exact
-bytes; only the whitespace between top-level members is not kept on that path.
+A client body that already carries one of the router's keys has that member removed,
+however it is spelled (a key may use escapes), and the router's takes its place: the
+handoff, the model and the priority are the router's to set, and a body never carries a
+key twice. The other members keep their exact bytes; only the whitespace between
+top-level members is not kept on that path.
 """
 
 from __future__ import annotations
@@ -36,17 +39,30 @@ class UnspliceableBody(ValueError):
 
 
 def splice_handoff(raw: bytes, body: Mapping[str, Any], fields: Mapping[str, Any]) -> bytes:
-    """`raw` (a JSON object, already parsed into `body`) with `fields` as its first members.
+    """`raw` (a JSON object, already parsed into `body`) with `fields` as its first members,
+    and any handoff member the client sent removed (see `splice_members`)."""
+    return splice_members(raw, body, fields, HANDOFF_KEYS)
+
+
+def splice_members(
+    raw: bytes,
+    body: Mapping[str, Any],
+    fields: Mapping[str, Any],
+    replaced: frozenset[str] | None = None,
+) -> bytes:
+    """`raw` (a JSON object, already parsed into `body`) with `fields` as its first members,
+    and every member whose key is in `replaced` (default: the keys of `fields`) removed.
 
     `fields` are the router's own values (strings and integers below 2**63), which always
     serialise. Raises UnspliceableBody when `raw` is not shaped as its parse says.
-    Cost: a byte copy of `raw`; when the client sent a handoff key, one scan of the body
+    Cost: a byte copy of `raw`; when the client sent a replaced key, one scan of the body
     at C speed (about what parsing it cost).
     """
     members = orjson.dumps(dict(fields))[1:-1]
     if not members:
         return raw
-    if HANDOFF_KEYS.isdisjoint(body):
+    replaced = frozenset(fields) if replaced is None else replaced
+    if replaced.isdisjoint(body):
         start = len(raw) - len(raw.lstrip())
         if raw[start : start + 1] != b"{":
             raise UnspliceableBody("the body is not a JSON object")
@@ -56,7 +72,7 @@ def splice_handoff(raw: bytes, body: Mapping[str, Any], fields: Mapping[str, Any
     kept = [
         text[begin:end].encode()
         for begin, end, key in top_level_members(text)
-        if key not in HANDOFF_KEYS
+        if key not in replaced
     ]
     return b"{" + b",".join([members, *kept]) + b"}"
 

@@ -17,6 +17,7 @@ import orjson
 
 from router.api.errors import BadRequest, NoAvailableWorkers
 from router.api.routes import ROUTES, Route
+from router.pipeline.handoff_body import UnspliceableBody, splice_members
 
 
 @dataclass(slots=True)
@@ -33,6 +34,18 @@ class GenerationRequest:
     tokens: list[int] | str | None = None
     """The prompt's token ids for `kv_aware`, resolved once per request before the first
     pick (`router.pipeline.engine_tokens`), or why there are none; None: not resolved."""
+
+    def set_members(self, **fields: str | int) -> None:
+        """Put the router's own members (`model`, `priority`) into the body workers get,
+        in place of the client's (`router.pipeline.handoff_body`). A body that cannot be
+        spliced is the client's: 400, never 500."""
+        try:
+            self.raw = splice_members(self.raw, self.body, fields)
+        except UnspliceableBody as exc:
+            raise BadRequest(
+                f"request body cannot carry the router's {', '.join(fields)}: {exc}"
+            ) from None
+        self.body.update(fields)
 
 
 DEFAULT_MAX_N = 128

@@ -35,6 +35,8 @@ class RequestResume:
 
     __slots__ = (
         "_tokenizer",
+        "_tokenizer_model",
+        "_tokenizers",
         "broken",
         "capture",
         "ended_broken",
@@ -57,9 +59,12 @@ class RequestResume:
         """The client's request (a continuation's body is built from it)."""
         self.capture: StreamCapture | None = None
         self.seam: Seam | None = None
+        self._tokenizers = tokenizers
         self._tokenizer: TextTokenizer | None = None
+        self._tokenizer_model: str | None = None
         self.why_not: Refusal | None = None
-        """Why this request's stream cannot resume (decided before its first attempt)."""
+        """Why this request's stream cannot resume whatever its worker (decided before its
+        first attempt); a model without a local tokenizer is found per attempt."""
         self.ended_broken = False
         """A stream relayed without a filter broke (it ended with the error event)."""
         self.broken: StreamBroken | None = None
@@ -70,10 +75,22 @@ class RequestResume:
             self.why_not = Refusal.DISABLED
             return
         self.why_not = envelope(generation.route, generation.body)
-        if self.why_not is None:
-            self._tokenizer = tokenizers(generation.model)
-            if self._tokenizer is None:
-                self.why_not = Refusal.NO_TOKENIZER  # nothing to make the text with: no ids asked
+
+    def _tokenizer_now(self) -> TextTokenizer | None:
+        """The local tokenizer of the model the request is planned for now (a fallback
+        changes it: `generation` is the request the attempt loop plans), looked up once per
+        model. Without one the router has nothing to make the text with: no ids asked."""
+        model = self.generation.model
+        if model != self._tokenizer_model:
+            self._tokenizer_model = model
+            self._tokenizer = self._tokenizers(model)
+        return self._tokenizer
+
+    def why_relayed_plain(self) -> Refusal:
+        """Why a stream relayed without a filter (`ended_broken`) was not resumed."""
+        if self.why_not is not None:
+            return self.why_not
+        return Refusal.NO_TOKENIZER if self._tokenizer is None else Refusal.NO_IDS
 
     def prepare(self, worker: Worker, body: bytes) -> tuple[bytes, EventFilter | None]:
         """The body to send `worker` for this attempt and the filter to relay its stream
@@ -81,7 +98,7 @@ class RequestResume:
         if self.seam is not None:
             return body, ContinuationRelay(self.seam)
         self.capture = None
-        if self.why_not is not None:
+        if self.why_not is not None or self._tokenizer_now() is None:
             return body, None
         if worker.engine not in ASKS_IDS:
             return body, None
@@ -103,7 +120,8 @@ class RequestResume:
                 return self.why_not
             capture = self.capture
             if capture is None:
-                return Refusal.NO_IDS  # a worker whose engine is not asked for ids
+                # Nothing to make the text with, or a worker whose engine is not asked for ids.
+                return self.why_relayed_plain()
             opened = open_seam(
                 capture, self._tokenizer, self.generation.route, self.generation.body
             )

@@ -13,13 +13,21 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 import trio
 
 from router.api.error_shapes import STREAM_ERROR_EVENTS, error_body
-from router.api.errors import JSON_CONTENT_TYPE, RouterError, RouterOverloaded, WorkerUnreachable
+from router.api.errors import (
+    JSON_CONTENT_TYPE,
+    ModelNotFound,
+    NoAvailableWorkers,
+    RouterError,
+    RouterOverloaded,
+    WorkerUnreachable,
+)
 from router.api.routes import ROUTES
 from router.fleet.candidates import AllOpenMode
 from router.fleet.ranks import RankChooser
@@ -41,6 +49,7 @@ from router.pipeline.continuation import Seam
 from router.pipeline.dispatch import Timeouts, client_headers
 from router.pipeline.engine_tokens import EngineTokens, EngineTokenSettings
 from router.pipeline.mixed import MixedStrategy
+from router.pipeline.model_names import ModelNames, ModelNameWriter, ModelRoute
 from router.pipeline.pd import PDStrategy
 from router.pipeline.plan import Plan, plan_request
 from router.pipeline.resolve import GenerationRequest, parse_generation_request
@@ -68,6 +77,8 @@ CLIENT_LEFT = 499  # status recorded in metrics for a client that went away
 CONTINUATION_FAILED = -200
 """What `_attempts` says when a broken stream found no worker for its continuation (the
 client got its 200 and then the error event)."""
+# The routes whose engine request has vLLM's `priority` field (SGLang's /generate has it too).
+ENGINE_PRIORITY_ROUTES = frozenset({"chat", "completions", "responses", "generate"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +105,13 @@ class FailoverSettings:
     resume: ResumeSettings = field(default_factory=ResumeSettings)
     """Streams that break after the first byte go on elsewhere (`--resume-limit`); the
     text after the seam is made with the model's local tokenizer (`token_sources`)."""
+    engine_priority: bool = False
+    """Send a request's priority class to the engine as its `priority` field (vLLM run with
+    `--scheduling-policy priority`): rank 0, the highest class, is served first there too."""
+    names: ModelNames = field(default_factory=ModelNames)
+    """The operator's aliases and fallbacks."""
+    answer_alias: bool = False
+    """Write an alias, not the served model, in the answer's `model` field."""
 
 
 class GenerationService:
@@ -107,8 +125,14 @@ class GenerationService:
         pool: UpstreamPool,
         request_metrics: RequestMetrics,
         pipeline_metrics: PipelineMetrics,
+        *,
+        draw: Callable[[], float] | None = None,
     ) -> None:
+        """`draw` picks among an alias's models (numbers in [0, 1); default: a generator
+        seeded by the OS)."""
         self.settings = settings
+        self.names = settings.names
+        self.draw = draw if draw is not None else random.Random().random
         self.fleet = fleet
         self.pool = pool
         self.request_metrics = request_metrics
@@ -161,9 +185,14 @@ class GenerationService:
         return self.runner.ranks
 
     async def handle(
-        self, request: Request, writer: ResponseWriter, key: str | None = None
+        self,
+        request: Request,
+        writer: ResponseWriter,
+        key: str | None = None,
+        priority: int | None = None,
     ) -> None:
-        """Answer one generation request (`key`: the client key's name, for metrics).
+        """Answer one generation request (`key`: the client key's name, for metrics;
+        `priority`: its class's rank, for engines that schedule by it).
 
         Cancellation (client gone, shutdown): every upstream connection of the request is
         closed, every breaker permit is released without a verdict, in-flight counts drop.
@@ -177,9 +206,18 @@ class GenerationService:
             generation = parse_generation_request(
                 request.path, request.body, self.fleet.models(), self.settings.max_n
             )
+            if (
+                priority is not None
+                and self.settings.engine_priority
+                and generation.route in ENGINE_PRIORITY_ROUTES
+            ):
+                generation.set_members(priority=priority)
+            names = None if self.names.empty else self.names.resolve(generation.model, self.draw)
+            if names is not None:
+                writer = self._follow(names, generation, writer)
             if self.fleet.for_model(generation.model):
                 model_label = generation.model
-            status = await self._serve(generation, request, writer, started)
+            status = await self._serve(generation, request, writer, started, names)
         except RouterError as error:
             status = error.status
             if isinstance(error, RouterOverloaded):
@@ -200,12 +238,51 @@ class GenerationService:
             self.request_metrics.count_request(model_label, route, status, key)
             self.request_metrics.observe_duration(route, trio.current_time() - started)
 
+    def _follow(
+        self, route: ModelRoute, generation: GenerationRequest, writer: ResponseWriter
+    ) -> ModelNameWriter:
+        """Point the request at the first model of its route, and wrap the writer that
+        tells the client which model answered."""
+        marked = ModelNameWriter(writer)
+        served = route.models[0]
+        if served != generation.model:
+            generation.set_members(model=served)
+            generation.model = served
+            marked.mark(served)
+        if route.alias is not None:
+            self.pipeline_metrics.count_rewrite(route.alias, served)
+            if self.settings.answer_alias:
+                marked.rename(served, route.alias)
+        return marked
+
+    def _fall_back(
+        self, generation: GenerationRequest, writer: ResponseWriter, route: ModelRoute, to: str
+    ) -> None:
+        """Plan the request for `to` from now on: its body, its answer's marks, the count."""
+        came_from = generation.model
+        generation.set_members(model=to)
+        generation.model = to
+        generation.tokens = None  # another model's tokenizer: kv_aware computes them anew
+        self.pipeline_metrics.count_fallback(came_from, to)
+        if isinstance(writer, ModelNameWriter):
+            writer.mark(to, came_from)
+            # A fallback's answer names the model that served it, whatever the setting.
+            writer.rename(None, route.requested)
+        # Counted, not logged at INFO: under a down fleet every request falls back.
+        log.debug(
+            "request %s falls back from %s to %s (no worker can take it)",
+            current_request_id(),
+            came_from,
+            to,
+        )
+
     async def _serve(
         self,
         generation: GenerationRequest,
         request: Request,
         writer: ResponseWriter,
         started: float,
+        route: ModelRoute | None = None,
     ) -> int:
         key_bytes = routing_key(request.header(b"x-session-id"), generation.body)
         if self.reads_text:
@@ -220,7 +297,7 @@ class GenerationService:
             )
         while True:
             try:
-                status = await self._attempts(ctx)
+                status = await self._attempts(ctx, route)
             except StreamCut as cut:
                 if await self._resume(ctx, cut):
                     continue
@@ -234,12 +311,13 @@ class GenerationService:
                     return 200
                 if resume.ended_broken:
                     # Broken, relayed without capture: it ended with the error event as ever.
-                    self._refused(ctx, resume.why_not or Refusal.NO_IDS)
+                    self._refused(ctx, resume.why_relayed_plain())
             return status
 
-    async def _attempts(self, ctx: RequestContext) -> int:
+    async def _attempts(self, ctx: RequestContext, route: ModelRoute | None) -> int:
         """Attempt the request (or its continuation) on distinct workers until one
-        answers; the status given to the client."""
+        answers; the status given to the client. `route`: the request's model names (its
+        fallbacks), None without aliases or fallbacks."""
         generation = ctx.generation
         continuing = ctx.resume is not None and ctx.resume.seam is not None
         attempts = ctx.log
@@ -247,19 +325,25 @@ class GenerationService:
         for attempt in range(self.settings.max_attempts):
             now = trio.current_time()
             try:
-                plan_at = partial(self._plan, generation)
-                plan = (
-                    await self.waits.plan(generation.model, plan_at)
-                    if attempt == 0 and not continuing
-                    else plan_at(now)
-                )
+                if continuing:
+                    # A continuation carries the tokens of the model that began the stream:
+                    # it stays on that model (no fallback) and waits for no worker.
+                    planned = self._plan(generation, now)
+                    plan: Plan | None = planned if attempts.untried_left(planned) else None
+                elif attempt == 0:
+                    plan = (
+                        await self.waits.plan(generation.model, partial(self._plan, generation))
+                        if route is None
+                        else await self._first_plan(generation, ctx.writer, route)
+                    )
+                else:
+                    plan = self._retry_plan(ctx, route, now)
             except RouterError:
                 if attempt == 0 and not continuing:
                     raise
                 break  # the fleet changed under a failing request: give the last answer
-            if retry_reason is not None or (continuing and attempt == 0):
-                if not attempts.untried_left(plan):
-                    break
+            if plan is None:
+                break  # no untried worker left, for the model or what it falls back to
             if retry_reason is not None:
                 # Counted as another worker is about to be tried: a failure that ends the
                 # request is no retry, whatever its reason.
@@ -381,15 +465,84 @@ class GenerationService:
             )
             return
 
+    async def _first_plan(
+        self, generation: GenerationRequest, writer: ResponseWriter, route: ModelRoute
+    ) -> Plan:
+        """The first attempt's plan: for the request's model, or the first of its fallbacks
+        that can take it when the model cannot (503, never the 404 of a name the client
+        sent), else the model's own wait and its truthful answer. A model whose candidates
+        are all breaker-open gives way to a fallback with a closed one."""
+        plan_at = partial(self._plan, generation)
+        if len(route.models) == 1:
+            return await self.waits.plan(generation.model, plan_at)
+        model = generation.model
+        now = trio.current_time()
+        primary: Plan | None = None
+        if not self.waits.has_line(model):
+            try:
+                primary = plan_at(now)
+            except NoAvailableWorkers:
+                pass
+            except ModelNotFound:
+                if route.alias is None:
+                    # A name the client sent that nobody serves stays unknown (or is waited
+                    # for, if it just left): never a fallback. An alias's target that has
+                    # no worker yet (a canary not deployed) gives way like a 503.
+                    return await self.waits.plan(model, plan_at)
+            if primary is not None and not _forced(primary):
+                return primary
+        for fallback in route.models[1:]:
+            if self.waits.has_line(fallback):
+                continue
+            try:
+                plan = self._plan_model(generation, fallback, now)
+            except (NoAvailableWorkers, ModelNotFound):
+                continue
+            if primary is not None and _forced(plan):
+                continue
+            self._fall_back(generation, writer, route, fallback)
+            return plan
+        if primary is not None:
+            return primary
+        return await self.waits.plan(model, plan_at)
+
+    def _retry_plan(self, ctx: RequestContext, route: ModelRoute | None, now: float) -> Plan | None:
+        """A later attempt's plan: the current model's while it has an untried worker, then
+        the next fallback's that has one; None when none has."""
+        generation = ctx.generation
+        try:
+            plan = self._plan(generation, now)
+        except (NoAvailableWorkers, ModelNotFound):
+            if route is None:
+                raise
+        else:
+            if ctx.log.untried_left(plan):
+                return plan
+        if route is None:
+            return None
+        models = route.models
+        for fallback in models[models.index(generation.model) + 1 :]:
+            try:
+                plan = self._plan_model(generation, fallback, now)
+            except (NoAvailableWorkers, ModelNotFound):
+                continue
+            if ctx.log.untried_left(plan):
+                self._fall_back(generation, ctx.writer, route, fallback)
+                return plan
+        return None
+
     def _plan(self, generation: GenerationRequest, now: float) -> Plan:
+        return self._plan_model(generation, generation.model, now)
+
+    def _plan_model(self, generation: GenerationRequest, model: str, now: float) -> Plan:
         settings = self.settings
         return plan_request(
-            generation.model,
-            self.fleet.for_model(generation.model),
+            model,
+            self.fleet.for_model(model),
             now,
             settings.all_open,
             settings.retry_after_s,
-            self.fleet.last_served_at(generation.model),
+            self.fleet.last_served_at(model),
             settings.model_memory_s,
             generation.spec.generation,
         )
@@ -416,3 +569,8 @@ class GenerationService:
             return answer.status
         tried = "; ".join(attempts.reasons) or "no worker could be tried"
         raise WorkerUnreachable(f"no worker answered for model '{ctx.generation.model}': {tried}")
+
+
+def _forced(plan: Plan) -> bool:
+    """Whether the plan would run only on breaker-open workers taken anyway."""
+    return any(leg.forced for leg in plan.legs.values())

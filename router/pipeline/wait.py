@@ -62,6 +62,10 @@ class WorkerWait:
     def waiting(self) -> int:
         return sum(len(line) for line in self._lines.values())
 
+    def has_line(self, model: str) -> bool:
+        """Whether requests wait for `model` now (a newcomer would join behind them)."""
+        return bool(self._lines.get(model))
+
     def notify(self, worker: Worker) -> None:
         """A request on `worker` ended: the head of each of its models' lines may go."""
         for model in worker.record.models:
@@ -156,6 +160,7 @@ class WorkerWait:
             return QueueTimeout(
                 f"waited {self.settings.capacity_wait_s:g}s for a free worker of model '{model}'",
                 self.settings.retry_after_s,
+                limit="worker_inflight",
             )
         return error
 

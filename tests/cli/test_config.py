@@ -17,9 +17,11 @@ from router.cli.config import (
     add_arguments,
     describe_options,
     load_settings,
+    traffic_settings,
 )
 from router.cli.options import OPTIONS
 from router.discovery.static import parse_worker_spec, read_workers_file
+from router.edge.claims import PriorityClasses
 from router.fleet.records import DESCRIPTIVE_FACTS, InvalidWorkerRecord, Role, Status
 
 
@@ -306,7 +308,12 @@ def test_config_file_workers_count_only_when_nothing_else_names_a_worker(tmp_pat
 
 
 # Settings fields that are not options, and the flags that set them.
-NOT_OPTIONS = {"workers": "--worker, --workers-file", "reuse_port": "--reuse-port"}
+NOT_OPTIONS = {
+    "workers": "--worker, --workers-file",
+    "reuse_port": "--reuse-port",
+    "model_aliases": "--model-alias",
+    "model_fallbacks": "--model-fallback",
+}
 
 
 def test_settings_fields_are_the_options_plus_the_fleet() -> None:
@@ -360,3 +367,97 @@ def test_a_bare_yes_no_flag_means_yes_and_a_bad_word_is_refused() -> None:
     assert _load().protect_metrics is False
     with pytest.raises(ConfigError, match="--protect-metrics must be true or false"):
         _load(["--protect-metrics", "maybe"])
+
+
+# -- traffic policy --------------------------------------------------------------------------
+
+
+def test_traffic_settings_come_from_flags_env_and_file(tmp_path: Path) -> None:
+    config = _config(tmp_path, "priority_classes: interactive, batch\ntenant_max_queued: 3\n")
+    settings = _load(
+        ["--config", config, "--lowest-priority-share", "0.1"],
+        {"ROUTER_DEFAULT_PRIORITY": "interactive", "ROUTER_TENANT_HEADER": "X-Team"},
+    )
+    traffic = traffic_settings(settings)
+    assert traffic.classes == PriorityClasses(("interactive", "batch"), "interactive", 0.1)
+    assert (traffic.tenant_header, traffic.tenant_max_queued) == ("x-team", 3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--priority-classes", "high,low"],
+            "traffic policy: the default priority '' is not one of the classes (high, low)",
+        ),
+        (
+            ["--priority-classes", "high,high", "--default-priority", "high"],
+            "traffic policy: priority classes repeat a name: high, high",
+        ),
+        (["--default-priority", "high"], "traffic policy: a default priority ('high') needs"),
+        (["--tenant-header", "authorization"], "traffic policy: tenant header 'authorization'"),
+        (["--lowest-priority-share", "0.95"], "--lowest-priority-share must be <= 0.9"),
+        (["--engine-priority-scheduling"], "engine_priority_scheduling sends each request's"),
+    ],
+)
+def test_a_traffic_policy_that_cannot_work_stops_the_start(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _load(argv)
+    assert str(caught.value).startswith(message)
+
+
+# -- aliases and fallbacks -------------------------------------------------------------------
+
+
+def test_aliases_and_fallbacks_come_from_flags_env_or_file(tmp_path: Path) -> None:
+    flags = _load(
+        [
+            "--model-alias",
+            "chat=v1:95,v2:5",
+            "--model-alias",
+            "fast=v3",
+            "--model-fallback",
+            "v1=v3",
+        ]
+    )
+    assert flags.model_aliases == (
+        ("chat", (("v1", 95.0), ("v2", 5.0))),
+        ("fast", (("v3", 1.0),)),
+    )
+    assert flags.model_fallbacks == (("v1", ("v3",)),)
+    env = _load([], {"ROUTER_MODEL_ALIAS": "chat=v1 fast=v3", "ROUTER_MODEL_FALLBACK": "v1=v2,v3"})
+    assert env.model_aliases == (("chat", (("v1", 1.0),)), ("fast", (("v3", 1.0),)))
+    assert env.model_fallbacks == (("v1", ("v2", "v3")),)
+    config = _config(
+        tmp_path,
+        "model_alias:\n  chat: {v1: 95, v2: 5}\n  fast: v3\n"
+        "model_fallback:\n  v1: [v3]\n  v2: v3\n",
+    )
+    from_file = _load(["--config", config])
+    assert from_file.model_aliases == (("chat", (("v1", 95), ("v2", 5))), ("fast", (("v3", 1.0),)))
+    assert from_file.model_fallbacks == (("v1", ("v3",)), ("v2", ("v3",)))
+    listed = _config(tmp_path, "model_alias: ['chat=v1:3,v2:1']\n", "listed.yaml")
+    assert _load(["--config", listed]).model_aliases == (("chat", (("v1", 3.0), ("v2", 1.0))),)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model-alias", "chat"], "--model-alias 'chat': expected ALIAS=MODEL"),
+        (["--model-alias", "chat=v1:lots"], "--model-alias 'chat=v1:lots': the weight of 'v1'"),
+        (
+            ["--model-alias", "a=b", "--model-alias", "b=a"],
+            "model names: alias 'a' names the alias",
+        ),
+        (["--model-alias", "a=a"], "model names: alias 'a' names itself"),
+        (
+            ["--model-fallback", "big=small", "--model-fallback", "small=big"],
+            "model names: model fallbacks loop: big -> small -> big",
+        ),
+        (["--model-fallback", "big="], "--model-fallback 'big=': expected MODEL=FALLBACK"),
+    ],
+)
+def test_names_that_loop_or_do_not_parse_stop_the_start(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _load(argv)
+    assert str(caught.value).startswith(message)

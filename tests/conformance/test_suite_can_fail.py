@@ -86,6 +86,27 @@ class NoBodyLimit(PythonPlane):
         return flags
 
 
+class NoTrafficPolicy(PythonPlane):
+    """Drops the aliases, the fallbacks and the priority classes: one FIFO queue, and model
+    names as the workers register them."""
+
+    name = "python-no-traffic-policy"
+    divergences = None
+
+    def settings_flags(self, case: Case) -> list[str]:
+        flags = super().settings_flags(case)
+        for flag in (
+            "--model-alias",
+            "--model-fallback",
+            "--priority-classes",
+            "--default-priority",
+        ):
+            while flag in flags:
+                at = flags.index(flag)
+                del flags[at : at + 2]
+        return flags
+
+
 @pytest.mark.parametrize(
     ("plane", "must_fail", "must_pass"),
     [
@@ -121,8 +142,24 @@ class NoBodyLimit(PythonPlane):
         ),
         (NoBodyLimit(), ["raw/oversize-is-413"], ["raw/non-json-is-400"]),
         (OwnCountOnly(), ["load/engine-load-elsewhere-avoided"], ["failover/5xx-fails-over"]),
+        (
+            NoTrafficPolicy(),
+            [
+                "traffic/alias-served-by-its-model",
+                "traffic/fallback-when-the-model-has-no-worker",
+                "traffic/priority-overtakes-queued-lower-class",
+            ],
+            ["traffic/fallback-never-for-an-unknown-model"],
+        ),
     ],
-    ids=["breaker-off", "single-attempt", "other-policy", "no-body-limit", "own-count-only"],
+    ids=[
+        "breaker-off",
+        "single-attempt",
+        "other-policy",
+        "no-body-limit",
+        "own-count-only",
+        "no-traffic-policy",
+    ],
 )
 async def test_a_falsely_mapped_setting_fails_the_cases_that_depend_on_it(
     plane: PythonPlane, must_fail: list[str], must_pass: list[str]

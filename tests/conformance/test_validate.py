@@ -9,6 +9,7 @@ import pytest
 
 from conformance.cli import main
 from conformance.loader import load_case
+from conformance.model import SendStep
 from tests.conformance.stub_planes import StubPlane
 
 GOOD = """\
@@ -299,3 +300,78 @@ def test_validate_checks_a_module_class_plane_and_the_spec_version(
 class TypoPlane(StubPlane):
     name = "typo"
     capabilities = frozenset({"breaker.singel_probe"})
+
+
+TRAFFIC = """\
+name: traffic settings
+description: an alias, a fallback and two classes
+fleet:
+  a: {model: served}
+settings:
+  aliases:
+    chat: {served: 3, canary: 1}
+  fallbacks:
+    big: [served]
+  priority_classes: [high, low]
+  default_priority: high
+steps:
+  - send: {count: 2, model: chat, priority: low}
+    expect:
+      status: {200: 2}
+"""
+
+
+def test_traffic_settings_load_and_imply_their_capabilities(tmp_path: Path) -> None:
+    case = load_case(write(tmp_path, TRAFFIC), tmp_path)
+    s = case.settings
+    assert s.aliases == {"chat": {"served": 3.0, "canary": 1.0}}
+    assert s.fallbacks == {"big": ("served",)}
+    assert (s.priority_classes, s.default_priority) == (("high", "low"), "high")
+    step = case.steps[0]
+    assert isinstance(step, SendStep) and step.request.priority == "low"
+    assert {
+        "model.alias",
+        "model.alias_weights",
+        "model.fallback",
+        "admission.priority",
+    } <= case.capabilities_needed()
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "field", "words"),
+    [
+        (
+            TRAFFIC.replace("priority: low}", "priority: urgent}"),
+            13,
+            "steps[0].priority",
+            "'urgent'",
+        ),
+        (
+            TRAFFIC.replace("default_priority: high", "default_priority: mid"),
+            11,
+            "settings.default_priority",
+            "one of the priority classes",
+        ),
+        (
+            TRAFFIC.replace("served: 3,", "served: 0,"),
+            7,
+            "settings.aliases.chat.served",
+            "must be > 0",
+        ),
+        (
+            TRAFFIC.replace("big: [served]", "big: []"),
+            9,
+            "settings.fallbacks.big",
+            "names no fallback",
+        ),
+    ],
+)
+def test_bad_traffic_settings_name_file_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, line: int, field: str, words: str
+) -> None:
+    path = write(tmp_path, text)
+    (tmp_path / "VERSION").write_text("1\n")
+    code, err = validate(tmp_path, capsys)
+    assert code == 2
+    assert err.startswith(f"{path}:{line}: {field}: "), err
+    assert words in err

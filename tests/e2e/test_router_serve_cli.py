@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -101,6 +102,19 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0() -> None:
             "router serve: --worker 'http://gpü-7:8000': worker URL 'http://gpü-7:8000' must be ASCII",
         ),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (
+            ["--model-fallback", "big=small", "--model-fallback", "small=big"],
+            "router serve: model names: model fallbacks loop: big -> small -> big",
+        ),
+        (
+            ["--model-alias", "chat=v1", "--model-alias", "v1=chat"],
+            "router serve: model names: alias 'chat' names the alias 'v1'",
+        ),
+        (
+            ["--priority-classes", "interactive,batch", "--default-priority", "urgent"],
+            "router serve: traffic policy: the default priority 'urgent' is not one of the "
+            "classes (interactive, batch)",
+        ),
     ],
 )
 async def test_a_bad_flag_exits_2_with_a_clear_message(args: list[str], complaint: str) -> None:
@@ -123,4 +137,25 @@ async def test_a_port_already_bound_exits_3() -> None:
     stderr = result.stderr.decode()
     assert result.returncode == 3
     assert f"router serve: cannot listen on 127.0.0.1:{port}: " in stderr
+    assert "Traceback" not in stderr
+
+
+async def test_a_key_granted_a_class_that_does_not_exist_stops_the_start(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("nightly: {key: key-of-nightly, priority: urgent}\n")
+    keys.chmod(0o600)
+    with trio.fail_after(20):
+        result = await run_cli(
+            "serve",
+            "--api-keys-file",
+            str(keys),
+            "--priority-classes",
+            "interactive,batch",
+            "--default-priority",
+            "interactive",
+        )
+    assert result.returncode == 2
+    stderr = result.stderr.decode()
+    assert f"router serve: keys file {keys}: 'nightly': 'urgent' is not a priority class" in stderr
+    assert "key-of-nightly" not in stderr
     assert "Traceback" not in stderr

@@ -8,6 +8,8 @@ import pytest
 
 from router.api.errors import InvalidApiKey
 from router.edge.auth import ClientKeys, KeysFileError, read_keys_file
+from router.edge.claims import PriorityClasses, TrafficSettings
+from router.http.server.messages import Request
 
 
 def test_no_keys_means_no_check() -> None:
@@ -107,3 +109,60 @@ def test_a_keys_file_others_can_read_is_warned_about(
     path.chmod(0o600)
     ClientKeys(keys_file=str(path))
     assert not caplog.records
+
+
+def _traffic() -> TrafficSettings:
+    return TrafficSettings(classes=PriorityClasses(("interactive", "batch"), "interactive"))
+
+
+def test_old_and_new_entries_mix_in_one_keys_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(
+        "keys:\n"
+        "  alice: key-of-alice\n"
+        "  nightly:\n"
+        "    key: key-of-nightly\n"
+        "    priority: batch\n"
+        "    max_inflight: 4\n"
+        "    max_queued: 20\n"
+    )
+    keys = ClientKeys(keys_file=str(path), traffic=_traffic())
+    assert keys.check(b"Bearer key-of-alice") == "alice"
+    assert keys.check(b"Bearer key-of-nightly") == "nightly"
+    request = Request("POST", "/v1/chat/completions", [])
+    assert keys.grants("alice").claims(request).rank == 0
+    nightly = keys.grants("nightly").claims(request)
+    assert (nightly.rank, nightly.limits.max_inflight, nightly.limits.max_queued) == (1, 4, 20)
+    assert keys.caps_in_force
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ("{key: k1, priority: urgent}", "'nightly': 'urgent' is not a priority class"),
+        ("{key: k1, prio: batch}", "unknown field"),
+        ("{key: k1, weight: many}", "weight must be a whole number"),
+        ("{key: k1, priority: [batch]}", "priority must be a string"),
+        ("{priority: batch}", "non-empty string"),
+        ("{key: k1, tenant_header: authorization}", "lower-case header name"),
+    ],
+)
+def test_an_entry_claiming_what_it_may_not_stops_the_start(
+    tmp_path: Path, entry: str, problem: str
+) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"nightly: {entry}\n")
+    with pytest.raises(KeysFileError, match=problem) as caught:
+        ClientKeys(keys_file=str(path), traffic=_traffic())
+    assert "k1" not in str(caught.value).replace("'nightly'", "")
+
+
+def test_a_reload_with_a_bad_class_keeps_the_grants_in_force(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text("nightly: {key: k1, priority: batch}\n")
+    keys = ClientKeys(keys_file=str(path), traffic=_traffic())
+    path.write_text("nightly: {key: k1, priority: urgent}\n")
+    with pytest.raises(KeysFileError):
+        keys.reload()
+    assert keys.grants("nightly").claims(Request("POST", "/", [])).rank == 1
+    assert not keys.caps_in_force

@@ -34,11 +34,13 @@ async def test_a_replica_routes_around_the_engine_another_replica_filled() -> No
                 open_router(specs[:1], policy="least_load") as other,
                 open_router(specs, policy="least_load", engine_load_interval_s=0.05) as router,
                 httpx.AsyncClient(timeout=10) as client,
+                # The held requests wait for the whole test (under the guard), however slow.
+                httpx.AsyncClient(timeout=GUARD_S) as holder,
                 trio.open_nursery() as held,
             ):
                 # The other replica fills `busy` with four requests that stay in flight.
                 for _ in range(4):
-                    held.start_soon(complete, client, other)
+                    held.start_soon(complete, holder, other)
                 await wait_until(lambda: busy.worker.routing.dispatches == 4)
                 await wait_until(lambda: engine_load(router, busy.url) == 4.0)
                 # This replica has nothing in flight anywhere, yet sends nothing to `busy`.
@@ -66,10 +68,12 @@ async def test_without_the_engines_load_a_replica_sends_into_the_filled_engine()
                 open_router(specs[:1], policy="least_load") as other,
                 open_router(specs, policy="least_load", engine_load_interval_s=0) as router,
                 httpx.AsyncClient(timeout=10) as client,
+                # The held requests wait for the whole test (under the guard), however slow.
+                httpx.AsyncClient(timeout=GUARD_S) as holder,
                 trio.open_nursery() as held,
             ):
                 for _ in range(4):
-                    held.start_soon(complete, client, other)
+                    held.start_soon(complete, holder, other)
                 await wait_until(lambda: busy.worker.routing.dispatches == 4)
                 with trio.move_on_after(2):
                     async with trio.open_nursery() as sends:

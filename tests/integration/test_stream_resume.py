@@ -409,3 +409,31 @@ async def test_a_broken_stream_leaves_nothing_for_the_cycle_collector(vocabulary
     assert_whole(resumed)
     assert [e["code"] for e in refused.errors] == ["stream_interrupted"]
     assert left == []
+
+
+async def test_a_continuation_stays_on_its_model_and_never_falls_back(vocabulary: str) -> None:
+    """A fallback takes requests a model cannot; never the rest of a stream another model
+    began: its tokens are that model's. The model's other worker answers 503, so only the
+    fallback is left untried."""
+    wedged = FakeWorkerSettings(engine="vllm", fail_first=-1)
+    other = FakeWorkerSettings(engine="vllm", model="other-model")
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet([breaks_at(3), wedged, other]) as fleet,
+            open_router(
+                [
+                    *(worker_spec(w) for w in fleet[:2]),
+                    f"{fleet[2].url},model=other-model,engine=vllm",
+                ],
+                policy="round_robin",
+                kv_tokenizer=vocabulary,
+                model_fallbacks=((MODEL, ("other-model",)),),
+            ) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=10) as client,
+        ):
+            stream = await post(client, "chat")
+            counted = await outcomes(client)
+    assert [e["code"] for e in stream.errors] == ["stream_interrupted"]
+    assert stream.text == expected_text(2)
+    assert [dispatches(w) for w in fleet] == [1, 1, 0]
+    assert counted == {("failed", "chat"): 1}
