@@ -186,8 +186,8 @@ async def serving(client: httpx.AsyncClient, engines: list[Engine], named: str |
 async def back_to_two(
     host: EngineHost, victim: Engine, client: httpx.AsyncClient, router: RouterProcess | None
 ) -> float:
-    """Restart the killed engine; with a router, until its health checks see it again."""
-    await victim.wait_exited()
+    """Restart the killed engine; with a router, until its health checks see it again.
+    (The engine's process belongs to the host's trio loop: only the host waits on it.)"""
     restart_s = await host.restart(victim)
     if router is not None:
         while True:
@@ -221,7 +221,8 @@ class Restarts:
         self.nursery.start_soon(self._restart, victim)
 
     async def _restart(self, victim: Engine) -> None:
-        await victim.wait_exited()
+        # The host's restart kills what runs and waits in its own loop, which owns the
+        # process: waiting on it from this loop broke trio's parking lot.
         self.took_s.append(await self.host.restart(victim))
         self.restarting.discard(victim.url)
 
