@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-groups",
-        default="side,two,replicas,noflag,restart",
-        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), restart (a router restart mid-run)",
+        default="side,two,replicas,noflag,ownload,restart",
+        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), ownload (kv_aware counting its own requests only, not reading the engines' load), restart (a router restart mid-run)",
     )
     parser.add_argument(
         "--kv-repeat",

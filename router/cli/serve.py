@@ -353,7 +353,7 @@ async def run_router(
         if load_settings is not None:
             # The engines' own load, which every process and replica reads alike.
             engine_loads = EngineLoads(fleet, load_settings)
-            await nursery.start(serve_engine_loads, engine_loads)
+            await nursery.start(serve_engine_loads, engine_loads, pool)
         metrics.registry.register(EngineLoadCollector(engine_loads))
         kv_indexes = KvIndexes()
         kv_events: KvEvents | None = None

@@ -20,8 +20,11 @@ least that recent).
 
 The tasks follow the fleet like the KV-event subscriptions do: reconciled whenever the
 fleet changes; a worker that leaves, or whose URL, engine or sources change, has its task
-cancelled (and a new one started for what it is now). Reads use one HTTP client owned by
-the service, keeping one idle connection per engine between reads.
+cancelled (and a new one started for what it is now). Polls go through the router's own
+upstream pool (llhttp, one kept-alive connection per engine between reads): measured, an
+httpx read cost the router 1.4 ms of CPU, four times the parse (docs/performance.md,
+"Engine load"). The server-info ask that finds a pushed stream, once per worker, uses
+httpx.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import httpx
@@ -49,7 +53,8 @@ from router.engines.load_readings import (
 from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 from router.fleet.records import EventEndpoint
 from router.fleet.registry import Fleet, Worker
-from router.http.capped_reads import StreamTooLarge, read_capped
+from router.http.upstream.exceptions import LocalShortage, UpstreamError
+from router.http.upstream.pool import UpstreamPool, open_upstream_pool
 
 log = logging.getLogger("router.engine_load")
 
@@ -135,6 +140,10 @@ class _NotServed(Exception):
     """The engine does not serve the route asked (404)."""
 
 
+class _Refused(Exception):
+    """The engine answered the read with a status other than 200 and 404."""
+
+
 @dataclass(slots=True)
 class _Task:
     key: tuple[object, ...]
@@ -170,7 +179,7 @@ class EngineLoads:
 
     # -- reconciling -------------------------------------------------------------------
 
-    def reconcile(self, nursery: trio.Nursery, http: httpx.AsyncClient) -> None:
+    def reconcile(self, nursery: trio.Nursery, http: httpx.AsyncClient, pool: UpstreamPool) -> None:
         """Start a reader for each worker that has none, and restart or stop those whose
         worker changed or left. O(workers), run only when the fleet changed."""
         if self.fleet.generation == self._seen_generation:
@@ -190,9 +199,11 @@ class EngineLoads:
             if worker_id not in self._tasks:
                 scope = trio.CancelScope()
                 task = self._tasks[worker_id] = _Task(key, scope, polled_source(worker))
-                nursery.start_soon(self._run, worker, task, http)
+                nursery.start_soon(self._run, worker, task, http, pool)
 
-    async def _run(self, worker: Worker, task: _Task, http: httpx.AsyncClient) -> None:
+    async def _run(
+        self, worker: Worker, task: _Task, http: httpx.AsyncClient, pool: UpstreamPool
+    ) -> None:
         with task.scope:
             try:
                 streams = await self._pushed_streams(worker, http)
@@ -200,7 +211,7 @@ class EngineLoads:
                     task.source = LoadSource.STREAM
                     await self._follow_streams(worker, streams)
                 else:
-                    await self._poll(worker, task, http)
+                    await self._poll(worker, task, pool)
             finally:
                 # A worker that changed gets a new reader; until it reads, it is unknown.
                 for share in worker.shares:
@@ -225,7 +236,7 @@ class EngineLoads:
 
     # -- polling -----------------------------------------------------------------------
 
-    async def _poll(self, worker: Worker, task: _Task, http: httpx.AsyncClient) -> None:
+    async def _poll(self, worker: Worker, task: _Task, pool: UpstreamPool) -> None:
         source = task.source
         settings = self.settings
         while True:
@@ -234,7 +245,7 @@ class EngineLoads:
             readings: dict[int, RankReading] = {}
             try:
                 with trio.fail_after(settings.timeout_s):
-                    readings = await self._read(worker, source, http)
+                    readings = await self._read(worker, source, pool)
             except _NotServed:
                 if source is LoadSource.LOADS:
                     log.info("%s serves no /v1/loads: its load is read from /metrics", worker.id)
@@ -243,9 +254,9 @@ class EngineLoads:
                 outcome = "failed"
             except trio.TooSlowError:
                 outcome = "timeout"
-            except (httpx.HTTPError, OSError):
+            except (_Refused, UpstreamError, LocalShortage, OSError):
                 outcome = "failed"
-            except (BadReading, StreamTooLarge, orjson.JSONDecodeError):
+            except (BadReading, orjson.JSONDecodeError):
                 outcome = "bad_answer"
             known = apply_readings(
                 worker, {rank: (got, taken_at) for rank, got in readings.items()}, settings.window_s
@@ -256,21 +267,30 @@ class EngineLoads:
             await trio.sleep_until(taken_at + settings.interval_s)
 
     async def _read(
-        self, worker: Worker, source: LoadSource, http: httpx.AsyncClient
+        self, worker: Worker, source: LoadSource, pool: UpstreamPool
     ) -> dict[int, RankReading]:
         path = "/v1/loads" if source is LoadSource.LOADS else "/metrics"
         api_key = worker.record.api_key or self.settings.worker_api_key
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
-        async with http.stream("GET", worker.url + path, headers=headers) as response:
-            if response.status_code == 404:
+        headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+        limit = self.settings.max_answer_bytes
+        async with pool.request(
+            worker.url, "GET", path, headers, b"", connect_timeout_s=self.settings.timeout_s
+        ) as response:
+            if response.status == 404:
                 raise _NotServed(path)
-            if response.status_code != 200:
-                raise httpx.HTTPStatusError(
-                    f"{path} answered {response.status_code}",
-                    request=response.request,
-                    response=response,
-                )
-            body = await read_capped(response, self.settings.max_answer_bytes)
+            if response.status != 200:
+                raise _Refused(f"{path} answered {response.status}")
+            whole = response.take_whole_body()
+            parts = [] if whole is None else [whole]
+            size = len(whole or b"")
+            while whole is None and (chunk := await response.receive_some()):
+                parts.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise BadReading(f"{path} is larger than {limit} bytes")
+            if size > limit:
+                raise BadReading(f"{path} is larger than {limit} bytes")
+        body = b"".join(parts)
         if source is LoadSource.LOADS:
             return loads_readings(orjson.loads(body))
         return metrics_readings(body.decode("utf-8", "replace"), worker.record.engine)
@@ -319,7 +339,10 @@ class EngineLoads:
 
 
 async def serve_engine_loads(
-    loads: EngineLoads, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    loads: EngineLoads,
+    pool: UpstreamPool | None = None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep one load reader per worker of `loads.fleet` running until cancelled. Reports
     `started()` once the readers of the fleet as it is are started (not read yet: until
@@ -329,13 +352,15 @@ async def serve_engine_loads(
     unknown again.
     """
     settings = loads.settings
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with (
-        httpx.AsyncClient(limits=limits, timeout=settings.timeout_s) as http,
-        trio.open_nursery() as nursery,
-    ):
-        loads.reconcile(nursery, http)
-        task_status.started()
-        while True:
-            await trio.sleep(settings.reconcile_s)
-            loads.reconcile(nursery, http)
+    async with AsyncExitStack() as owned:
+        if pool is None:
+            pool = await owned.enter_async_context(open_upstream_pool())
+        async with (
+            httpx.AsyncClient(timeout=settings.timeout_s) as http,
+            trio.open_nursery() as nursery,
+        ):
+            loads.reconcile(nursery, http, pool)
+            task_status.started()
+            while True:
+                await trio.sleep(settings.reconcile_s)
+                loads.reconcile(nursery, http, pool)

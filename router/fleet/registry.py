@@ -134,10 +134,13 @@ class Worker:
         if self.shares and now is not None:
             self.shares[rank if rank is not None and rank < len(self.shares) else 0].dispatched(now)
 
-    def end(self, rank: int | None = None) -> None:
+    def end(self, rank: int | None = None, sent_at: float | None = None) -> None:
+        """One request sent at `sent_at` (on `rank`) ended."""
         self.inflight -= 1
         if rank is not None and rank < len(self.rank_inflight):
             self.rank_inflight[rank] -= 1
+        if self.shares and sent_at is not None:
+            self.shares[rank if rank is not None and rank < len(self.shares) else 0].ended(sent_at)
 
 
 BreakerFactory = Callable[[str], "CircuitBreaker | None"]

@@ -142,6 +142,8 @@ class Lease:
     permit: Permit | None
     rank: int | None
     trace: AttemptTrace = NO_ATTEMPT_TRACE
+    sent_at: float | None = None
+    """When it was taken (the engine share tells its readings by it)."""
     settled: bool = False
     committed: bool = False
     """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
@@ -260,7 +262,7 @@ class AttemptRunner:
                     worker.id,
                     current_request_id(),
                 )
-        lease = Lease(worker, permit, rank, current_trace().attempt(worker))
+        lease = Lease(worker, permit, rank, current_trace().attempt(worker), now)
         worker.begin(rank, now)
         leases.append(lease)
         return lease
@@ -271,7 +273,7 @@ class AttemptRunner:
         try:
             lease.settle()
         finally:
-            lease.worker.end(lease.rank)
+            lease.worker.end(lease.rank, lease.sent_at)
             lease.trace.end()
             self.fleet.lease_ended(lease.worker)
             self._on_release(lease.worker)
