@@ -43,6 +43,7 @@ CAPABILITIES: Mapping[str, str] = {
     "route.messages": "POST /v1/messages (Anthropic Messages)",
     "route.embeddings": "POST /v1/embeddings",
     # Limits
+    "stream.resume": "a stream whose worker breaks after the first byte goes on on another worker, token for token, as one answer (`settings.resume_limit`)",
     "limits.body_size": "a largest request body a case can set (`settings.max_body_bytes`); over it, 413",
     # Admission
     "auth.client_key": "a client key the plane requires (`Authorization: Bearer`), 401 without it",

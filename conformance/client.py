@@ -271,6 +271,43 @@ def sse_events(body: bytes) -> list[Mapping[str, str]]:
     return events
 
 
+@dataclass(frozen=True, slots=True)
+class StreamContent:
+    """What a chat or completions stream said: its text (every choice's `delta.content` or
+    `text`, joined), the counts of each usage event, and the distinct `id`s of its events."""
+
+    text: str
+    usages: tuple[Mapping[str, Any], ...]
+    ids: frozenset[str]
+
+
+def stream_content(answer: Answer) -> StreamContent:
+    text: list[str] = []
+    usages: list[Mapping[str, Any]] = []
+    ids: set[str] = set()
+    for event in sse_events(answer.body):
+        if _is_error(event):
+            continue
+        try:
+            chunk = json.loads(event.get("data", ""))
+        except ValueError:
+            continue
+        if not isinstance(chunk, dict):
+            continue
+        if chunk.get("id") is not None:
+            ids.add(str(chunk["id"]))
+        if isinstance(chunk.get("usage"), dict):
+            usages.append(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(piece, str):
+                text.append(piece)
+    return StreamContent("".join(text), tuple(usages), frozenset(ids))
+
+
 # The last event of a whole stream in APIs that send no `[DONE]`: Anthropic Messages,
 # OpenAI Responses.
 FINAL_EVENTS = ("message_stop", "response.completed", "response.incomplete")

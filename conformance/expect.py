@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.client import Answer, error_shape, stream_end
+from conformance.client import Answer, error_shape, stream_content, stream_end
 from conformance.model import (
     ALL_WORKERS,
     BUSIEST_WORKER,
@@ -123,6 +123,41 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
         if set(ends) != {expect.stream_end}:
             failures.append(
                 f"stream_end: expected {expect.stream_end} on every stream, got {_counts(ends)}{_last_event(answers)}"
+            )
+    failures += _stream_contents(expect, answers)
+    return failures
+
+
+def _stream_contents(expect: Expect, answers: Sequence[Answer]) -> list[str]:
+    if expect.stream_text is None and expect.stream_usage is None and expect.stream_ids is None:
+        return []
+    failures: list[str] = []
+    contents = [stream_content(a) for a in answers]
+    if expect.stream_text is not None:
+        texts = Counter(c.text for c in contents if c.text != expect.stream_text)
+        if texts:
+            failures.append(
+                f"stream_text: expected {expect.stream_text!r} on every stream, "
+                f"{sum(texts.values())} of {len(answers)} had {_counts(Counter(map(repr, texts.elements())))}"
+            )
+    if expect.stream_usage is not None:
+        want = dict(expect.stream_usage)
+        got = Counter(
+            repr([{k: u.get(k) for k in want} for u in c.usages])
+            for c in contents
+            if len(c.usages) != 1 or any(c.usages[0].get(k) != v for k, v in want.items())
+        )
+        if got:
+            failures.append(
+                f"stream_usage: expected one usage event with {want} on every stream, "
+                f"{sum(got.values())} of {len(answers)} had {_counts(got)}"
+            )
+    if expect.stream_ids is not None:
+        counts = Counter(len(c.ids) for c in contents)
+        if set(counts) != {expect.stream_ids}:
+            failures.append(
+                f"stream_ids: expected {expect.stream_ids} distinct id(s) in every stream, "
+                f"got {_counts(counts)}"
             )
     return failures
 

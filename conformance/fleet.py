@@ -256,6 +256,8 @@ def worker_argv(
         argv += ["--engine", "vllm", "--max-loras", str(spec.max_loras)]
         if spec.lora_adapters:
             argv += ["--lora-adapters", ",".join(spec.lora_adapters)]
+    if spec.engine != "sglang" and not spec.kv_events and spec.lora_adapters is None:
+        argv += ["--engine", spec.engine]
     return argv
 
 

@@ -123,6 +123,9 @@ class WorkerSpec:
     vLLM engine. None: the fake's default engine, which answers any model."""
     max_loras: int = 1
     """Adapters it runs at once (vLLM's `--max-loras`); a request for another waits."""
+    engine: str = "sglang"
+    """The engine the fake answers as: `vllm` streams token ids when asked and takes a
+    prompt of ids (what a plane that resumes streams needs); `kv_events` and `lora_adapters` imply it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,9 @@ class RouterSettings:
     max_concurrent: int | None = None
     """Requests served at once; beyond it they queue (at most `queue_size`), then 429."""
     queue_size: int | None = None
+    resume_limit: int | None = None
+    """Times a stream whose worker broke after the first byte goes on on another worker;
+    None: the plane's own default."""
     aliases: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """Public model names, each for served models with weights."""
     fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -228,6 +234,12 @@ class Expect:
     lists_models: Mapping[str, str | None] = field(default_factory=dict)
     """Every answer is a model list naming each of these ids, with this `parent` (None:
     none, or null)."""
+    stream_text: str | None = None
+    """Every stream's text (chat `delta.content`, completions `text`, joined) is exactly this."""
+    stream_usage: Mapping[str, int] | None = None
+    """Every stream has exactly one usage event, with these counts."""
+    stream_ids: int | None = None
+    """Every stream's events carry this many distinct `id`s (1: one answer, however made)."""
 
     @property
     def reads_workers(self) -> bool:
@@ -455,6 +467,8 @@ class Case:
             needed.add("admission.queue")
         if s.max_body_bytes is not None:
             needed.add("limits.body_size")
+        if s.resume_limit is not None and s.resume_limit > 0:
+            needed.add("stream.resume")
         if s.aliases:
             needed.add("model.alias")
             if any(len(targets) > 1 for targets in s.aliases.values()):

@@ -31,7 +31,9 @@ WORKER_FIELDS = (
     "kv_events",
     "lora_adapters",
     "max_loras",
+    "engine",
 )
+ENGINES = ("sglang", "vllm")
 
 
 class FleetReader:
@@ -101,6 +103,9 @@ class FleetReader:
             max_loras=r.integer(m["max_loras"], join(field, "max_loras"), 1, 64)
             if "max_loras" in m
             else 1,
+            engine=r.choice(m["engine"], join(field, "engine"), ENGINES)
+            if "engine" in m
+            else "sglang",
         )
 
     def adapters(self, node: Node, field: str) -> tuple[str, ...]:

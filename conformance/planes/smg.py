@@ -84,6 +84,10 @@ class SmgPlane(Plane):
         "the cooldown sent 4 to the half-open worker",
         "breaker.backoff": "the cooldown never grows: 1.4 s after a failed probe with a 1 s "
         "cooldown the worker was probed again",
+        "stream.resume": "a stream whose worker breaks mid-way is cut, never resumed (smg 1.13.0, "
+        "the spec/resume cases on fake vLLM workers): the client keeps the text it had "
+        "('tok0 to' of 'tok0 tok1 tok2 '), then gets an error event "
+        '(`{"error": {"type": "stream_error", ...}}`) and `[DONE]`, no usage; one dispatch',
         "breaker.all_open_dispatch": "with every worker open it answers 503 no_available_workers "
         '("All workers are unavailable (circuit breaker open or unhealthy)"), 0 dispatches; '
         "no flag dispatches instead",

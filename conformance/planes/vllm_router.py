@@ -84,6 +84,10 @@ class VllmRouterPlane(SmgPlane):
         "as HTTP hosts, waits 30 s for them to become healthy and exits with an error",
         "breaker.single_probe": "half-open admits every request: 8 concurrent requests just after "
         "the cooldown sent 4 to the half-open worker",
+        "stream.resume": "a stream whose worker breaks mid-way is cut, never resumed (vllm-router "
+        "0.1.17, the spec/resume cases on fake vLLM workers): the client keeps the text it had, "
+        "then the connection closes without the end of the chunked body: no error event, no "
+        "[DONE], no usage",
         "breaker.backoff": "the cooldown never grows: about 3 s after a failed probe with a 2 s "
         "cooldown the worker was probed again",
         "breaker.all_open_dispatch": 'with every worker open it answers 503 in plain text ("No '

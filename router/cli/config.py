@@ -23,6 +23,7 @@ from router.discovery.static import parse_worker_spec, read_workers_file, record
 from router.edge.claims import PriorityClasses, TrafficSettings, TrafficSettingsError
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
 from router.pipeline.model_names import ModelNames, ModelNamesError
+from router.pipeline.resume import parse_routes
 from router.prompts.token_sources import parse_order
 
 WORKERS_ENV = ENV_PREFIX + "WORKERS"
@@ -146,6 +147,9 @@ class Settings:
     client_write_timeout_s: float = 60.0
     max_buffered_body_bytes: int = 1024**3
     max_connections_per_worker: int = 256
+    resume_limit: int = 2
+    resume_routes: str = "chat,completions"
+    resume_max_ids: int = 65_536
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
@@ -385,6 +389,10 @@ def _validated(values: dict[str, Any]) -> Settings:
         parse_order(values["kv_token_sources"])
     except ValueError as exc:
         raise ConfigError(f"kv_token_sources: {exc}") from None
+    try:
+        parse_routes(values["resume_routes"])
+    except ValueError as exc:
+        raise ConfigError(f"resume_routes: {exc}") from None
     ids = [record.id for record in values.get("workers", ())]
     duplicates = sorted({worker_id for worker_id in ids if ids.count(worker_id) > 1})
     if duplicates:

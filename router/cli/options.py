@@ -463,6 +463,27 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1,
     ),
     Option(
+        "resume_limit",
+        int,
+        2,
+        "times one stream may go on on another worker when its worker breaks mid-stream, token for token (needs a vLLM worker and the model's tokenizer here: the kv tokenizer, or the engine's model directory when readable); 0: a broken stream ends with the API's error event",
+        minimum=0,
+        maximum=100,
+    ),
+    Option(
+        "resume_routes",
+        str,
+        "chat,completions",
+        "routes whose streams may resume (comma-separated, of chat and completions; empty: none)",
+    ),
+    Option(
+        "resume_max_ids",
+        int,
+        65_536,
+        "token ids (prompt and answer) kept per resumable stream; a longer one is relayed as it comes and not resumed",
+        minimum=1,
+    ),
+    Option(
         "max_connections_per_worker",
         int,
         256,

@@ -66,6 +66,7 @@ from router.observability.runtime_metrics import TaskCollector
 from router.observability.tracing import open_tracing, otel_installed
 from router.pipeline.dispatch import Timeouts
 from router.pipeline.engine_tokens import EngineTokenSettings
+from router.pipeline.resume import ResumeSettings, parse_routes
 from router.pipeline.service import FailoverSettings, GenerationService
 from router.pipeline.token_metrics import TokenSourcesCollector
 from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
@@ -212,6 +213,11 @@ def failover_settings(settings: Settings) -> FailoverSettings:
         spread=SpreadSettings(
             margin=settings.spread_margin,
             seed=None if settings.policy_seed < 0 else settings.policy_seed,
+        ),
+        resume=ResumeSettings(
+            limit=settings.resume_limit,
+            routes=parse_routes(settings.resume_routes),
+            max_ids=settings.resume_max_ids,
         ),
         engine_priority=settings.engine_priority_scheduling,
         names=model_names(settings),
@@ -419,6 +425,25 @@ async def run_router(
                 if TokenSource.ENGINE in order
                 else None,
             )
+        if failover.resume.limit > 0 and failover.token_sources is None:
+            # The text after a resumed stream's seam is made with the model's tokenizer:
+            # the operator's, or the model directory the engine reports, read here.
+            token_sources = TokenSources(
+                fleet,
+                TokenSourceSettings(
+                    order=tuple(
+                        source
+                        for source in parse_order(settings.kv_token_sources)
+                        if source is not TokenSource.ENGINE
+                    )
+                    or (TokenSource.TOKENIZER,),
+                    operator_path=settings.kv_tokenizer,
+                    worker_api_key=settings.worker_api_key,
+                ),
+                kv_tokenizer(settings),
+            )
+            await nursery.start(serve_token_sources, token_sources, http)
+            failover = dataclasses.replace(failover, token_sources=token_sources)
         generation = GenerationService(
             failover,
             fleet,

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 
 import trio
 
@@ -31,6 +32,7 @@ from router.fake_worker.settings import (
     FakeWorkerSettings,
     publisher_settings,
 )
+from router.fake_worker.vocabulary import write_tokenizer
 
 EXIT_BIND_FAILED = 3
 EXIT_MISSING_PACKAGES = 4
@@ -181,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the tokenizer files GetModelInfo names (default: a temporary directory)",
     )
     add_registration_arguments(parser)
+    parser.add_argument(
+        "--write-tokenizer",
+        default="",
+        metavar="PATH",
+        help="write the fake's vocabulary as a tokenizer.json at PATH (token k reads `tok{k} `), for a router's --kv-tokenizer, and exit",
+    )
     return parser
 
 
@@ -292,6 +300,9 @@ def _first_leaf(group: BaseExceptionGroup[OSError]) -> OSError:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.write_tokenizer:
+        print(write_tokenizer(Path(args.write_tokenizer)), flush=True)
+        return 0
     if args.protocol == "grpc":
         return _main_grpc(argv, args)
     return trio.run(run, *parse_command(argv))

@@ -278,7 +278,7 @@ class FakeWorker:
         if behaviour.take_failure():
             self.routing.failures += 1
             streaming = isinstance(body, dict) and body.get("stream") is True
-            await self._fail(request, writer, streaming)
+            await self._fail(request, writer, streaming, body)
             return
         vllm = self.settings.engine == "vllm" and request.path != "/v1/messages"
         if body is None:
@@ -520,30 +520,38 @@ class FakeWorker:
 
     # -- scripted failures --------------------------------------------------------------
 
-    async def _fail(self, request: Request, writer: ResponseWriter, streaming: bool) -> None:
-        """Serve the scripted failure in place of an answer."""
+    async def _fail(
+        self, request: Request, writer: ResponseWriter, streaming: bool, body: object = None
+    ) -> None:
+        """Serve the scripted failure in place of an answer. A break mid-answer cuts the
+        answer the request would have got (its prompt, length and token ids), or a default
+        one for a body the engine would not serve."""
         behaviour = self.behaviour
         if behaviour.fail_mode is not FailMode.MIDSTREAM:
             await serve_failure(behaviour, request, writer, streaming)
             return
-        gen = Generation(
-            api=GENERATION_PATHS[request.path],
-            model=self.settings.model,
-            stream=streaming,
-            tokens=behaviour.tokens,
-            explicit_limit=False,
-            n=1,
-            prompt_tokens=0,
-            include_usage=False,
-        )
+        api = GENERATION_PATHS[request.path]
+        try:
+            gen = parse_request(api, body, behaviour.tokens, self.settings.model)
+        except BadGenerationRequest:
+            gen = Generation(
+                api=api,
+                model=self.settings.model,
+                stream=streaming,
+                tokens=behaviour.tokens,
+                explicit_limit=False,
+                n=1,
+                prompt_tokens=0,
+                include_usage=False,
+            )
         request_id, created = self._request_id(gen.api), int(time.time())  # wall-clock: `created`
         if streaming:
             frames = stream_frames(gen, request_id, created, vllm=self._vllm)
             events = paced_events(frames, behaviour, RankLoad())
             await break_stream(request, writer, events, behaviour.fail_after_chunks)
         else:
-            body = render_unary(gen, request_id, created, vllm=self._vllm)
-            await break_unary(request, writer, body)
+            body_bytes = render_unary(gen, request_id, created, vllm=self._vllm)
+            await break_unary(request, writer, body_bytes)
 
     # -- engine info --------------------------------------------------------------------
 

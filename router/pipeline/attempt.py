@@ -36,6 +36,7 @@ from router.observability.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current
 from router.pipeline.dispatch import (
     Answer,
     AttemptFailed,
+    StreamBroken,
     Timeouts,
     adapter_missing,
     client_headers,
@@ -48,6 +49,7 @@ from router.pipeline.dispatch import (
 )
 from router.pipeline.plan import Plan
 from router.pipeline.resolve import GenerationRequest
+from router.pipeline.resume_request import RequestResume
 from router.pipeline.stall_watch import StallWatch
 from router.policies.policy import Policy, PolicyKey, RankedPick, pick_excluding
 
@@ -71,6 +73,18 @@ class WorkerFailed(Exception):
         super().__init__(f"{worker.id}: {failure.detail}")
         self.worker = worker
         self.failure = failure
+
+
+class StreamCut(Exception):
+    """`worker`'s stream broke after the client got its first bytes, and may go on
+    elsewhere (`broken` says how; nothing was written for it). The worker already counts
+    as tried for its role; the breaker records nothing (the stream's start was a success).
+    """
+
+    def __init__(self, worker: Worker, broken: StreamBroken) -> None:
+        super().__init__(f"{worker.id}: {broken.message}")
+        self.worker = worker
+        self.broken = broken
 
 
 @dataclass(slots=True)
@@ -110,6 +124,8 @@ class RequestContext:
     key_bytes: bytes | None
     started: float
     log: AttemptLog = field(default_factory=AttemptLog)
+    resume: RequestResume | None = None
+    """A streamed generation's resume (None: its stream is relayed as it comes)."""
 
 
 class Strategy(Protocol):
@@ -313,11 +329,20 @@ class AttemptRunner:
         """One request to one worker whose answer goes to the client.
 
         Raises WorkerFailed when nothing reached the client yet and another worker may be
-        tried; otherwise answers the client and returns the status.
+        tried; StreamCut when a stream that may resume broke after its first bytes;
+        otherwise answers the client and returns the status. A continuation
+        (`ctx.resume` past its seam) adds to the stream the client already has: any
+        answer but a 200 stream fails it.
         """
         worker = lease.worker
         generation = ctx.generation
         idle_s = self.timeouts.stream_idle_s
+        resume = ctx.resume
+        events = None
+        continuing = False
+        if resume is not None:
+            continuing = resume.seam is not None
+            body, events = resume.prepare(worker, body)
         self._hold_adapter(lease, generation.model)
         try:
             async with open_upstream_response(
@@ -331,23 +356,41 @@ class AttemptRunner:
                 lease.trace.answered(response.status)
                 if generation.stream and response.status == 200:
                     first = await first_stream_chunk(response, worker.url, idle_s)
-                    await self._begin_answer(lease, 200, ctx)
-                    await ctx.writer.start(
-                        200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
-                    )
-                    await relay_stream(
-                        response,
-                        first,
-                        ctx.writer,
-                        worker.url,
-                        self.stalls,
-                        STREAM_ERROR_EVENTS[generation.spec.dialect],
-                    )
+                    if continuing:
+                        lease.settle(status=200)
+                        await lease.commit()
+                    else:
+                        await self._begin_answer(lease, 200, ctx)
+                        await ctx.writer.start(
+                            200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
+                        )
+                    try:
+                        ended = await relay_stream(
+                            response,
+                            first,
+                            ctx.writer,
+                            worker.url,
+                            self.stalls,
+                            STREAM_ERROR_EVENTS[generation.spec.dialect],
+                            events,
+                        )
+                    except StreamBroken as broken:
+                        ctx.log.tried[worker.role].add(worker.id)
+                        raise StreamCut(worker, broken) from None
+                    if ended is not None and resume is not None:
+                        resume.ended_broken = True
                     return 200
                 answer = await read_answer(response, worker.url, idle_s)
             # The upstream connection is back in the pool before a slow client is written to.
             judge_answer(answer, worker.url, expect_json=not generation.stream)
             self._judge_adapter(lease, answer, generation.model)
+            if continuing:
+                raise AttemptFailed(
+                    f"status_{answer.status}",
+                    f"{worker.url} answered {answer.status} to the continuation of a stream",
+                    fault=False,
+                    retryable=False,
+                )
         except AttemptFailed as failure:
             raise self._failed(lease, failure, ctx) from failure
         await self._begin_answer(lease, answer.status, ctx)

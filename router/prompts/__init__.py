@@ -6,5 +6,7 @@
   `chat_from_messages`, `chat_from_responses` read the bodies; `chat_content_format`
   decides how content parts reach the template; `chat_sandbox` bounds the template's
   work; `chat_model_dir` reads the model's directory);
-- `tokenizer`: the model's tokenizer, encoding as the engines encode.
+- `tokenizer`: the model's tokenizer, encoding as the engines encode;
+- `detokenize`: the text of generated ids, made as an engine streams it (stop strings and
+  what they hold back included), for the text of a resumed stream after its seam.
 """

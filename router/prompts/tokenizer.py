@@ -7,12 +7,16 @@ The `tokenizers` library is an optional dependency (the `kv` extra); chat render
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from router.prompts.chat_request import NotRendered
 from router.prompts.chat_template import ChatTemplate
+from router.prompts.detokenize import DecodeStep
+
+INVALID_PREFIX = "Invalid prefix encountered"
+"""How `tokenizers` says its incremental decoder cannot go on from where it is."""
 
 
 class TextTokenizer(Protocol):
@@ -25,6 +29,13 @@ class TextTokenizer(Protocol):
         Messages body with `anthropic`); NotRendered when the router does not render it as
         the engine does, TemplateFailed when the template raises for it or runs past its
         bounds."""
+        ...
+
+    def decode_stream(
+        self, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True
+    ) -> DecodeStep:
+        """A decoder of one sequence's generated ids, primed with its prompt's ids, that
+        gives each id's text as vLLM's streaming detokenizer does."""
         ...
 
 
@@ -46,6 +57,7 @@ class HfTokenizer:
             self._tokenizer = module.Tokenizer.from_file(str(file))
         except Exception as exc:  # the library raises its own Exception types
             raise ValueError(f"cannot load {file}: {exc}") from None
+        self._decode_stream = module.decoders.DecodeStream
         self.chat: ChatTemplate | None = None
         """The model's chat template; None for a tokenizer.json alone, or a directory
         without a template the router renders (chat then gets no prediction)."""
@@ -61,3 +73,27 @@ class HfTokenizer:
             raise NotRendered("no chat template")
         prompt = self.chat.render(body, anthropic=anthropic)
         return self.encode(prompt.text, prompt.add_special_tokens)
+
+    def decode_stream(
+        self, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True
+    ) -> DecodeStep:
+        # `tokenizers`' own incremental decoder, primed with the prompt as vLLM primes it,
+        # and recovered as vLLM recovers it: an id out of range gives no text, and a decoder
+        # left in an invalid state (non-monotonic UTF-8 output) starts again unprimed.
+        new_stream = self._decode_stream
+        streams = [new_stream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)]
+        tokenizer = self._tokenizer
+
+        def step(token_id: int) -> str | None:
+            try:
+                piece: str | None = streams[0].step(tokenizer, token_id)
+            except (OverflowError, TypeError):
+                return None
+            except Exception as exc:  # the library raises its own Exception types
+                if not str(exc).startswith(INVALID_PREFIX):
+                    raise
+                streams[0] = new_stream(skip_special_tokens=skip_special_tokens)
+                piece = streams[0].step(tokenizer, token_id)
+            return piece
+
+        return step
