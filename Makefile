@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance conformance-grpc litellm-env smg-1.10-env fuzz soak engine-env engine-test engine-bench engine-kv-bench conformance-engines
+.PHONY: setup system-deps demo test lint bench conformance conformance-grpc litellm-env smg-1.10-env fuzz soak engine-env engine-test engine-bench engine-kv-bench engine-lora-bench conformance-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -148,3 +148,8 @@ engine-bench: setup system-deps engine-env
 # kv_aware against cache_aware, round_robin and smg on three real engines; docs/policies.md.
 engine-kv-bench: setup system-deps engine-env
 	$(BIN)/python -m bench --kv-engines
+
+# adapter and base-model requests through ours and smg on three real engines holding
+# LoRA adapters (--max-loras 1); docs/policies.md.
+engine-lora-bench: setup system-deps engine-env
+	$(BIN)/python -m bench --lora-engines

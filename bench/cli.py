@@ -13,7 +13,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import report
-from bench.plan import CASES, CONTENDERS, QUICK_CASES
+from bench.plan import (
+    CASES,
+    CONTENDERS,
+    DEFAULT_CONTENDERS,
+    QUICK_CASES,
+    RESUME_CASES,
+    RESUME_CONTENDERS,
+)
 from bench.procs import BenchError, raise_nofile_limit
 from bench.run import (
     FLEET_SIZE,
@@ -56,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument(
         "--contenders",
-        default=",".join(CONTENDERS),
-        help=f"comma-separated, of {', '.join(CONTENDERS)}",
+        default=None,
+        help=f"comma-separated, of {', '.join(CONTENDERS)} (default: {', '.join(DEFAULT_CONTENDERS)}; with --fleet-engine vllm: {', '.join(RESUME_CONTENDERS)})",
     )
     parser.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument(
@@ -105,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-groups",
-        default="side,two,replicas,noflag,restart",
-        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), restart (a router restart mid-run)",
+        default="side,two,replicas,noflag,ownload,restart",
+        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), ownload (kv_aware counting its own requests only, not reading the engines' load), restart (a router restart mid-run)",
     )
     parser.add_argument(
         "--kv-repeat",
@@ -115,9 +122,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kv-engines: play the contenders this many times over, in turn",
     )
     parser.add_argument(
+        "--lora-engines",
+        action="store_true",
+        help="run the LoRA adapter benchmark on real engines instead (bench/lora_engines.py): adapter and base-model requests from 6 clients through ours least_load with and without the adapter slots weighed, ours round_robin and smg, in front of three vLLM engines with --max-loras 1 holding two of three adapters each (make engine-env); writes its own block of policies.md beside --out",
+    )
+    parser.add_argument(
+        "--lora-repeat",
+        type=int,
+        default=1,
+        help="with --lora-engines: play the contenders this many times over, in turn",
+    )
+    parser.add_argument(
         "--engine-costs",
         action="store_true",
         help="run the engine-costs benchmark instead (bench/engine_costs.py): kv_aware's token ids from the model directory against the engine's /tokenize, and the cost of reading engines' load, on one vLLM engine (make engine-env); writes its own block of --out",
+    )
+    parser.add_argument(
+        "--fleet-engine",
+        choices=("sglang", "vllm"),
+        default="sglang",
+        help=f"the fake fleet's engine kind: vllm streams token ids when asked, so ours-resume captures its streams (the cost of a resumable stream); default sglang. A vllm run plays {', '.join(RESUME_CONTENDERS)} on {', '.join(RESUME_CASES)} unless told, and writes its own block of --out",
     )
     parser.add_argument(
         "--replicas",
@@ -189,6 +213,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             groups=_names(args.kv_groups, kv_engines.ALL_GROUPS, "group"),
             repeat=max(1, args.kv_repeat),
         )
+    if args.lora_engines:
+        from bench import lora_engines
+
+        started = time.monotonic()
+        return lora_engines.run(
+            args.out.with_name("policies.md"),
+            args.quick,
+            lambda message: print(
+                f"[{datetime.now():%H:%M:%S} {time.monotonic() - started:6.1f}s] {message}",
+                flush=True,
+            ),
+            "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            repeat=max(1, args.lora_repeat),
+        )
     if args.traffic:
         from bench import traffic
 
@@ -213,13 +251,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = args.duration if args.duration is not None else (1 if args.quick else 2)
     if args.stages:
         return _stages(duration)
-    cases = _names(
-        args.cases or ",".join(QUICK_CASES if args.quick else CASES), list(CASES), "case"
+    resume = args.fleet_engine == "vllm"
+    default_cases = RESUME_CASES if resume else QUICK_CASES if args.quick else tuple(CASES)
+    cases = _names(args.cases or ",".join(default_cases), list(CASES), "case")
+    default_contenders = RESUME_CONTENDERS if resume else DEFAULT_CONTENDERS
+    contenders = _names(
+        args.contenders or ",".join(default_contenders), list(CONTENDERS), "contender"
     )
-    contenders = _names(args.contenders, list(CONTENDERS), "contender")
     idle_count = (
-        args.idle_streams if args.idle_streams is not None else (2000 if args.quick else 10_000)
+        args.idle_streams
+        if args.idle_streams is not None
+        else (0 if resume else 2000 if args.quick else 10_000)
     )
+    if resume:
+        # The vLLM fleet's run measures the relay with and without capture: no burst.
+        args.no_burst = True
     if duration < 1 or args.rounds < 1:
         raise SystemExit("python -m bench: --duration and --rounds must be at least 1")
     notes: list[str] = []
@@ -268,11 +314,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "rounds": str(args.rounds),
         "duration": str(duration),
-        "fleet": str(FLEET_SIZE),
+        "fleet": f"{FLEET_SIZE} ({args.fleet_engine})",
     }
     header["command"] = header["command"].rstrip()
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
+    if resume:
+        # Its own block and figures file: the default fleet's results and chart stay.
+        report.write_doc(
+            out,
+            report.results_markdown(session, header, None, resume=True),
+            start=report.RESUME_START,
+            end=report.RESUME_END,
+        )
+        figures = out.with_name(f"{out.stem}-resume.json")
+        dump_json(figures, {"header": header, **session.to_json()})
+        log(f"wrote {out} and {figures.name}")
+        return 0
     png = out.with_suffix(".png")
     report.write_chart(png, session.measurements)
     report.write_doc(out, report.results_markdown(session, header, png.name))
@@ -324,8 +382,8 @@ def _run(
     idle_count: int,
     log: Log,
 ) -> None:
-    log(f"starting {FLEET_SIZE} fake workers")
-    bench.start_fleet()
+    log(f"starting {FLEET_SIZE} fake workers ({args.fleet_engine})")
+    bench.start_fleet(args.fleet_engine)
     log(f"starting contenders: {', '.join(contenders)}")
     bench.start_contenders(contenders)
     warm = CASES["unary-c32"]

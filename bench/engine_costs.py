@@ -39,7 +39,7 @@ from conformance.engines import (
 START = "<!-- bench:engine-costs:start -->"
 END = "<!-- bench:engine-costs:end -->"
 MODEL = "tiny"
-ROUNDS = 3
+ROUNDS = 5
 REQUESTS_PER_ROUND = 40
 METRICS_READS = 200
 FAKES = 16
@@ -103,12 +103,17 @@ def run(out: Path, quick: bool, log: Log, command: str) -> int:
     return 0
 
 
-def _router(name: str, flags: list[str], work: Path, log: Log) -> tuple[Proc, str]:
+def _router(
+    name: str, flags: list[str], work: Path, log: Log, probe: bytes | None = None
+) -> tuple[Proc, str]:
     port = free_port()
     command = python_module("router.cli", "serve", "--port", str(port), "--log-level", "warning")
     proc = start(name, [*command, *flags], work)
     url = f"http://127.0.0.1:{port}"
-    proc.wait_for_answer(url + "/v1/chat/completions", orjson.dumps(_chat(0)), 60.0)
+    if probe is None:
+        proc.wait_for_answer(url + "/v1/chat/completions", orjson.dumps(_chat(0)), 60.0)
+    else:
+        proc.wait_for_answer(url + "/v1/completions", probe, 60.0)
     proc.pids = process_tree(proc.pid)
     return proc, url
 
@@ -125,7 +130,8 @@ def _token_costs(
 ) -> list[str]:
     results: dict[str, dict[str, list[float]]] = {}
     bodies = [orjson.dumps(_chat(turn % 4)) for turn in range(REQUESTS_PER_ROUND)]
-    for round_number in range(rounds):
+    # Round 0 warms the engine (its first requests run slower) and is not counted.
+    for round_number in range(rounds + 1):
         for source in ("model_dir", "engine"):
             flags = ["--worker", engine_url, "--policy", "kv_aware", "--kv-token-sources", source]
             proc, url = _router(f"router-{source}-{round_number}", flags, work, log)
@@ -160,6 +166,8 @@ def _token_costs(
                 proc.stop()
             asks = _metric(metrics, 'router_kv_aware_engine_tokenize_total{outcome="ok"}')
             waited = _metric(metrics, "router_kv_aware_engine_tokenize_seconds_total")
+            if round_number == 0:
+                continue
             row = results.setdefault(source, {})
             row.setdefault("p50_ms", []).append(statistics.median(latencies) * 1000)
             row.setdefault("router_cpu_ms", []).append(router_cpu / len(bodies) * 1000)
@@ -222,7 +230,9 @@ def _reader_cost(work: Path, quick: bool, log: Log) -> list[str]:
             fakes.append(start(f"fake{index}", command, work))
             urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(fakes, urls, strict=True):
-            proc.wait_for_answer(url + "/v1/completions", b'{"max_tokens": 1}', 30.0)
+            proc.wait_for_answer(
+                url + "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', 30.0
+            )
         workers = [arg for url in urls for arg in ("--worker", url)]
         rows = []
         for name, flags in (
@@ -230,7 +240,11 @@ def _reader_cost(work: Path, quick: bool, log: Log) -> list[str]:
             ("read every 0.5 s", ["--engine-load-interval-s", "0.5"]),
         ):
             proc, _ = _router(
-                f"reader-{name.split()[0]}", [*workers, "--policy", "least_load", *flags], work, log
+                f"reader-{name.split()[0]}",
+                [*workers, "--policy", "least_load", *flags],
+                work,
+                log,
+                b'{"prompt": "hi", "max_tokens": 1}',
             )
             try:
                 time.sleep(2.0)

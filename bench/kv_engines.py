@@ -10,6 +10,7 @@ caches)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import tempfile
 import time
@@ -92,14 +93,32 @@ NO_FLAG = (
         kv_tokenizer=False,
     ),
 )
+OWN_LOAD = (
+    KvContender("ours kv_aware (own count)", "kv_aware", ("--engine-load-interval-s", "0")),
+    KvContender(
+        "ours kv_aware (--processes 2, own count)",
+        "kv_aware",
+        ("--engine-load-interval-s", "0"),
+        processes=2,
+    ),
+)
+"""Each process counting only its own requests, not reading the engines' load: beside
+`side` and `two`, what reading the load changes."""
 RESTARTED = SIDE_BY_SIDE[:2]
 GROUPS = {
     "side": SIDE_BY_SIDE,
     "two": TWO_PROCESSES,
     "replicas": REPLICAS,
     "noflag": NO_FLAG,
+    "ownload": OWN_LOAD,
 }
-ALL_GROUPS = ("side", "two", "replicas", "noflag", "restart")
+ALL_GROUPS = ("side", "two", "replicas", "noflag", "ownload", "restart")
+
+
+def log_name(contender: str) -> str:
+    """A contender's name as a file name: "ours kv_aware (engine /tokenize)" is
+    "ours-kv_aware-engine-tokenize" (a slash in it would name a directory)."""
+    return "-".join(re.findall(r"[A-Za-z0-9_.]+", contender))
 
 
 def run(
@@ -328,8 +347,7 @@ class KvBench:
             command += ["--port", str(port), "--prometheus-host", "127.0.0.1"]
             prometheus = next(other for other in free_ports(2) if other != port)
             command += ["--prometheus-port", str(prometheus), *contender.flags]
-        name = "-".join(contender.name.replace("(", "").replace(")", "").split())
-        proc = start(f"{self.scenario}-{name}", command, self.work)
+        proc = start(f"{self.scenario}-{log_name(contender.name)}", command, self.work)
         url = f"http://127.0.0.1:{port}"
         try:
             proc.wait_for_answer(url + CHAT_PATH, PROBE, 60.0)

@@ -301,6 +301,12 @@ def replica_verdicts(runs: Sequence[KvRun], evicting: str, roomy: str) -> list[s
                 scenario, alone, "ours round_robin", -15.0, "at least 15 points above round robin"
             )
             compare(scenario, alone, "ours kv_aware", 2.0, "within 2 points of --kv-tokenizer")
+        # What reading the engines' load changes: the same contender counting its own only.
+        for own, reading in (
+            ("ours kv_aware (own count)", "ours kv_aware"),
+            ("ours kv_aware (--processes 2, own count)", "ours kv_aware (--processes 2)"),
+        ):
+            compare(scenario, reading, own, 2.0, "no more than 2 points under its own count")
     return lines
 
 

@@ -79,11 +79,24 @@ class Contender:
     ready_timeout_s: float = 30.0
 
 
+VOCABULARY = "{vocabulary}"
+"""Stands in a contender's flags for the fake fleet's vocabulary file (`--kv-tokenizer`),
+written where the bench works."""
+
 CONTENDERS: dict[str, Contender] = {
     c.name: c
     for c in (
         Contender("direct", "straight to one fake worker (its CPU is the worker's)"),
         Contender("ours", "router serve, native front (trio + llhttp)", ()),
+        # With `--fleet-engine vllm` the fakes stream token ids when asked: `ours-resume`
+        # then captures every stream (it has the fleet's tokenizer), `ours-noresume` never
+        # asks. On the default SGLang fleet both relay as `ours` does.
+        Contender(
+            "ours-resume",
+            "router serve with the fleet's tokenizer: resumable streams captured while relayed",
+            ("--kv-tokenizer", VOCABULARY),
+        ),
+        Contender("ours-noresume", "router serve --resume-limit 0", ("--resume-limit", "0")),
         Contender(
             "ours-hypercorn",
             "router serve --server hypercorn (ASGI adapter)",
@@ -104,3 +117,12 @@ CONTENDERS: dict[str, Contender] = {
         ),
     )
 }
+
+RESUME_CONTENDERS = ("ours-noresume", "ours-resume", "smg")
+"""What `--fleet-engine vllm` runs unless told: the relay with resume capture off, on, and
+the Rust gateway."""
+RESUME_CASES = ("stream-c32", "paced-c64")
+DEFAULT_CONTENDERS = tuple(
+    name for name in CONTENDERS if name not in ("ours-resume", "ours-noresume")
+)
+"""What a run on the default fleet plays: the resume pair relays as `ours` does there."""

@@ -32,15 +32,17 @@ from bench.procs import BenchError, Proc, free_port, python_module, start
 from bench.run import Log, dump_json, machine, versions
 
 MODEL = "fake-model"
-SPEEDS = (2.0, 4.0, 8.0, 16.0)  # ms per token of each engine
-TOKENS = 24
+SPEEDS = (10.0, 20.0, 40.0, 80.0)  # ms per token of each engine
+TOKENS = 32  # answers of 0.3 to 2.6 s: LLM-like against a 0.5 s reading interval
 MAX_CONCURRENCY = 4
 GAUGE_STEP_MS = 20.0
 CLIENTS = 48
 SPLIT = (0.5, 0.3, 0.2)  # the clients' share of each replica
-DURATION_S = 20.0
+DURATION_S = 30.0
 QUICK_DURATION_S = 5.0
 SAMPLE_S = 0.05
+DIRECT_CLIENTS = (0, 16)
+"""Clients sending to the fastest engine past the routers: none, then 16."""
 BODY = {"model": MODEL, "prompt": "hello replicas", "max_tokens": TOKENS}
 START = "<!-- bench:replicas:start -->"
 END = "<!-- bench:replicas:end -->"
@@ -57,6 +59,7 @@ CONTENDERS = (
     ReplicaContender("one router", 1),
     ReplicaContender("3 replicas, engine load", 3),
     ReplicaContender("3 replicas, engine load, margin 0", 3, ("--spread-margin", "0")),
+    ReplicaContender("3 replicas, engine load, window 0.1 s", 3, ("--engine-load-window-s", "0.1")),
     ReplicaContender("3 replicas, own count only", 3, ("--engine-load-interval-s", "0")),
 )
 
@@ -129,9 +132,12 @@ def run(out: Path, quick: bool, log: Log, command: str) -> int:
             engines.append(start(f"engine{index}", command_line, work))
             urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(engines, urls, strict=True):
-            proc.wait_for_answer(url + "/v1/completions", b'{"max_tokens": 1}', 30.0)
-        for contender in CONTENDERS:
-            runs.append(measure(contender, urls, duration, work, log))
+            proc.wait_for_answer(
+                url + "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', 30.0
+            )
+        for direct in DIRECT_CLIENTS:
+            for contender in CONTENDERS:
+                runs.append(measure(contender, urls, duration, work, log, direct))
     except (BenchError, httpx.HTTPError) as exc:
         log(f"python -m bench --replicas: {exc!r}")
         return 1
@@ -150,7 +156,12 @@ def run(out: Path, quick: bool, log: Log, command: str) -> int:
 
 
 def measure(
-    contender: ReplicaContender, urls: list[str], duration: float, work: Path, log: Log
+    contender: ReplicaContender,
+    urls: list[str],
+    duration: float,
+    work: Path,
+    log: Log,
+    direct: int = 0,
 ) -> ReplicaRun:
     routers: list[Proc] = []
     router_urls: list[str] = []
@@ -164,18 +175,20 @@ def measure(
             routers.append(start(name, command, work))
             router_urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(routers, router_urls, strict=True):
-            proc.wait_for_answer(url + "/v1/completions", b'{"max_tokens": 1}', 30.0)
+            proc.wait_for_answer(
+                url + "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', 30.0
+            )
         trio.run(_settle, urls)  # the engines idle, the readers' first readings in
         before = trio.run(_dispatches, urls)
         log(f"{contender.name}: {CLIENTS} clients for {duration:.0f} s")
-        latencies, errors, samples, wall = trio.run(_load, router_urls, urls, duration)
+        latencies, errors, samples, wall = trio.run(_load, router_urls, urls, duration, direct)
         after = trio.run(_dispatches, urls)
     finally:
         for proc in routers:
             proc.stop()
     spreads = [s for s in (spread(sample) for sample in samples) if s is not None]
     one = ReplicaRun(
-        contender=contender.name,
+        contender=contender.name + (f", {direct} clients past the routers" if direct else ""),
         requests=len(latencies),
         errors=errors,
         requests_per_s=len(latencies) / wall,
@@ -201,7 +214,7 @@ async def _settle(urls: list[str]) -> None:
 
 
 async def _load(
-    router_urls: list[str], engine_urls: list[str], duration: float
+    router_urls: list[str], engine_urls: list[str], duration: float, direct: int = 0
 ) -> tuple[list[float], int, list[list[int]], float]:
     latencies: list[float] = []
     errors = [0]
@@ -241,6 +254,12 @@ async def _load(
             clients.append(http)
             for _ in range(count):
                 nursery.start_soon(client, http)
+        # Clients past the routers, on the fastest engine (a batch job, another router):
+        # their requests are not counted, only the engines' own load shows them.
+        bypass = httpx.AsyncClient(base_url=engine_urls[0], timeout=60.0, limits=limits)
+        clients.append(bypass)
+        for _ in range(direct):
+            nursery.start_soon(_bypass, bypass, deadline)
         sampling = httpx.AsyncClient(timeout=5.0)
         clients.append(sampling)
         nursery.start_soon(sampler, sampling)
@@ -248,6 +267,14 @@ async def _load(
     for http in clients:
         await http.aclose()
     return latencies, errors[0], samples, wall
+
+
+async def _bypass(http: httpx.AsyncClient, deadline: float) -> None:
+    while trio.current_time() < deadline:
+        try:
+            await http.post("/v1/completions", json=BODY)
+        except httpx.HTTPError:
+            pass
 
 
 def markdown(runs: Sequence[ReplicaRun], header: dict[str, str], duration: float) -> str:

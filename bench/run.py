@@ -21,9 +21,10 @@ import orjson
 import yaml
 
 from bench import idle, pyspy
-from bench.plan import CONTENDERS, MODEL, Case, Contender, chat_body
+from bench.plan import CONTENDERS, MODEL, VOCABULARY, Case, Contender, chat_body
 from bench.procs import BenchError, Proc, free_port, python_module, start
 from bench.wrk import WrkResult, run_wrk, write_script
+from router.fake_worker.vocabulary import write_tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 FLEET_SIZE = 2
@@ -136,10 +137,13 @@ class Bench:
 
     # -- start-up ----------------------------------------------------------------------
 
-    def start_fleet(self) -> None:
+    def start_fleet(self, engine: str = "sglang") -> None:
+        """The fake fleet, of SGLang's kind or vLLM's (whose streams carry token ids when
+        asked, what a resumable stream asks for)."""
         for index in range(FLEET_SIZE):
             proc = self._start(
-                f"worker{index}", python_module("router.cli", "fake-worker", "--port", "0")
+                f"worker{index}",
+                python_module("router.cli", "fake-worker", "--port", "0", "--engine", engine),
             )
             self.fleet.append(proc)
         for proc in self.fleet:
@@ -175,7 +179,10 @@ class Bench:
                     "--max-connections-per-worker",
                     str(ROUTER_MAX_CONNECTIONS),
                     *(arg for url in self.fleet_urls for arg in ("--worker", url)),
-                    *contender.router_flags,
+                    *(
+                        str(self.vocabulary()) if flag == VOCABULARY else flag
+                        for flag in contender.router_flags
+                    ),
                 )
             else:
                 command = python_module(
@@ -199,6 +206,13 @@ class Bench:
             wait_ready()
             self.targets[target.name] = target
             self.log(f"  {target.name} ready: {target.url} (pids {target.proc.pids})")
+
+    def vocabulary(self) -> Path:
+        """The fake fleet's vocabulary as a tokenizer.json, written once."""
+        path = self.work_dir / "fake-vocabulary.json"
+        if not path.exists():
+            write_tokenizer(path)
+        return path
 
     def _readiness(self, target: Target) -> Callable[[], None]:
         contender = target.contender

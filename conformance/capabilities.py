@@ -43,6 +43,7 @@ CAPABILITIES: Mapping[str, str] = {
     "route.messages": "POST /v1/messages (Anthropic Messages)",
     "route.embeddings": "POST /v1/embeddings",
     # Limits
+    "stream.resume": "a stream whose worker breaks after the first byte goes on on another worker, token for token, as one answer (`settings.resume_limit`)",
     "limits.body_size": "a largest request body a case can set (`settings.max_body_bytes`); over it, 413",
     # Admission
     "auth.client_key": "a client key the plane requires (`Authorization: Bearer`), 401 without it",
@@ -52,6 +53,10 @@ CAPABILITIES: Mapping[str, str] = {
     "model.alias": "a public model name (`settings.aliases`) served by the model it names",
     "model.alias_weights": "an alias of several served models splits its requests by weight (a canary)",
     "model.fallback": "a model gives way to its fallbacks (`settings.fallbacks`) when it has no worker that can take the request, never when it is unknown",
+    # LoRA adapters
+    "lora.adapters": "requests naming a LoRA adapter go only to the engines whose model list names it (vLLM lists each adapter with its parent); an adapter no engine holds is 404",
+    "lora.routing_miss": "an engine that answers 404 for an adapter it listed is skipped for another that holds it, before any byte reaches the client",
+    "lora.affinity": "among the engines holding an adapter, one running it is preferred over a less loaded one whose adapter slots (vLLM's --max-loras) all run other adapters",
     # Fleet state
     "worker.status": "a worker's own record can say DRAINING, and the plane honours it",
     "discovery.etcd": "the plane follows worker records in etcd",

@@ -15,7 +15,7 @@ import httpx
 import trio
 
 from conformance.connections import open_plane_client, watch_exchange
-from conformance.model import ROUTES, RawBody, RequestSpec
+from conformance.model import GET_ROUTES, ROUTES, RawBody, RequestSpec
 
 __all__ = ["Answer", "Progress", "open_plane_client", "send_many", "send_one"]
 
@@ -158,17 +158,22 @@ async def send_one(
     """
     url = base_url + ROUTES[request.route]
     headers = dict(request.headers)
-    if request.raw is None:
+    method = "GET" if request.route in GET_ROUTES else "POST"
+    if method == "GET":
+        content = b""
+    elif request.raw is None:
         content = json.dumps(request_body(request, default_model)).encode()
         headers.setdefault("content-type", "application/json")
     else:
         content = raw_bytes(request.raw, request, default_model)
         headers["content-type"] = request.raw.content_type
-    answer, resend = await _send(client, url, content, headers, request.timeout_s, progress)
+    answer, resend = await _send(client, method, url, content, headers, request.timeout_s, progress)
     if resend:
         # A pool of its own, so that the second try cannot meet another stale connection.
         async with open_plane_client(httpx.Limits(max_keepalive_connections=0)) as fresh:
-            answer, _ = await _send(fresh, url, content, headers, request.timeout_s, progress)
+            answer, _ = await _send(
+                fresh, method, url, content, headers, request.timeout_s, progress
+            )
         answer.notes.append(
             f"resent once on a new connection: the plane closed a reused connection "
             f"before any byte of an answer ({resend})"
@@ -178,6 +183,7 @@ async def send_one(
 
 async def _send(
     client: httpx.AsyncClient,
+    method: str,
     url: str,
     content: bytes,
     headers: dict[str, str],
@@ -189,7 +195,7 @@ async def _send(
     with watch_exchange() as exchange:
         try:
             with trio.fail_after(timeout_s):
-                await _exchange(client, url, content, headers, answer, progress)
+                await _exchange(client, method, url, content, headers, answer, progress)
         except trio.TooSlowError:
             answer.transport_error = f"no complete answer within {timeout_s:g}s"
         except httpx.HTTPError as exc:
@@ -201,13 +207,14 @@ async def _send(
 
 async def _exchange(
     client: httpx.AsyncClient,
+    method: str,
     url: str,
     content: bytes,
     headers: dict[str, str],
     answer: Answer,
     progress: Progress | None,
 ) -> None:
-    async with client.stream("POST", url, content=content, headers=headers) as response:
+    async with client.stream(method, url, content=content, headers=headers) as response:
         answer.status = response.status_code
         answer.headers = {k.lower(): v for k, v in response.headers.items()}
         chunks: list[bytes] = []
@@ -262,6 +269,43 @@ def sse_events(body: bytes) -> list[Mapping[str, str]]:
         if event:
             events.append(event)
     return events
+
+
+@dataclass(frozen=True, slots=True)
+class StreamContent:
+    """What a chat or completions stream said: its text (every choice's `delta.content` or
+    `text`, joined), the counts of each usage event, and the distinct `id`s of its events."""
+
+    text: str
+    usages: tuple[Mapping[str, Any], ...]
+    ids: frozenset[str]
+
+
+def stream_content(answer: Answer) -> StreamContent:
+    text: list[str] = []
+    usages: list[Mapping[str, Any]] = []
+    ids: set[str] = set()
+    for event in sse_events(answer.body):
+        if _is_error(event):
+            continue
+        try:
+            chunk = json.loads(event.get("data", ""))
+        except ValueError:
+            continue
+        if not isinstance(chunk, dict):
+            continue
+        if chunk.get("id") is not None:
+            ids.add(str(chunk["id"]))
+        if isinstance(chunk.get("usage"), dict):
+            usages.append(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(piece, str):
+                text.append(piece)
+    return StreamContent("".join(text), tuple(usages), frozenset(ids))
 
 
 # The last event of a whole stream in APIs that send no `[DONE]`: Anthropic Messages,

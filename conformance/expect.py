@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conformance.client import Answer, error_shape, stream_end
+from conformance.client import Answer, error_shape, stream_content, stream_end
 from conformance.model import (
     ALL_WORKERS,
     BUSIEST_WORKER,
@@ -109,13 +109,76 @@ def check_answers(expect: Expect, answers: Sequence[Answer]) -> list[str]:
             failures.append(
                 f"body_json: {len(garbled)} of {len(answers)} bodies are not JSON; first: {garbled[0].excerpt()}"
             )
+    if expect.lists_models:
+        short = [(a, _unlisted(expect.lists_models, a.json())) for a in answers]
+        short = [(a, problems) for a, problems in short if problems]
+        if short:
+            first, problems = short[0]
+            failures.append(
+                f"lists_models: {len(short)} of {len(answers)} answers fall short; first: "
+                f"{'; '.join(problems)}; body: {first.excerpt(300)}"
+            )
     if expect.stream_end is not None:
         ends: Counter[str] = Counter(stream_end(a) for a in answers)
         if set(ends) != {expect.stream_end}:
             failures.append(
                 f"stream_end: expected {expect.stream_end} on every stream, got {_counts(ends)}{_last_event(answers)}"
             )
+    failures += _stream_contents(expect, answers)
     return failures
+
+
+def _stream_contents(expect: Expect, answers: Sequence[Answer]) -> list[str]:
+    if expect.stream_text is None and expect.stream_usage is None and expect.stream_ids is None:
+        return []
+    failures: list[str] = []
+    contents = [stream_content(a) for a in answers]
+    if expect.stream_text is not None:
+        texts = Counter(c.text for c in contents if c.text != expect.stream_text)
+        if texts:
+            failures.append(
+                f"stream_text: expected {expect.stream_text!r} on every stream, "
+                f"{sum(texts.values())} of {len(answers)} had {_counts(Counter(map(repr, texts.elements())))}"
+            )
+    if expect.stream_usage is not None:
+        want = dict(expect.stream_usage)
+        got = Counter(
+            repr([{k: u.get(k) for k in want} for u in c.usages])
+            for c in contents
+            if len(c.usages) != 1 or any(c.usages[0].get(k) != v for k, v in want.items())
+        )
+        if got:
+            failures.append(
+                f"stream_usage: expected one usage event with {want} on every stream, "
+                f"{sum(got.values())} of {len(answers)} had {_counts(got)}"
+            )
+    if expect.stream_ids is not None:
+        counts = Counter(len(c.ids) for c in contents)
+        if set(counts) != {expect.stream_ids}:
+            failures.append(
+                f"stream_ids: expected {expect.stream_ids} distinct id(s) in every stream, "
+                f"got {_counts(counts)}"
+            )
+    return failures
+
+
+def _unlisted(wanted: Mapping[str, str | None], body: Any) -> list[str]:
+    """How a model list falls short of `wanted` (id -> parent); empty when it lists all."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return ["the answer is not a model list"]
+    parents = {
+        entry["id"]: entry.get("parent")
+        for entry in data
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+    }
+    problems = []
+    for model, parent in wanted.items():
+        if model not in parents:
+            problems.append(f"{model!r} is not listed")
+        elif parents[model] != parent:
+            problems.append(f"{model!r} has parent {parents[model]!r}, expected {parent!r}")
+    return problems
 
 
 def check_workers(expect: Expect, case: Case, view: WorkerView) -> list[str]:

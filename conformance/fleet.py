@@ -250,6 +250,14 @@ def worker_argv(
     if spec.kv_events:
         # vLLM's engine kind: `/kv_event_sources` is where a plane learns the publisher.
         argv += ["--engine", "vllm", "--cache-tokens", str(KV_CACHE_TOKENS), "--kv-events"]
+    if spec.lora_adapters is not None:
+        # vLLM's engine kind: its model list names the adapters with their parent, and it
+        # answers 404 for a model it does not serve.
+        argv += ["--engine", "vllm", "--max-loras", str(spec.max_loras)]
+        if spec.lora_adapters:
+            argv += ["--lora-adapters", ",".join(spec.lora_adapters)]
+    if spec.engine != "sglang" and not spec.kv_events and spec.lora_adapters is None:
+        argv += ["--engine", spec.engine]
     return argv
 
 

@@ -22,7 +22,10 @@ ROUTES = {
     "responses": "/v1/responses",
     "messages": "/v1/messages",
     "embeddings": "/v1/embeddings",
+    "models": "/v1/models",
 }
+# The routes a step asks with GET and no body (the others POST a body).
+GET_ROUTES = frozenset({"models"})
 # How an error is written down: OpenAI's `{"error": {...}}` or Anthropic's
 # `{"type": "error", "error": {"type", "message"}}` (bodies and a stream's error event).
 ERROR_SHAPES = ("openai", "anthropic")
@@ -51,6 +54,7 @@ BEHAVIOUR_FIELDS: Mapping[str, str] = {
     "fail_after_chunks": "int",
     "healthy": "bool",
     "external_load": "int",
+    "lora_adapters": "names",
 }
 # A dispatch key that means "the whole fleet" rather than one worker.
 ALL_WORKERS = "all"
@@ -113,6 +117,15 @@ class WorkerSpec:
     kv_events: bool = False
     """Keeps a prefix cache and publishes its KV-cache events as vLLM does (ZMQ, a replay
     socket, `/kv_event_sources`): what `kv_aware` routes by."""
+    lora_adapters: tuple[str, ...] | None = None
+    """LoRA adapters the engine holds, as vLLM holds them (listed in `/v1/models` with
+    `parent`, 404 for any other model); a worker with this field (an empty list too) is a
+    vLLM engine. None: the fake's default engine, which answers any model."""
+    max_loras: int = 1
+    """Adapters it runs at once (vLLM's `--max-loras`); a request for another waits."""
+    engine: str = "sglang"
+    """The engine the fake answers as: `vllm` streams token ids when asked and takes a
+    prompt of ids (what a plane that resumes streams needs); `kv_events` and `lora_adapters` imply it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +171,9 @@ class RouterSettings:
     max_concurrent: int | None = None
     """Requests served at once; beyond it they queue (at most `queue_size`), then 429."""
     queue_size: int | None = None
+    resume_limit: int | None = None
+    """Times a stream whose worker broke after the first byte goes on on another worker;
+    None: the plane's own default."""
     aliases: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """Public model names, each for served models with weights."""
     fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -215,6 +231,15 @@ class Expect:
     error_shape: str | None = None  # every error answer, and every stream's error event, has it
     body_json: bool = False  # every answer's body is one JSON document
     handoffs: HandoffCheck | None = None
+    lists_models: Mapping[str, str | None] = field(default_factory=dict)
+    """Every answer is a model list naming each of these ids, with this `parent` (None:
+    none, or null)."""
+    stream_text: str | None = None
+    """Every stream's text (chat `delta.content`, completions `text`, joined) is exactly this."""
+    stream_usage: Mapping[str, int] | None = None
+    """Every stream has exactly one usage event, with these counts."""
+    stream_ids: int | None = None
+    """Every stream's events carry this many distinct `id`s (1: one answer, however made)."""
 
     @property
     def reads_workers(self) -> bool:
@@ -442,6 +467,8 @@ class Case:
             needed.add("admission.queue")
         if s.max_body_bytes is not None:
             needed.add("limits.body_size")
+        if s.resume_limit is not None and s.resume_limit > 0:
+            needed.add("stream.resume")
         if s.aliases:
             needed.add("model.alias")
             if any(len(targets) > 1 for targets in s.aliases.values()):
@@ -451,6 +478,9 @@ class Case:
         if s.priority_classes:
             needed.add("admission.priority")
         for step in self.steps:
-            if isinstance(step, SendStep | PollStep) and step.request.route != "chat":
-                needed.add(f"route.{step.request.route}")
+            route = step.request.route if isinstance(step, SendStep | PollStep) else "chat"
+            if route != "chat" and route not in GET_ROUTES:
+                needed.add(f"route.{route}")
+        if any(worker.lora_adapters for worker in self.fleet):
+            needed.add("lora.adapters")
         return frozenset(needed)

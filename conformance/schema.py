@@ -182,6 +182,8 @@ class CaseReader:
                 if worker.dp_size != 1
                 else "publishes KV events (kv_events)"
                 if worker.kv_events
+                else "holds LoRA adapters (lora_adapters)"
+                if worker.lora_adapters is not None
                 else None
             )
             if problem is not None:
@@ -229,6 +231,8 @@ class CaseReader:
                 if worker.role != "mixed"
                 else "publishes KV events (kv_events)"
                 if worker.kv_events
+                else "holds LoRA adapters (lora_adapters)"
+                if worker.lora_adapters is not None
                 else None
             )
             if problem is not None:

@@ -21,7 +21,19 @@ from conformance.model import (
 )
 from conformance.nodes import NodeReader, join
 
-WORKER_FIELDS = ("model", "role", "dp_size", "bootstrap_port", "status", "behaviour", "kv_events")
+WORKER_FIELDS = (
+    "model",
+    "role",
+    "dp_size",
+    "bootstrap_port",
+    "status",
+    "behaviour",
+    "kv_events",
+    "lora_adapters",
+    "max_loras",
+    "engine",
+)
+ENGINES = ("sglang", "vllm")
 
 
 class FleetReader:
@@ -66,6 +78,12 @@ class FleetReader:
                 "a worker must start healthy (some planes never admit one that is not); "
                 "make it unhealthy with a set_behaviour step",
             )
+        if "max_loras" in m and "lora_adapters" not in m:
+            raise r.fail(
+                m["max_loras"],
+                join(field, "max_loras"),
+                "only a worker with lora_adapters (a vLLM engine) has adapter slots",
+            )
         return WorkerSpec(
             name=name,
             model=r.string(m["model"], join(field, "model")) if "model" in m else default_model,
@@ -79,7 +97,24 @@ class FleetReader:
             kv_events=r.boolean(m["kv_events"], join(field, "kv_events"))
             if "kv_events" in m
             else False,
+            lora_adapters=self.adapters(m["lora_adapters"], join(field, "lora_adapters"))
+            if "lora_adapters" in m
+            else None,
+            max_loras=r.integer(m["max_loras"], join(field, "max_loras"), 1, 64)
+            if "max_loras" in m
+            else 1,
+            engine=r.choice(m["engine"], join(field, "engine"), ENGINES)
+            if "engine" in m
+            else "sglang",
         )
+
+    def adapters(self, node: Node, field: str) -> tuple[str, ...]:
+        """A list of adapter names; an empty list is allowed (a vLLM engine holding none)."""
+        r = self.r
+        value = r.value(node, field)
+        if not isinstance(value, list) or not all(isinstance(name, str) and name for name in value):
+            raise r.fail(node, field, f"must be a list of adapter names, got {value!r}")
+        return tuple(value)
 
     def behaviour(self, node: Node, field: str) -> dict[str, Any]:
         r = self.r
@@ -93,6 +128,8 @@ class FleetReader:
                 out[key] = r.number(value, where)
             elif kind == "fail_mode":
                 out[key] = r.choice(value, where, FAIL_MODES)
+            elif kind == "names":
+                out[key] = list(r.strings(value, where))
             elif key == "fail_first":
                 out[key] = r.integer(value, where, minimum=-1)
             elif key == "fail_status":

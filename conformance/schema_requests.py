@@ -55,7 +55,12 @@ EXPECT_FIELDS = (
     "body_json",
     "handoffs",
     "error_shape",
+    "lists_models",
+    "stream_text",
+    "stream_usage",
+    "stream_ids",
 )
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
 # Past this a request would hold a fleet longer than any case should take.
 MAX_COUNT = 1000
 # A raw body is built in memory and sent whole; past this a case costs more than it shows.
@@ -149,6 +154,11 @@ class RequestReader:
             return Expect()
         r = self.r
         m = r.mapping(node, field, EXPECT_FIELDS)
+        for name in ("stream_text", "stream_usage", "stream_ids"):
+            if name in m and not request.stream:
+                raise r.fail(
+                    m[name], join(field, name), "only a streaming request (stream: true) has one"
+                )
         stream_end = None
         if "stream_end" in m:
             stream_end = r.choice(m["stream_end"], join(field, "stream_end"), STREAM_ENDS)
@@ -187,7 +197,45 @@ class RequestReader:
             handoffs=self.handoffs(m["handoffs"], join(field, "handoffs"))
             if "handoffs" in m
             else None,
+            lists_models=self.lists_models(m["lists_models"], join(field, "lists_models"))
+            if "lists_models" in m
+            else {},
+            stream_text=self.text(m["stream_text"], join(field, "stream_text"))
+            if "stream_text" in m
+            else None,
+            stream_usage=self.usage(m["stream_usage"], join(field, "stream_usage"))
+            if "stream_usage" in m
+            else None,
+            stream_ids=r.integer(m["stream_ids"], join(field, "stream_ids"), 1, MAX_COUNT)
+            if "stream_ids" in m
+            else None,
         )
+
+    def text(self, node: Node, field: str) -> str:
+        value = self.r.scalar(node, field)
+        if not isinstance(value, str):
+            raise self.r.fail(node, field, f"must be a string (quote it), got {value!r}")
+        return value
+
+    def usage(self, node: Node, field: str) -> dict[str, int]:
+        r = self.r
+        m = r.mapping(node, field, USAGE_FIELDS)
+        if not m:
+            raise r.fail(node, field, f"needs at least one of {', '.join(USAGE_FIELDS)}")
+        return {key: r.integer(value, join(field, key), 0) for key, value in m.items()}
+
+    def lists_models(self, node: Node, field: str) -> dict[str, str | None]:
+        """Model ids, each with the `parent` it must be listed with (null: none)."""
+        r = self.r
+        listed: dict[str, str | None] = {}
+        for key, _, value in r.items(node, field):
+            parent = r.scalar(value, join(field, key))
+            if parent is not None and not isinstance(parent, str):
+                raise r.fail(value, join(field, key), f"must be a model id or null, got {parent!r}")
+            listed[key] = parent
+        if not listed:
+            raise r.fail(node, field, "names no model")
+        return listed
 
     def error_code(self, node: Node, field: str) -> str | tuple[str, ...]:
         """One code, or a list of the codes an answer may have (at least one)."""

@@ -30,6 +30,7 @@ SETTINGS_FIELDS = (
     "api_key",
     "max_concurrent",
     "queue_size",
+    "resume_limit",
     "aliases",
     "fallbacks",
     "priority_classes",
@@ -103,6 +104,9 @@ class SettingsReader:
             cache_aware=self.cache_aware(m["cache_aware"])
             if "cache_aware" in m
             else CacheAwareSettings(),
+            resume_limit=r.integer(m["resume_limit"], "settings.resume_limit", 0, 100)
+            if "resume_limit" in m
+            else None,
         )
 
     def aliases(self, node: Node) -> dict[str, dict[str, float]]:

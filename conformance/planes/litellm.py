@@ -115,6 +115,15 @@ class LiteLLMPlane(Plane):
         "route.generate": "no POST /generate: it serves the OpenAI and Anthropic APIs only",
         "limits.body_size": "its only body limit, general_settings.max_request_size_mb, takes "
         "whole megabytes and is an enterprise-only feature",
+        # Observed on the lora/ cases (1.106.12): engines listing adapters with parent m.
+        "lora.adapters": "it serves the model names of its config only: /v1/models listed m, "
+        'and every request for adapter x or y, or an unknown one, was its own 400 ("Invalid '
+        'model name passed in model=x"), 0 dispatches (lora/adapter-goes-only-to-engines-holding-it, '
+        "lora/unknown-adapter-404)",
+        "lora.routing_miss": "no request for an adapter reaches an engine (lora.adapters): 8 of 8 "
+        "were its own 400 (lora/unloaded-adapter-is-a-routing-miss)",
+        "lora.affinity": "no request for an adapter reaches an engine (lora.adapters): 4 of 4 "
+        "were its own 400 (lora/affinity-prefers-the-engine-running-the-adapter)",
     }
     stop_grace_s = 2.0
     ready_timeout_s = 120.0

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
 import httpx
+import trio
 import yaml
 
 from conformance import etcd_sidecar, kube_sidecar
@@ -22,6 +24,7 @@ from conformance.planes.gateway_flags import (
 )
 from conformance.sidecars import Sidecars
 
+VOCABULARY_KEY = "fake_vocabulary"
 # `router serve`'s own default, needed to keep an explicit long cooldown valid.
 DEFAULT_MAX_COOLDOWN_S = 60.0
 
@@ -74,11 +77,18 @@ class PythonPlane(Plane):
                 for name in ("completions", "generate", "responses", "messages", "embeddings")
             ),
             "limits.body_size",
+            # `--resume-limit`, with the fake fleet's vocabulary as `--kv-tokenizer`.
+            "stream.resume",
             # --model-alias (weights too), --model-fallback, --priority-classes.
             "model.alias",
             "model.alias_weights",
             "model.fallback",
             "admission.priority",
+            # Adapters learned from the engines' model lists, a 404 for one a routing miss,
+            # and the slots of vllm:lora_requests_info in the load policies.
+            "lora.adapters",
+            "lora.routing_miss",
+            "lora.affinity",
         }
     )
     listen_pattern = re.compile(r"router listening on (http://[^\s]+)")
@@ -86,6 +96,15 @@ class PythonPlane(Plane):
     command_prefix: ClassVar[tuple[str, ...]] = (sys.executable, "-m", "router.cli", "serve")
 
     async def start_sidecars(self, sidecars: Sidecars, case: Case) -> None:
+        if case.settings.resume_limit:
+            # The text after a resumed stream's seam is made from the fake fleet's token ids
+            # with its vocabulary, written as a tokenizer.json by the fake worker's command.
+            path = sidecars.workdir / "fake-vocabulary.json"
+            await trio.run_process(
+                [*self.command_prefix[:-1], "fake-worker", "--write-tokenizer", str(path)],
+                stdout=subprocess.DEVNULL,
+            )
+            sidecars.values[VOCABULARY_KEY] = str(path)
         if case.discovery == "etcd":
             await etcd_sidecar.start_etcd(sidecars)
         elif case.discovery == "kubernetes":
@@ -123,6 +142,9 @@ class PythonPlane(Plane):
         ]
         argv += self.fleet_flags(launch)
         argv += self.settings_flags(launch.case)
+        vocabulary = launch.sidecars.values.get(VOCABULARY_KEY)
+        if vocabulary is not None:
+            argv += ["--kv-tokenizer", vocabulary]
         return argv
 
     def fleet_flags(self, launch: Launch) -> list[str]:
@@ -203,6 +225,8 @@ class PythonPlane(Plane):
             flags += ["--max-body-bytes", str(s.max_body_bytes)]
         flags += cache_aware_flags(s.cache_aware)
         flags += auth_and_admission_flags(s)
+        if s.resume_limit is not None:
+            flags += ["--resume-limit", str(s.resume_limit)]
         for alias, targets in s.aliases.items():
             weighted = ",".join(f"{model}:{weight:g}" for model, weight in targets.items())
             flags += ["--model-alias", f"{alias}={weighted}"]
@@ -224,6 +248,8 @@ def _worker_spec(worker: RunningWorker) -> str:
         parts.append(f"dp_size={spec.dp_size}")
     if worker.bootstrap_port is not None:
         parts.append(f"bootstrap_port={worker.bootstrap_port}")
+    if spec.engine != "sglang":
+        parts.append(f"engine={spec.engine}")
     return ",".join(parts)
 
 

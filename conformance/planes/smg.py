@@ -84,6 +84,10 @@ class SmgPlane(Plane):
         "the cooldown sent 4 to the half-open worker",
         "breaker.backoff": "the cooldown never grows: 1.4 s after a failed probe with a 1 s "
         "cooldown the worker was probed again",
+        "stream.resume": "a stream whose worker breaks mid-way is cut, never resumed (smg 1.13.0, "
+        "the spec/resume cases on fake vLLM workers): the client keeps the text it had "
+        "('tok0 to' of 'tok0 tok1 tok2 '), then gets an error event "
+        '(`{"error": {"type": "stream_error", ...}}`) and `[DONE]`, no usage; one dispatch',
         "breaker.all_open_dispatch": "with every worker open it answers 503 no_available_workers "
         '("All workers are unavailable (circuit breaker open or unhealthy)"), 0 dispatches; '
         "no flag dispatches instead",
@@ -99,6 +103,15 @@ class SmgPlane(Plane):
         "cache_aware.smallest_tree": "below --cache-threshold it takes the least loaded worker, "
         "not the one with the smallest tree: with every load 0 a prompt matching 0.26 of worker "
         "a's text (threshold 0.5) went to a in some runs and to b in others, so no count holds",
+        # Observed on the lora/ cases (1.13.0): engines listing adapters x, y with parent m.
+        "lora.adapters": "it lists and routes the base model only: /v1/models answered m alone, "
+        'and every request for adapter x or y was its own 404 model_not_found ("No worker '
+        "available for model 'x'\"), 0 dispatches, though engines held them "
+        "(lora/adapter-goes-only-to-engines-holding-it)",
+        "lora.routing_miss": "no request for an adapter reaches an engine (lora.adapters): 8 of 8 "
+        "were its own 404 (lora/unloaded-adapter-is-a-routing-miss)",
+        "lora.affinity": "no request for an adapter reaches an engine (lora.adapters): 4 of 4 "
+        "were its own 404 (lora/affinity-prefers-the-engine-running-the-adapter)",
     }
     pd_flag: ClassVar[str] = "--pd-disaggregation"
     stop_grace_s = 0.3

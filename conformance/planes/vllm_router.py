@@ -84,6 +84,10 @@ class VllmRouterPlane(SmgPlane):
         "as HTTP hosts, waits 30 s for them to become healthy and exits with an error",
         "breaker.single_probe": "half-open admits every request: 8 concurrent requests just after "
         "the cooldown sent 4 to the half-open worker",
+        "stream.resume": "a stream whose worker breaks mid-way is cut, never resumed (vllm-router "
+        "0.1.17, the spec/resume cases on fake vLLM workers): the client keeps the text it had, "
+        "then the connection closes without the end of the chunked body: no error event, no "
+        "[DONE], no usage",
         "breaker.backoff": "the cooldown never grows: about 3 s after a failed probe with a 2 s "
         "cooldown the worker was probed again",
         "breaker.all_open_dispatch": 'with every worker open it answers 503 in plain text ("No '
@@ -105,6 +109,18 @@ class VllmRouterPlane(SmgPlane):
         "policy.kv_aware": "it has a kv_aware policy; the kv_aware cases have not been mapped to it or run against it yet",
         "auth.client_key": "its --api-key is the key it sends to workers, not one it asks of clients: "
         "with --api-key set, requests without an Authorization header were served (200) and dispatched",
+        # Observed on the lora/ cases (0.1.17): engines listing adapters with parent m.
+        "lora.adapters": "it routes an adapter's requests over every worker, whatever they "
+        "hold: 6 requests for x went 2/2/2 to three engines of which one holds x, and the other "
+        "two answered their own 404 NotFoundError (4 of 6); an unknown adapter cost a dispatch "
+        "per request (3 of 3 answered 404 by engines); /v1/models is one engine's list (m and x, "
+        "not y, which the other engine held) (lora/adapter-goes-only-to-engines-holding-it, "
+        "lora/unknown-adapter-404, lora/adapters-listed-with-parent)",
+        "lora.routing_miss": "an engine's 404 for an adapter goes to the client verbatim: 4 of 8 "
+        "requests for x got it from the engine that had unloaded x, which kept getting half of "
+        "them (lora/unloaded-adapter-is-a-routing-miss)",
+        "lora.affinity": "not run: it has no least_load policy, which the case uses "
+        "(lora/affinity-prefers-the-engine-running-the-adapter)",
     }
     log_level: ClassVar[str] = "warning"
     pd_flag: ClassVar[str] = "--vllm-pd-disaggregation"

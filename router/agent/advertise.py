@@ -74,6 +74,7 @@ def worker_record(
     dp_rank: int | None = None,
     bootstrap_port: int | None = None,
     pd_protocol: str = "mooncake",
+    adapters: tuple[str, ...] = (),
 ) -> WorkerRecord:
     """The record a worker registers; a prefill advertises `bootstrap_port` on its URL's
     host. Invalid fields raise `InvalidWorkerRecord` (a ValueError) naming the field."""
@@ -86,6 +87,8 @@ def worker_record(
         "dp_size": dp_size,
         "dp_rank": dp_rank,
     }
+    if adapters:
+        data["adapters"] = list(adapters)
     if bootstrap_port is not None:
         host = urlsplit(url).hostname or "127.0.0.1"
         data["disagg_meta"] = disagg_meta(host, bootstrap_port, pd_protocol)

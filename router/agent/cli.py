@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--model", required=True, help="the model id the engine serves")
     engine.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter the engine holds (repeatable); routers also learn them from the engine's model list",
+    )
+    engine.add_argument(
         "--engine",
         choices=sorted(ENGINES),
         default=None,
@@ -138,6 +145,7 @@ def options_from_args(args: argparse.Namespace) -> AgentOptions:
         dp_rank=args.dp_rank,
         bootstrap_port=args.bootstrap_port,
         pd_protocol=args.pd_protocol,
+        adapters=tuple(args.adapter),
     )
     return AgentOptions(
         engine_url=engine_url,

@@ -23,6 +23,7 @@ from router.discovery.static import parse_worker_spec, read_workers_file, record
 from router.edge.claims import PriorityClasses, TrafficSettings, TrafficSettingsError
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
 from router.pipeline.model_names import ModelNames, ModelNamesError
+from router.pipeline.resume import parse_routes
 from router.prompts.token_sources import parse_order
 
 WORKERS_ENV = ENV_PREFIX + "WORKERS"
@@ -32,7 +33,7 @@ MODEL_ALIAS_ENV = ENV_PREFIX + "MODEL_ALIAS"
 MODEL_FALLBACK_ENV = ENV_PREFIX + "MODEL_FALLBACK"
 MODEL_ALIAS_HELP = "a public model name for served models with weights: ALIAS=MODEL[:WEIGHT][,MODEL[:WEIGHT]...] (a canary: chat=v1:95,v2:5)"
 MODEL_FALLBACK_HELP = "the models a model gives way to when it has no worker that can take a request (never for an unknown model): MODEL=FALLBACK[,FALLBACK...]"
-WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
+WORKER_HELP = "a static worker: its URL, then optional role=, model= (a+b for several), adapters= (LoRA adapters it holds, a+b), bootstrap_port=, dp_size=, dp_rank=, engine=, id="
 WORKERS_FILE_HELP = "YAML list of worker records (or a mapping with a `workers` list)"
 CONFIG_HELP = (
     "YAML file of settings: any option by its name (host, policy, ...), plus workers / workers_file"
@@ -116,6 +117,9 @@ class Settings:
     engine_load_interval_s: float = 0.5
     engine_load_timeout_s: float = 1.0
     engine_load_window_s: float = 0.25
+    adapter_list_interval_s: float = 5.0
+    adapter_slot_cost: float = 1.0
+    adapter_wait_cost: float = 4.0
     spread_margin: float = 0.5
     policy_seed: int = -1
     kv_tokenizer: str = ""
@@ -143,6 +147,9 @@ class Settings:
     client_write_timeout_s: float = 60.0
     max_buffered_body_bytes: int = 1024**3
     max_connections_per_worker: int = 256
+    resume_limit: int = 2
+    resume_routes: str = "chat,completions"
+    resume_max_ids: int = 65_536
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
@@ -382,6 +389,10 @@ def _validated(values: dict[str, Any]) -> Settings:
         parse_order(values["kv_token_sources"])
     except ValueError as exc:
         raise ConfigError(f"kv_token_sources: {exc}") from None
+    try:
+        parse_routes(values["resume_routes"])
+    except ValueError as exc:
+        raise ConfigError(f"resume_routes: {exc}") from None
     ids = [record.id for record in values.get("workers", ())]
     duplicates = sorted({worker_id for worker_id in ids if ids.count(worker_id) > 1})
     if duplicates:

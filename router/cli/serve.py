@@ -40,6 +40,8 @@ from router.edge.admin import AdminApi
 from router.edge.admission import AdmissionCollector, AdmissionGate, AdmissionSettings
 from router.edge.app import RouterApp
 from router.edge.auth import ClientKeys, KeysFileError, serve_key_reloads
+from router.engines.adapter_lists import AdapterLists, AdapterListSettings, serve_adapter_lists
+from router.engines.adapter_metrics import AdapterCollector
 from router.engines.facts import FactsSettings, serve_engine_facts
 from router.engines.grpc_service import healthy as grpc_healthy
 from router.engines.kv_events.fleet_views import (
@@ -66,9 +68,11 @@ from router.observability.runtime_metrics import TaskCollector
 from router.observability.tracing import open_tracing, otel_installed
 from router.pipeline.dispatch import Timeouts
 from router.pipeline.engine_tokens import EngineTokenSettings
+from router.pipeline.resume import ResumeSettings, parse_routes
 from router.pipeline.service import FailoverSettings, GenerationService
 from router.pipeline.token_metrics import TokenSourcesCollector
 from router.pipeline.wait import WorkerWaitCollector, WorkerWaitSettings
+from router.policies.adapter_affinity import AdapterAffinitySettings
 from router.policies.cache_aware import CacheAware, CacheAwareCollector, CacheAwareSettings
 from router.policies.kv_aware import KvAware, KvAwareSettings, KvPolicyInputs
 from router.policies.kv_aware_metrics import KvAwareCollector
@@ -212,10 +216,27 @@ def failover_settings(settings: Settings) -> FailoverSettings:
             margin=settings.spread_margin,
             seed=None if settings.policy_seed < 0 else settings.policy_seed,
         ),
+        resume=ResumeSettings(
+            limit=settings.resume_limit,
+            routes=parse_routes(settings.resume_routes),
+            max_ids=settings.resume_max_ids,
+        ),
         engine_priority=settings.engine_priority_scheduling,
         names=model_names(settings),
         answer_alias=settings.alias_answer_model == "alias",
+        adapters=adapter_affinity(settings),
     )
+
+
+def adapter_affinity(settings: Settings) -> AdapterAffinitySettings:
+    """What a LoRA adapter's slots cost the load-reading policies; ConfigError when the
+    wait costs less than a free slot."""
+    try:
+        return AdapterAffinitySettings(
+            slot_cost=settings.adapter_slot_cost, wait_cost=settings.adapter_wait_cost
+        )
+    except ValueError as error:
+        raise ConfigError(f"--adapter-slot-cost / --adapter-wait-cost: {error}") from None
 
 
 def admission_settings(settings: Settings) -> AdmissionSettings:
@@ -355,8 +376,21 @@ async def run_router(
         if load_settings is not None:
             # The engines' own load, which every process and replica reads alike.
             engine_loads = EngineLoads(fleet, load_settings, grpc)
-            await nursery.start(serve_engine_loads, engine_loads)
+            await nursery.start(serve_engine_loads, engine_loads, pool)
         metrics.registry.register(EngineLoadCollector(engine_loads))
+        # With the interval 0 no reader runs: only routing misses change what is held.
+        adapter_lists = AdapterLists(
+            fleet,
+            AdapterListSettings(
+                interval_s=settings.adapter_list_interval_s or 1.0,
+                timeout_s=settings.health_timeout_s,
+                worker_api_key=settings.worker_api_key,
+            ),
+        )
+        if settings.adapter_list_interval_s > 0:
+            # The adapters each engine holds: its model list, read while it is in the fleet.
+            await nursery.start(serve_adapter_lists, adapter_lists)
+        metrics.registry.register(AdapterCollector(adapter_lists))
         kv_indexes = KvIndexes()
         kv_events: KvEvents | None = None
         failover = failover_settings(settings)
@@ -399,8 +433,33 @@ async def run_router(
                 if TokenSource.ENGINE in order
                 else None,
             )
+        if failover.resume.limit > 0 and failover.token_sources is None:
+            # The text after a resumed stream's seam is made with the model's tokenizer:
+            # the operator's, or the model directory the engine reports, read here.
+            token_sources = TokenSources(
+                fleet,
+                TokenSourceSettings(
+                    order=tuple(
+                        source
+                        for source in parse_order(settings.kv_token_sources)
+                        if source is not TokenSource.ENGINE
+                    )
+                    or (TokenSource.TOKENIZER,),
+                    operator_path=settings.kv_tokenizer,
+                    worker_api_key=settings.worker_api_key,
+                ),
+                kv_tokenizer(settings),
+            )
+            await nursery.start(serve_token_sources, token_sources, http)
+            failover = dataclasses.replace(failover, token_sources=token_sources)
         generation = GenerationService(
-            failover, fleet, pool, metrics.requests, metrics.pipeline, grpc=grpc
+            failover,
+            fleet,
+            pool,
+            metrics.requests,
+            metrics.pipeline,
+            on_adapter_miss=adapter_lists.missed,
+            grpc=grpc,
         )
         # Registered under every policy, so the families exist (empty) whatever is chosen.
         metrics.registry.register(
@@ -565,6 +624,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         settings = load_settings(args)
         client_keys(settings)  # a bad keys file stops the start, like any bad setting
+        adapter_affinity(settings)
         kv_tokenizer(settings)  # and so does a tokenizer file that cannot be loaded
     except ConfigError as error:
         print(f"router serve: {error}", file=sys.stderr)

@@ -25,6 +25,7 @@ log = logging.getLogger("router.discovery.kubernetes")
 ANNOTATION_PREFIX = "trio-router/"
 PORT_ANNOTATION = ANNOTATION_PREFIX + "port"
 MODEL_ANNOTATION = ANNOTATION_PREFIX + "model"
+ADAPTERS_ANNOTATION = ANNOTATION_PREFIX + "adapters"
 ROLE_ANNOTATION = ANNOTATION_PREFIX + "role"
 DP_SIZE_ANNOTATION = ANNOTATION_PREFIX + "dp-size"
 ENGINE_ANNOTATION = ANNOTATION_PREFIX + "engine"
@@ -179,6 +180,11 @@ def pod_record(facts: PodFacts, role: Role, default_port: int) -> WorkerRecord:
         data["model"] = [m.strip() for m in str(models).replace(",", "+").split("+") if m.strip()]
     else:
         unknown.add("models")
+    adapters = facts.annotations.get(ADAPTERS_ANNOTATION)
+    if adapters:
+        data["adapters"] = [
+            a.strip() for a in str(adapters).replace(",", "+").split("+") if a.strip()
+        ]
     dp_size = _annotation_int(facts, DP_SIZE_ANNOTATION, 1, 1024)
     if dp_size is not None:
         data["dp_size"] = dp_size

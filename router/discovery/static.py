@@ -106,7 +106,8 @@ async def serve_static_discovery(
 
 
 def parse_worker_spec(spec: str) -> WorkerRecord:
-    """`URL[,role=R,model=M,bootstrap_port=P,dp_size=N,dp_rank=K,engine=E]` -> WorkerRecord."""
+    """`URL[,role=R,model=M,adapters=A+B,bootstrap_port=P,dp_size=N,dp_rank=K,engine=E]`
+    -> WorkerRecord."""
     url, *pairs = [part.strip() for part in spec.split(",")]
     data: dict[str, Any] = {"url": url, "id": url.rstrip("/")}
     bootstrap_port: str | None = None
@@ -116,8 +117,8 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
             raise InvalidWorkerRecord(f"--worker {spec!r}: expected key=value, got {pair!r}")
         if key in ("role", "engine", "id"):
             data[key] = value
-        elif key == "model":
-            data["model"] = value.split("+")
+        elif key in ("model", "adapters"):
+            data[key] = value.split("+")
         elif key in ("dp_size", "dp_rank"):
             data[key] = _spec_int(spec, key, value)
         elif key == "bootstrap_port":
@@ -125,7 +126,7 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
         else:
             raise InvalidWorkerRecord(
                 f"--worker {spec!r}: unknown option {key!r} "
-                "(role, model, bootstrap_port, dp_size, dp_rank, engine, id)"
+                "(role, model, adapters, bootstrap_port, dp_size, dp_rank, engine, id)"
             )
     if bootstrap_port is not None:
         host = urlsplit(url).hostname or "127.0.0.1"

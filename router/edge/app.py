@@ -165,11 +165,18 @@ class RouterApp:
         self.request_metrics.count_request("-", ROUTES[path].label, status, key)
 
     def _models(self) -> tuple[int, bytes, bytes]:
-        """The public names: every alias (`--model-alias`), then every served model."""
+        """The public names: every alias (`--model-alias`), then every served model, then
+        every LoRA adapter a worker holds, with `parent` naming its base model (as vLLM
+        lists them)."""
         aliases = self.generation.names.aliases
         served = [model for model in self.fleet.models() if model not in aliases]
-        data = [
+        data: list[dict[str, Any]] = [
             {"id": model, "object": "model", "owned_by": "router"} for model in (*aliases, *served)
+        ]
+        data += [
+            {"id": adapter, "object": "model", "owned_by": "router", "parent": parent}
+            for adapter, parent in self.fleet.adapters().items()
+            if adapter not in aliases and adapter not in served
         ]
         return 200, b"application/json", orjson.dumps({"object": "list", "data": data})
 
@@ -219,6 +226,8 @@ class RouterApp:
                 rank_inflight=worker.rank_inflight if worker.record.rank_multiplexed else None,
                 load=worker.load,
                 engine_load=_engine_load(worker, now),
+                adapters=worker.adapters.held,
+                adapter_slots=_adapter_slots(worker),
             )
             if worker.breaker is not None:
                 stats = worker.breaker.statistics(now)
@@ -252,6 +261,19 @@ def _engine_load(worker: Worker, now: float) -> dict[str, Any] | None:
     return {
         "requests": None if share is None else share[0],
         "age_s": None if share is None else round(max(0.0, now - share[1]), 3),
+    }
+
+
+def _adapter_slots(worker: Worker) -> dict[str, Any] | None:
+    """The engine's adapter slots as last read (`vllm:lora_requests_info`), for
+    `/v1/workers`; None (null) while unknown or not read."""
+    activity = worker.adapters.activity
+    if activity is None:
+        return None
+    return {
+        "max_loras": activity.max_loras,
+        "running": sorted(activity.running),
+        "waiting": sorted(activity.waiting),
     }
 
 

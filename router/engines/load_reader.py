@@ -9,7 +9,8 @@ Which way a worker's engine is read (`LoadSource`), decided from what it is and 
 - `loads`: an SGLang engine without the stream: `GET /v1/loads` every `interval_s` (a
   release without the route answers 404, and the task moves to `metrics`);
 - `metrics`: vLLM, and an engine of unknown kind: `GET /metrics` every `interval_s`,
-  reading only the running, waiting and KV-usage families (`router.engines.load_readings`);
+  reading only the running, waiting and KV-usage families (`router.engines.load_readings`),
+  and from the same page the engine's LoRA adapter slots (`router.engines.lora_activity`).
 - `grpc_loads`: a `grpc://` worker: its engine service's `GetLoads` every `interval_s`
   (each DP rank's running and waiting requests, its KV usage), over the router's gRPC
   pool (router.engines.grpc_service).
@@ -23,8 +24,11 @@ least that recent).
 
 The tasks follow the fleet like the KV-event subscriptions do: reconciled whenever the
 fleet changes; a worker that leaves, or whose URL, engine or sources change, has its task
-cancelled (and a new one started for what it is now). Reads use one HTTP client owned by
-the service, keeping one idle connection per engine between reads.
+cancelled (and a new one started for what it is now). Polls go through the router's own
+upstream pool (llhttp, one kept-alive connection per engine between reads): measured, an
+httpx read cost the router 1.4 ms of CPU, four times the parse (docs/performance.md,
+"Engine load"). The server-info ask that finds a pushed stream, once per worker, uses
+httpx.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import httpx
@@ -50,11 +55,13 @@ from router.engines.load_readings import (
     metrics_readings,
     whole_engine,
 )
+from router.engines.lora_activity import adapter_activity
 from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 from router.fleet.records import EventEndpoint
 from router.fleet.registry import Fleet, Worker
-from router.http.capped_reads import StreamTooLarge, read_capped
 from router.http.grpc import GrpcPool
+from router.http.upstream.exceptions import LocalShortage, UpstreamError
+from router.http.upstream.pool import UpstreamPool, open_upstream_pool
 
 log = logging.getLogger("router.engine_load")
 
@@ -144,6 +151,10 @@ class _NotServed(Exception):
     """The engine does not serve the route asked (404)."""
 
 
+class _Refused(Exception):
+    """The engine answered the read with a status other than 200 and 404."""
+
+
 @dataclass(slots=True)
 class _Task:
     key: tuple[object, ...]
@@ -183,7 +194,7 @@ class EngineLoads:
 
     # -- reconciling -------------------------------------------------------------------
 
-    def reconcile(self, nursery: trio.Nursery, http: httpx.AsyncClient) -> None:
+    def reconcile(self, nursery: trio.Nursery, http: httpx.AsyncClient, pool: UpstreamPool) -> None:
         """Start a reader for each worker that has none, and restart or stop those whose
         worker changed or left. O(workers), run only when the fleet changed."""
         if self.fleet.generation == self._seen_generation:
@@ -203,9 +214,11 @@ class EngineLoads:
             if worker_id not in self._tasks:
                 scope = trio.CancelScope()
                 task = self._tasks[worker_id] = _Task(key, scope, polled_source(worker))
-                nursery.start_soon(self._run, worker, task, http)
+                nursery.start_soon(self._run, worker, task, http, pool)
 
-    async def _run(self, worker: Worker, task: _Task, http: httpx.AsyncClient) -> None:
+    async def _run(
+        self, worker: Worker, task: _Task, http: httpx.AsyncClient, pool: UpstreamPool
+    ) -> None:
         with task.scope:
             try:
                 streams = await self._pushed_streams(worker, http)
@@ -213,11 +226,12 @@ class EngineLoads:
                     task.source = LoadSource.STREAM
                     await self._follow_streams(worker, streams)
                 else:
-                    await self._poll(worker, task, http)
+                    await self._poll(worker, task, pool)
             finally:
                 # A worker that changed gets a new reader; until it reads, it is unknown.
                 for share in worker.shares:
                     share.lose()
+                worker.adapters.activity = None
 
     async def _pushed_streams(
         self, worker: Worker, http: httpx.AsyncClient
@@ -238,7 +252,7 @@ class EngineLoads:
 
     # -- polling -----------------------------------------------------------------------
 
-    async def _poll(self, worker: Worker, task: _Task, http: httpx.AsyncClient) -> None:
+    async def _poll(self, worker: Worker, task: _Task, pool: UpstreamPool) -> None:
         source = task.source
         settings = self.settings
         while True:
@@ -247,7 +261,7 @@ class EngineLoads:
             readings: dict[int, RankReading] = {}
             try:
                 with trio.fail_after(settings.timeout_s):
-                    readings = await self._read(worker, source, http)
+                    readings = await self._read(worker, source, pool)
             except _NotServed:
                 if source is LoadSource.LOADS:
                     log.info("%s serves no /v1/loads: its load is read from /metrics", worker.id)
@@ -256,10 +270,19 @@ class EngineLoads:
                 outcome = "failed"
             except trio.TooSlowError:
                 outcome = "timeout"
-            except (httpx.HTTPError, OSError, GrpcFactsUnavailable, GrpcMessagesMissing):
+            except (
+                _Refused,
+                UpstreamError,
+                LocalShortage,
+                OSError,
+                GrpcFactsUnavailable,
+                GrpcMessagesMissing,
+            ):
                 outcome = "failed"
-            except (BadReading, StreamTooLarge, orjson.JSONDecodeError):
+            except (BadReading, orjson.JSONDecodeError):
                 outcome = "bad_answer"
+            if outcome != "ok":
+                worker.adapters.activity = None
             known = apply_readings(
                 worker, {rank: (got, taken_at) for rank, got in readings.items()}, settings.window_s
             )
@@ -269,7 +292,7 @@ class EngineLoads:
             await trio.sleep_until(taken_at + settings.interval_s)
 
     async def _read(
-        self, worker: Worker, source: LoadSource, http: httpx.AsyncClient
+        self, worker: Worker, source: LoadSource, pool: UpstreamPool
     ) -> dict[int, RankReading]:
         if source is LoadSource.GRPC_LOADS:
             if self.grpc is None:
@@ -277,20 +300,32 @@ class EngineLoads:
             return await scheduler_loads(self.grpc, worker.url, self.settings.timeout_s)
         path = "/v1/loads" if source is LoadSource.LOADS else "/metrics"
         api_key = worker.record.api_key or self.settings.worker_api_key
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
-        async with http.stream("GET", worker.url + path, headers=headers) as response:
-            if response.status_code == 404:
+        headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+        limit = self.settings.max_answer_bytes
+        async with pool.request(
+            worker.url, "GET", path, headers, b"", connect_timeout_s=self.settings.timeout_s
+        ) as response:
+            if response.status == 404:
                 raise _NotServed(path)
-            if response.status_code != 200:
-                raise httpx.HTTPStatusError(
-                    f"{path} answered {response.status_code}",
-                    request=response.request,
-                    response=response,
-                )
-            body = await read_capped(response, self.settings.max_answer_bytes)
+            if response.status != 200:
+                raise _Refused(f"{path} answered {response.status}")
+            whole = response.take_whole_body()
+            parts = [] if whole is None else [whole]
+            size = len(whole or b"")
+            while whole is None and (chunk := await response.receive_some()):
+                parts.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise BadReading(f"{path} is larger than {limit} bytes")
+            if size > limit:
+                raise BadReading(f"{path} is larger than {limit} bytes")
+        body = b"".join(parts)
         if source is LoadSource.LOADS:
             return loads_readings(orjson.loads(body))
-        return metrics_readings(body.decode("utf-8", "replace"), worker.record.engine)
+        text = body.decode("utf-8", "replace")
+        # The adapter slots come with the same page (vLLM's `vllm:lora_requests_info`).
+        worker.adapters.activity = adapter_activity(text)
+        return metrics_readings(text, worker.record.engine)
 
     # -- pushed streams ----------------------------------------------------------------
 
@@ -336,7 +371,10 @@ class EngineLoads:
 
 
 async def serve_engine_loads(
-    loads: EngineLoads, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    loads: EngineLoads,
+    pool: UpstreamPool | None = None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep one load reader per worker of `loads.fleet` running until cancelled. Reports
     `started()` once the readers of the fleet as it is are started (not read yet: until
@@ -346,13 +384,15 @@ async def serve_engine_loads(
     unknown again.
     """
     settings = loads.settings
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with (
-        httpx.AsyncClient(limits=limits, timeout=settings.timeout_s) as http,
-        trio.open_nursery() as nursery,
-    ):
-        loads.reconcile(nursery, http)
-        task_status.started()
-        while True:
-            await trio.sleep(settings.reconcile_s)
-            loads.reconcile(nursery, http)
+    async with AsyncExitStack() as owned:
+        if pool is None:
+            pool = await owned.enter_async_context(open_upstream_pool())
+        async with (
+            httpx.AsyncClient(timeout=settings.timeout_s) as http,
+            trio.open_nursery() as nursery,
+        ):
+            loads.reconcile(nursery, http, pool)
+            task_status.started()
+            while True:
+                await trio.sleep(settings.reconcile_s)
+                loads.reconcile(nursery, http, pool)

@@ -48,6 +48,9 @@ class Behaviour:
     healthy: bool = True
     external_load: int = 0
     """Requests another sender holds on the engine: added to its running gauge."""
+    lora_adapters: tuple[str, ...] = ()
+    """The LoRA adapters the engine holds now (`router.fake_worker.lora`): a list in JSON;
+    setting it loads and unloads them at once."""
     fail_remaining: int = 0
 
     def __post_init__(self) -> None:
@@ -97,6 +100,7 @@ _UPDATABLE = (
     "fail_after_chunks",
     "healthy",
     "external_load",
+    "lora_adapters",
 )
 
 
@@ -108,6 +112,12 @@ def _check(name: str, value: Any) -> Any:
         except ValueError:
             choices = ", ".join(m.value for m in FailMode)
             raise InvalidBehaviour(f"'fail_mode' must be one of {choices}, got {value!r}") from None
+    if name == "lora_adapters":
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(item, str) and item for item in value
+        ):
+            raise InvalidBehaviour(f"'lora_adapters' must be a list of names, got {value!r}")
+        return tuple(dict.fromkeys(value))
     if name == "healthy":
         if not isinstance(value, bool):
             raise InvalidBehaviour(f"'healthy' must be true or false, got {value!r}")

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 
 import trio
 
@@ -31,6 +32,7 @@ from router.fake_worker.settings import (
     FakeWorkerSettings,
     publisher_settings,
 )
+from router.fake_worker.vocabulary import write_tokenizer
 
 EXIT_BIND_FAILED = 3
 EXIT_MISSING_PACKAGES = 4
@@ -140,6 +142,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="requests another sender holds on this engine, shown in its running gauge",
     )
+    lora = parser.add_argument_group("LoRA adapters (--engine vllm)")
+    lora.add_argument(
+        "--lora-adapters",
+        type=_names,
+        default=(),
+        metavar="A,B",
+        help="LoRA adapters the engine holds, as vLLM's --lora-modules: listed in /v1/models with parent, served by name (comma-separated)",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="adapters run at once, as vLLM's; requests for another wait for a slot (default 1)",
+    )
+    lora.add_argument(
+        "--runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    )
     fail = parser.add_argument_group("scripted failures")
     fail.add_argument(
         "--fail-first",
@@ -162,7 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the tokenizer files GetModelInfo names (default: a temporary directory)",
     )
     add_registration_arguments(parser)
+    parser.add_argument(
+        "--write-tokenizer",
+        default="",
+        metavar="PATH",
+        help="write the fake's vocabulary as a tokenizer.json at PATH (token k reads `tok{k} `), for a router's --kv-tokenizer, and exit",
+    )
     return parser
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def parse_command(argv: list[str]) -> tuple[FakeWorkerSettings, FakeRegistration | None]:
@@ -269,6 +300,9 @@ def _first_leaf(group: BaseExceptionGroup[OSError]) -> OSError:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.write_tokenizer:
+        print(write_tokenizer(Path(args.write_tokenizer)), flush=True)
+        return 0
     if args.protocol == "grpc":
         return _main_grpc(argv, args)
     return trio.run(run, *parse_command(argv))

@@ -4,7 +4,9 @@
 Responses API, Anthropic Messages, SGLang `/generate`, embeddings and the other pooling
 routes, info endpoints, `/metrics`) plus the `/debug/*` endpoints tests drive it with.
 Generation produces `tok0 tok1 ...` at the scripted pace; scripted failures replace the
-answer of the first `fail_first` requests of any model route.
+answer of the first `fail_first` requests of any model route. With LoRA adapters
+(`--engine vllm`) a request may name one it holds, and waits for an adapter slot as
+vLLM's would (`router.fake_worker.lora`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from router.fake_worker.failures import (
     vllm_error_body,
 )
 from router.fake_worker.formats import Api, BadGenerationRequest, Generation
+from router.fake_worker.lora import AdapterSlots, model_cards
 from router.fake_worker.metrics import render_metrics
 from router.fake_worker.pooling import POOLING_ROUTES
 from router.fake_worker.pooling_server import PoolingService
@@ -71,8 +74,9 @@ async def _bad_request(writer: ResponseWriter, message: str, path: str = "") -> 
 
 
 def _vllm_models(listing: dict[str, Any], max_model_len: int) -> dict[str, Any]:
-    """`GET /v1/models` as vLLM lists a model: its `max_model_len`, `parent` (null: no
-    LoRA adapter) and one permission object."""
+    """`GET /v1/models` as vLLM lists a model: its `max_model_len`, `parent` (null: a base
+    model; an adapter's names its base model, and has no `max_model_len` of its own) and
+    one permission object."""
     data = []
     for model in listing["data"]:
         permission = {
@@ -89,10 +93,25 @@ def _vllm_models(listing: dict[str, Any], max_model_len: int) -> dict[str, Any]:
             "group": None,
             "is_blocking": False,
         }
+        parent = model.get("parent")
         data.append(
-            {**model, "parent": None, "max_model_len": max_model_len, "permission": [permission]}
+            {
+                **model,
+                "parent": parent,
+                "max_model_len": max_model_len if parent is None else None,
+                "permission": [permission],
+            }
         )
     return {**listing, "data": data}
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; an empty one for anything else."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _json_error_position(raw: bytes) -> int:
@@ -153,6 +172,10 @@ class FakeWorker:
         self._models_body = orjson.dumps(
             _vllm_models(listing, settings.max_model_len) if self._vllm else listing
         )
+        self.adapter_slots = AdapterSlots(settings.max_loras) if settings.serves_lora else None
+        """The adapters running and waiting (None: an engine run without LoRA)."""
+        self.adapter_roots: dict[str, str] = {}
+        """Where each adapter loaded at run time came from (`lora_path`)."""
         self._model_info_body = orjson.dumps(info.model_info(settings))
         self._routes: dict[str, tuple[frozenset[str], Route]] = {}
         get, post = frozenset({"GET", "HEAD"}), frozenset({"POST", "PUT"})
@@ -182,6 +205,9 @@ class FakeWorker:
             self._routes["/server_info"] = (get, self._server_info)
         else:
             self._routes["/kv_event_sources"] = (get, self._kv_event_sources)
+        if settings.runtime_lora_updating:
+            self._routes["/v1/load_lora_adapter"] = (post, self._load_adapter)
+            self._routes["/v1/unload_lora_adapter"] = (post, self._unload_adapter)
         self._routes["/debug/behaviour"] = (get | post, self._debug_behaviour)
         self._routes["/debug/reset"] = (post, self._debug_reset)
         self._routes["/flush_cache"] = (get | post, self._flush_cache)
@@ -252,7 +278,7 @@ class FakeWorker:
         if behaviour.take_failure():
             self.routing.failures += 1
             streaming = isinstance(body, dict) and body.get("stream") is True
-            await self._fail(request, writer, streaming)
+            await self._fail(request, writer, streaming, body)
             return
         vllm = self.settings.engine == "vllm" and request.path != "/v1/messages"
         if body is None:
@@ -298,13 +324,15 @@ class FakeWorker:
         if unknown_model is not None:
             await writer.respond(404, JSON_HEADERS, unknown_model)
             return
-        gen = self._prefill(api, body, gen)
+        adapter = self._adapter_of(body)
+        gen = self._prefill(api, body, gen, adapter)
         load = self.routing.loads[rank]
         limiter = self._limiter
-        if limiter is not None:
+        slots = self.adapter_slots if adapter is not None else None
+        if limiter is not None or slots is not None:
             load.queued += 1
             try:
-                await limiter.acquire()
+                await self._admit(limiter, slots, adapter)
             finally:
                 load.queued -= 1
         load.running += 1
@@ -325,6 +353,33 @@ class FakeWorker:
             load.running -= 1
             if limiter is not None:
                 limiter.release()
+            if slots is not None and adapter is not None:
+                slots.release(adapter)
+
+    @staticmethod
+    async def _admit(
+        limiter: trio.Semaphore | None, slots: AdapterSlots | None, adapter: str | None
+    ) -> None:
+        """Wait for an adapter slot, then for a place under `--max-concurrency`.
+        Cancellation: neither is held."""
+        if slots is not None and adapter is not None:
+            await slots.acquire(adapter)
+        if limiter is None:
+            return
+        try:
+            await limiter.acquire()
+        except BaseException:
+            if slots is not None and adapter is not None:
+                slots.release(adapter)
+            raise
+
+    def _adapter_of(self, body: object) -> str | None:
+        """The LoRA adapter a request names, when the engine holds it; else None (the base
+        model, or a name already refused)."""
+        if self.adapter_slots is None or not isinstance(body, dict):
+            return None
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.behaviour.lora_adapters else None
 
     def _live_counts(self) -> list[tuple[int, int]]:
         counts = [(load.running, load.queued) for load in self.routing.loads]
@@ -369,15 +424,18 @@ class FakeWorker:
             self._held = None
             self._held_until = None
 
-    def _prefill(self, api: Api, body: object, gen: Generation) -> Generation:
-        """The prompt as the prefix cache sees it: its tokens, those cached, the prefill time."""
+    def _prefill(
+        self, api: Api, body: object, gen: Generation, adapter: str | None = None
+    ) -> Generation:
+        """The prompt as the prefix cache sees it (an adapter's blocks apart from the base
+        model's and every other adapter's): its tokens, those cached, the prefill time."""
         cached = None
         tokens = gen.prompt_tokens
         if self.prefix_cache is not None:
             prompt = self._model_tokens.prompt(api.value, body) if self._model_tokens else None
             if prompt is None:
                 prompt = tokenize(api.value, body)
-            tokens, cached = prompt.tokens, self.prefix_cache.serve(prompt)
+            tokens, cached = prompt.tokens, self.prefix_cache.serve(prompt, adapter)
         prefill_s = (tokens - (cached or 0)) * self.settings.prefill_us_per_token / 1e6
         return dataclasses.replace(
             gen, prompt_tokens=tokens, cached_tokens=cached, prefill_s=prefill_s
@@ -387,6 +445,8 @@ class FakeWorker:
         """vLLM's 404 for a model it does not serve (none named: the served one); else None."""
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model or model == self.settings.model:
+            return None
+        if self.adapter_slots is not None and model in self.behaviour.lora_adapters:
             return None
         return vllm_error_body(
             f"The model `{model}` does not exist. Valid aliases: {self.settings.model}.",
@@ -460,30 +520,38 @@ class FakeWorker:
 
     # -- scripted failures --------------------------------------------------------------
 
-    async def _fail(self, request: Request, writer: ResponseWriter, streaming: bool) -> None:
-        """Serve the scripted failure in place of an answer."""
+    async def _fail(
+        self, request: Request, writer: ResponseWriter, streaming: bool, body: object = None
+    ) -> None:
+        """Serve the scripted failure in place of an answer. A break mid-answer cuts the
+        answer the request would have got (its prompt, length and token ids), or a default
+        one for a body the engine would not serve."""
         behaviour = self.behaviour
         if behaviour.fail_mode is not FailMode.MIDSTREAM:
             await serve_failure(behaviour, request, writer, streaming)
             return
-        gen = Generation(
-            api=GENERATION_PATHS[request.path],
-            model=self.settings.model,
-            stream=streaming,
-            tokens=behaviour.tokens,
-            explicit_limit=False,
-            n=1,
-            prompt_tokens=0,
-            include_usage=False,
-        )
+        api = GENERATION_PATHS[request.path]
+        try:
+            gen = parse_request(api, body, behaviour.tokens, self.settings.model)
+        except BadGenerationRequest:
+            gen = Generation(
+                api=api,
+                model=self.settings.model,
+                stream=streaming,
+                tokens=behaviour.tokens,
+                explicit_limit=False,
+                n=1,
+                prompt_tokens=0,
+                include_usage=False,
+            )
         request_id, created = self._request_id(gen.api), int(time.time())  # wall-clock: `created`
         if streaming:
             frames = stream_frames(gen, request_id, created, vllm=self._vllm)
             events = paced_events(frames, behaviour, RankLoad())
             await break_stream(request, writer, events, behaviour.fail_after_chunks)
         else:
-            body = render_unary(gen, request_id, created, vllm=self._vllm)
-            await break_unary(request, writer, body)
+            body_bytes = render_unary(gen, request_id, created, vllm=self._vllm)
+            await break_unary(request, writer, body_bytes)
 
     # -- engine info --------------------------------------------------------------------
 
@@ -493,7 +561,81 @@ class FakeWorker:
         await writer.respond(status, () if self._vllm else TEXT_HEADERS, b"")
 
     async def _models(self, request: Request, writer: ResponseWriter) -> None:
-        await writer.respond(200, JSON_HEADERS, self._models_body)
+        if self.adapter_slots is None:
+            await writer.respond(200, JSON_HEADERS, self._models_body)
+            return
+        listing = info.models(self.settings)
+        listing["data"] += model_cards(
+            self.behaviour.lora_adapters, self.settings.model, self.adapter_roots, 0
+        )
+        body = _vllm_models(listing, self.settings.max_model_len)
+        await _respond_json(writer, 200, body)
+
+    async def _load_adapter(self, request: Request, writer: ResponseWriter) -> None:
+        """vLLM's `POST /v1/load_lora_adapter`: `lora_name` and `lora_path` required; an
+        adapter loaded already is refused unless `load_inplace`; answers a text line."""
+        body = _json_object(request.body)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            await self._lora_refusal(
+                writer,
+                400,
+                "InvalidUserInput",
+                "Both 'lora_name' and 'lora_path' must be provided.",
+            )
+            return
+        held = self.behaviour.lora_adapters
+        if name == self.settings.model:
+            await self._lora_refusal(
+                writer,
+                400,
+                "InvalidUserInput",
+                f"The lora adapter '{name}' conflicts with a served base model.",
+            )
+            return
+        if name in held and body.get("load_inplace") is not True:
+            await self._lora_refusal(
+                writer,
+                400,
+                "InvalidUserInput",
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+            )
+            return
+        self.adapter_roots[name] = path
+        if name not in held:
+            self.behaviour.lora_adapters = (*held, name)
+        await writer.respond(
+            200, TEXT_HEADERS, f"Success: LoRA adapter '{name}' added successfully.".encode()
+        )
+
+    async def _unload_adapter(self, request: Request, writer: ResponseWriter) -> None:
+        """vLLM's `POST /v1/unload_lora_adapter`: 404 for an adapter it does not hold."""
+        name = _json_object(request.body).get("lora_name")
+        if not isinstance(name, str) or not name:
+            await self._lora_refusal(
+                writer,
+                400,
+                "InvalidUserInput",
+                "'lora_name' needs to be provided to unload a LoRA adapter.",
+            )
+            return
+        held = self.behaviour.lora_adapters
+        if name not in held:
+            await self._lora_refusal(
+                writer, 404, "NotFoundError", f"The lora adapter '{name}' cannot be found."
+            )
+            return
+        self.behaviour.lora_adapters = tuple(a for a in held if a != name)
+        self.adapter_roots.pop(name, None)
+        await writer.respond(
+            200, TEXT_HEADERS, f"Success: LoRA adapter '{name}' removed successfully.".encode()
+        )
+
+    async def _lora_refusal(
+        self, writer: ResponseWriter, status: int, type_: str, message: str
+    ) -> None:
+        await writer.respond(status, JSON_HEADERS, vllm_error_body(message, type_, status, None))
 
     async def _model_info(self, request: Request, writer: ResponseWriter) -> None:
         await writer.respond(200, JSON_HEADERS, self._model_info_body)
@@ -524,12 +666,15 @@ class FakeWorker:
 
     async def _metrics(self, request: Request, writer: ResponseWriter) -> None:
         settings = self.settings
+        slots = self.adapter_slots
         text = render_metrics(
             settings.engine,
             settings.role,
             settings.model,
             self.gauge_loads(),
             info.capacity(settings),
+            # wall-clock: vLLM's gauge holds the epoch time a series was last set
+            None if slots is None else (slots.max_loras, slots.lora_info_series(time.time())),
         )
         await writer.respond(200, METRICS_HEADERS, text)
 

@@ -2,12 +2,15 @@
 
 OpenAI chat (`/v1/chat/completions`), OpenAI completions (`/v1/completions`) and SGLang's
 native `/generate`. Generation is fake and checkable: token `i` is the text `tok{i} `, so
-`expected_text(n)` is exactly what a request for `n` tokens gets back, per choice.
+`expected_text(n)` is exactly what a request for `n` tokens gets back, per choice. A
+prompt of ids that ends with tokens the fake generates goes on from there
+(`router.fake_worker.vocabulary`), and vLLM's `return_token_ids` streams the ids.
 Nothing here blocks or keeps state; pacing and failures belong to the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import orjson
 
 from router.fake_worker.behaviour import MAX_TOKENS
+from router.fake_worker.vocabulary import first_token, is_token_ids, word_ids
 
 MAX_CHOICES = 128
 SYSTEM_FINGERPRINT = "vllm-0.0.0+fake"
@@ -64,9 +68,9 @@ def token_bytes(i: int) -> bytes:
     return f"tok{i} ".encode()
 
 
-def expected_text(tokens: int) -> str:
-    """The full text a choice of `tokens` tokens carries."""
-    return "".join(f"tok{i} " for i in range(tokens))
+def expected_text(tokens: int, first: int = 0) -> str:
+    """The full text a choice of `tokens` tokens carries (from token `first` on)."""
+    return "".join(f"tok{i} " for i in range(first, first + tokens))
 
 
 def count_words(text: str) -> int:
@@ -125,10 +129,38 @@ class Generation:
     include_usage: bool
     cached_tokens: int | None = None  # None: no prefix cache, so none is reported (as SGLang)
     prefill_s: float = 0.0  # time the uncached part of the prompt takes before the first token
+    first: int = 0
+    """The first generated token (`vocabulary.first_token`): above 0 for a prompt of ids
+    that ends with tokens the fake generates, which it goes on from."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt's ids when the request asks for token ids (`return_token_ids`, which
+    vLLM answers and SGLang's chat and completions ignore); None otherwise."""
+
+    @property
+    def reemitted(self) -> str:
+        """Text the first delta carries before the first token's: a prompt of ids that ends
+        with generated tokens has them decoded again, as vLLM's streaming detokenizer
+        re-emits part of a prompt of ids (vLLM #48853)."""
+        return expected_text(self.first) if self.first else ""
+
+    deltas: tuple[str, ...] | None = None
+    """With stop strings: each token's text as vLLM streams it (`stop_deltas`)."""
+    tail_text: str = ""
+    """With stop strings: the text held back until the finish event carries it."""
+    stop_reason: str | None = None
+    """The stop string the answer ended at, if it did."""
 
     @property
     def finish_reason(self) -> str:
+        if self.stop_reason is not None:
+            return "stop"
         return "length" if self.explicit_limit else "stop"
+
+    def text(self) -> str:
+        """The whole text of a choice."""
+        if self.deltas is not None:
+            return "".join(self.deltas) + self.tail_text
+        return self.reemitted + expected_text(self.tokens, self.first)
 
     @property
     def completion_tokens(self) -> int:
@@ -187,7 +219,13 @@ def parse_generation(
         _check_limit(limit_field, limit, max_model_len)
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    return Generation(
+    ids = _prompt_ids(api, body)
+    if ids is not None:
+        prompt = len(ids)
+    prompt_ids: tuple[int, ...] | None = None
+    if api is not Api.GENERATE and body.get("return_token_ids") is True:
+        prompt_ids = tuple(ids if ids is not None else word_ids(_prompt_words(api, body)))
+    gen = Generation(
         api=api,
         model=model,
         stream=stream,
@@ -196,7 +234,93 @@ def parse_generation(
         n=n,
         prompt_tokens=prompt,
         include_usage=include_usage,
+        first=first_token(ids) if ids is not None else 0,
+        prompt_ids=prompt_ids,
     )
+    stops = body.get("stop")
+    if isinstance(stops, str):
+        stops = [stops]
+    if api is not Api.GENERATE and isinstance(stops, list) and any(stops):
+        gen = stop_deltas(
+            gen,
+            [s for s in stops if isinstance(s, str) and s],
+            body.get("include_stop_str_in_output") is True,
+        )
+    return gen
+
+
+def stop_deltas(gen: Generation, stops: list[str], include: bool) -> Generation:
+    """`gen` ending where vLLM ends it on a stop string: the text cut before the first stop
+    string that completes (after it, with `include`), no token after the one completing
+    it, and each token's delta holding back the last `len(longest stop) - 1` characters
+    (they could begin a stop string) until the finish event."""
+    held = max(len(s) for s in stops) - 1 if not include else 0
+    text, sent = "", 0
+    deltas: list[str] = []
+    for i in range(gen.tokens):
+        before = len(text)
+        text += f"tok{gen.first + i} "
+        found = [
+            (text.find(s, max(0, before - len(s) + 1)), s)
+            for s in stops
+            if text.find(s, max(0, before - len(s) + 1)) >= 0
+        ]
+        if found:
+            start, stop = min(found, key=lambda hit: hit[0] + len(hit[1]))
+            text = text[: start + len(stop)] if include else text[:start]
+            deltas.append("")
+            return dataclasses.replace(
+                gen, tokens=i + 1, deltas=(*deltas,), tail_text=text[sent:], stop_reason=stop
+            )
+        end = max(sent, len(text) - held)
+        deltas.append(text[sent:end])
+        sent = end
+    return dataclasses.replace(gen, deltas=(*deltas,), tail_text=text[sent:])
+
+
+def _prompt_ids(api: Api, body: dict[str, Any]) -> list[int] | None:
+    """The prompt when it comes as token ids (a completions prompt of ids; chat's
+    `kv_transfer_params.prompt_token_ids`, which vLLM takes in place of rendering the
+    messages), else None. Raises BadGenerationRequest for chat ids vLLM refuses."""
+    if api is Api.COMPLETIONS:
+        prompt = body.get("prompt")
+        return prompt if is_token_ids(prompt) else None
+    if api is not Api.CHAT:
+        return None
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict) or params.get("prompt_token_ids") is None:
+        return None
+    ids = params["prompt_token_ids"]
+    if not is_token_ids(ids):
+        raise BadGenerationRequest(
+            "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of "
+            "non-negative integers.",
+            param="kv_transfer_params.prompt_token_ids",
+            refused=True,
+        )
+    return list(ids)
+
+
+def _prompt_words(api: Api, body: dict[str, Any]) -> str:
+    """The words the fake tokenizes a text prompt into: the completions prompt, or the
+    text of every chat message."""
+    if api is Api.COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            return " ".join(p for p in prompt if isinstance(p, str))
+        return prompt if isinstance(prompt, str) else ""
+    words: list[str] = []
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            words.append(content)
+        elif isinstance(content, list):
+            words.extend(
+                part["text"]
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+    return " ".join(words)
 
 
 def _check_limit(field: str, limit: Any, max_model_len: int | None) -> None:
@@ -279,7 +403,7 @@ def usage(gen: Generation, *, details: bool = False) -> dict[str, Any]:
 
 def unary_body(gen: Generation, request_id: str, created: int, *, vllm: bool = False) -> bytes:
     """The whole answer of a non-streaming request; `vllm` adds vLLM's own keys."""
-    text = expected_text(gen.tokens)
+    text = gen.text()
     if gen.api is Api.GENERATE:
         return orjson.dumps({"text": text, "meta_info": _meta_info(gen, request_id, gen.tokens)})
     if gen.api is Api.CHAT:
@@ -349,7 +473,8 @@ class StreamFrames:
     Each event carries one choice, as both engines send them: with `n` above 1 a role
     event per choice, the choices' tokens interleaved, a finish event per choice.
     `vllm` adds vLLM's own keys (null) and its `system_fingerprint` on the last event
-    before `[DONE]`.
+    before `[DONE]`; with token ids asked for (`gen.prompt_ids`), vLLM's `token_ids` of
+    each event and `prompt_token_ids` on a choice's first event (chat: the role event).
     """
 
     def __init__(
@@ -359,6 +484,7 @@ class StreamFrames:
         self.request_id = request_id
         self.created = created
         self.vllm = vllm
+        self.ids = vllm and gen.prompt_ids is not None
         if gen.api is Api.GENERATE:
             self._prefix = b""
             self._infix = b""
@@ -392,7 +518,10 @@ class StreamFrames:
         """Events before the first token: the assistant role, for chat."""
         if self.gen.api is not Api.CHAT:
             return []
-        extra = {"prompt_token_ids": None, "prompt_text": None} if self.vllm else None
+        extra: dict[str, Any] | None = None
+        if self.vllm:
+            prompt_ids = list(self.gen.prompt_ids) if self.ids and self.gen.prompt_ids else None
+            extra = {"prompt_token_ids": prompt_ids, "prompt_text": None}
         return [
             self._event(
                 [
@@ -409,12 +538,27 @@ class StreamFrames:
         ]
 
     def token(self, i: int, choice: int = 0) -> bytes:
-        if self.gen.api is Api.GENERATE:
+        gen = self.gen
+        if gen.api is Api.GENERATE:
             # SGLang streams the text so far, not the delta.
-            text = expected_text(i + 1)
-            meta = _meta_info(self.gen, self.request_id, i + 1)
-            return b"data: " + orjson.dumps({"text": text, "meta_info": meta}) + b"\n\n"
-        return self._prefix + str(choice).encode() + self._infix + token_bytes(i) + self._suffix
+            meta = _meta_info(gen, self.request_id, i + 1)
+            return (
+                b"data: "
+                + orjson.dumps({"text": expected_text(i + 1), "meta_info": meta})
+                + b"\n\n"
+            )
+        token = gen.first + i
+        text = token_bytes(token) if gen.deltas is None else gen.deltas[i].encode()
+        if i == 0 and gen.first:
+            text = gen.reemitted.encode() + text
+        suffix = self._suffix
+        if self.ids:
+            ids = b"[" + str(token).encode() + b"]"
+            suffix = suffix.replace(b'"token_ids":null', b'"token_ids":' + ids)
+            if i == 0 and gen.api is Api.COMPLETIONS and gen.prompt_ids is not None:
+                prompt = orjson.dumps(list(gen.prompt_ids))
+                suffix = suffix.replace(b'"prompt_token_ids":null', b'"prompt_token_ids":' + prompt)
+        return self._prefix + str(choice).encode() + self._infix + text + suffix
 
     def tail(self) -> list[bytes]:
         """Events after the last token: finish reasons, the usage chunk, `[DONE]`."""
@@ -431,10 +575,14 @@ class StreamFrames:
             finals = [
                 {
                     "index": i,
-                    "delta": {"content": ""} if vllm else {},
+                    "delta": {"content": gen.tail_text} if vllm or gen.tail_text else {},
                     "logprobs": None,
                     "finish_reason": gen.finish_reason,
-                    **({"stop_reason": None, "token_ids": None} if vllm else {}),
+                    **(
+                        {"stop_reason": gen.stop_reason, "token_ids": [] if self.ids else None}
+                        if vllm
+                        else {}
+                    ),
                 }
                 for i in range(gen.n)
             ]
@@ -442,11 +590,15 @@ class StreamFrames:
             finals = [
                 {
                     "index": i,
-                    "text": "",
+                    "text": gen.tail_text,
                     "logprobs": None,
                     "finish_reason": gen.finish_reason,
                     **(
-                        {"stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+                        {
+                            "stop_reason": gen.stop_reason,
+                            "prompt_token_ids": None,
+                            "token_ids": [] if self.ids else None,
+                        }
                         if vllm
                         else {}
                     ),

@@ -50,6 +50,7 @@ class KvEventPublisher:
         self.published = 0
         self.replays = 0
         self._encoder = msgspec.msgpack.Encoder()
+        self._lora_ids: dict[str, int] = {}
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self.endpoint = settings.endpoint
@@ -57,7 +58,13 @@ class KvEventPublisher:
 
     # -- CacheListener -----------------------------------------------------------------
 
-    def stored(self, parent: int | None, keys: Sequence[int], blocks: Sequence[object]) -> None:
+    def stored(
+        self,
+        parent: int | None,
+        keys: Sequence[int],
+        blocks: Sequence[object],
+        lora_name: str | None = None,
+    ) -> None:
         tokens: list[int] = []
         for block in blocks:
             tokens.extend(block_token_ids(block))
@@ -68,11 +75,15 @@ class KvEventPublisher:
                 "parent_block_hash": parent,
                 "token_ids": tokens,
                 "block_size": BLOCK_TOKENS,
-                "lora_id": None,
+                "lora_id": None if lora_name is None else self._lora_id(lora_name),
                 "medium": "GPU",
-                "lora_name": None,
+                "lora_name": lora_name,
             }
         )
+
+    def _lora_id(self, lora_name: str) -> int:
+        """vLLM's numeric id of an adapter: 1, 2, ... in the order it first met them."""
+        return self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
 
     def removed(self, keys: Sequence[int]) -> None:
         self._publish({"type": "BlockRemoved", "block_hashes": list(keys), "medium": "GPU"})

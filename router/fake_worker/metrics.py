@@ -66,11 +66,19 @@ def _escape(value: str) -> str:
 
 
 def render_metrics(
-    engine: str, role: str, model: str, loads: Sequence[RankLoad], capacity: int
+    engine: str,
+    role: str,
+    model: str,
+    loads: Sequence[RankLoad],
+    capacity: int,
+    lora: tuple[int, Sequence[tuple[str, str, float]]] | None = None,
 ) -> bytes:
     """The exposition text for the current load; one series per DP rank when there are several.
 
     `capacity` is the request count that means a full KV cache (for the usage gauge).
+    `lora`: an engine serving LoRA adapters (vLLM only), its `max_loras` and the
+    `vllm:lora_requests_info` series to show (`router.fake_worker.lora`: running and
+    waiting adapters, each series' time).
     """
     families: tuple[tuple[str, str, str], ...]
     if engine == "vllm":
@@ -98,5 +106,15 @@ def render_metrics(
         lines.append(f"# TYPE {family} {kind}")
         for label, load in zip(labels, loads, strict=True):
             lines.append(f"{name}{label} {_value(name, load, capacity)!r}")
+    if lora is not None and engine == "vllm":
+        max_loras, series = lora
+        lines.append("# HELP vllm:lora_requests_info Running stats on lora requests.")
+        lines.append("# TYPE vllm:lora_requests_info gauge")
+        for running, waiting, at in series:
+            lora_labels = (
+                f'max_lora="{max_loras}",running_lora_adapters="{_escape(running)}",'
+                f'waiting_lora_adapters="{_escape(waiting)}"'
+            )
+            lines.append(f"vllm:lora_requests_info{{{lora_labels}}} {at!r}")
     lines.append("")
     return "\n".join(lines).encode()

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.fake_worker.formats import BadGenerationRequest, count_words
+from router.fake_worker.vocabulary import word_ids
 
 if TYPE_CHECKING:
     from router.fake_worker.model_tokens import ModelTokens
 
-VOCABULARY = 50_000
 MAX_MODEL_LEN = 32_768
 MAX_INPUTS = 4096
 
@@ -61,14 +61,6 @@ def similarity(a: str, b: str) -> float:
         digest_size=8,
     ).digest()
     return round(int.from_bytes(digest, "little") / 2**64, 6)
-
-
-def token_ids(text: str) -> list[int]:
-    return [
-        int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little")
-        % VOCABULARY
-        for word in text.split()
-    ]
 
 
 def _texts(value: Any, field: str) -> list[str]:
@@ -253,7 +245,7 @@ def tokenize(body: dict[str, Any], ctx: PoolingContext) -> dict[str, Any]:
         )
     if not isinstance(prompt, str):
         raise BadGenerationRequest("'prompt' must be a string (or 'messages' a list of messages)")
-    tokens = token_ids(prompt)
+    tokens = word_ids(prompt)
     if ctx.engine == "vllm":
         # `token_strs` is null unless the request sets `return_token_strs`.
         strs = [f"tok{token}" for token in tokens] if body.get("return_token_strs") else None

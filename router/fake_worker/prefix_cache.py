@@ -112,9 +112,16 @@ def block_token_ids(block: object) -> list[int]:
 class CacheListener(Protocol):
     """Told of every change to a `PrefixCache`, synchronously, in order."""
 
-    def stored(self, parent: int | None, keys: Sequence[int], blocks: Sequence[object]) -> None:
+    def stored(
+        self,
+        parent: int | None,
+        keys: Sequence[int],
+        blocks: Sequence[object],
+        lora_name: str | None = None,
+    ) -> None:
         """`keys` (a chain, each the child of the one before; the first the child of
-        `parent`, None for the prompt's start) were stored, holding `blocks`."""
+        `parent`, None for the prompt's start) were stored, holding `blocks` computed with
+        LoRA adapter `lora_name` (None: the base model)."""
 
     def removed(self, keys: Sequence[int]) -> None: ...
 
@@ -138,10 +145,12 @@ class PrefixCache:
         if self.listener is not None:
             self.listener.cleared()
 
-    def serve(self, prompt: Prompt) -> int:
-        """Prefill `prompt`: how many of its tokens were cached; its blocks are cached after."""
+    def serve(self, prompt: Prompt, lora_name: str | None = None) -> int:
+        """Prefill `prompt` (with LoRA adapter `lora_name`: its blocks are its own, never the
+        base model's nor another adapter's): how many of its tokens were cached; its
+        blocks are cached after."""
         keys: list[int] = []
-        parent = 0
+        parent = 0 if lora_name is None else hash(("lora", lora_name))
         for block in prompt.blocks:
             parent = hash((parent, block))
             keys.append(parent)
@@ -153,7 +162,7 @@ class PrefixCache:
             hits += 1
         listener = self.listener
         if listener is not None:
-            self._report_stored(listener, keys, prompt.blocks)
+            self._report_stored(listener, keys, prompt.blocks, lora_name)
         for key in reversed(keys):
             blocks[key] = None
             blocks.move_to_end(key)
@@ -165,7 +174,11 @@ class PrefixCache:
         return max(0, min(hits * BLOCK_TOKENS, prompt.tokens - 1))
 
     def _report_stored(
-        self, listener: CacheListener, keys: list[int], prompt_blocks: tuple[object, ...]
+        self,
+        listener: CacheListener,
+        keys: list[int],
+        prompt_blocks: tuple[object, ...],
+        lora_name: str | None,
     ) -> None:
         # One report per run of blocks not held yet, each chained to the block before it.
         start: int | None = None
@@ -175,6 +188,9 @@ class PrefixCache:
                 start = i
             elif not new and start is not None:
                 listener.stored(
-                    keys[start - 1] if start > 0 else None, keys[start:i], prompt_blocks[start:i]
+                    keys[start - 1] if start > 0 else None,
+                    keys[start:i],
+                    prompt_blocks[start:i],
+                    lora_name,
                 )
                 start = None

@@ -70,6 +70,19 @@ class FakeWorkerSettings:
     external_load: int = 0
     """Requests another sender holds on this engine, shown in its running gauge (rank 0)
     beside the ones it serves: another router's work, as the gauges would show it."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters the engine holds at start, as vLLM's `--lora-modules` (`--engine
+    vllm` only): listed in `/v1/models` with `parent`, served by name
+    (`router.fake_worker.lora`)."""
+    max_loras: int = 1
+    """Adapters run at once (vLLM's `--max-loras`, default 1); requests for others wait."""
+    runtime_lora_updating: bool = False
+    """Serve vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, as vLLM does
+    with `VLLM_ALLOW_RUNTIME_LORA_UPDATING` (`--engine vllm` only)."""
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_adapters) or self.runtime_lora_updating
 
     @property
     def publishes_kv_events(self) -> bool:
@@ -117,6 +130,12 @@ class FakeWorkerSettings:
             raise ValueError(f"prefill_us_per_token must be >= 0, got {self.prefill_us_per_token}")
         if not self.model:
             raise ValueError("model must not be empty")
+        if self.serves_lora and self.engine != "vllm":
+            raise ValueError("LoRA adapters are served as vLLM serves them: they need engine vllm")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.model in self.lora_adapters:
+            raise ValueError(f"adapter {self.model!r} has the base model's name")
         # Fails early, with the same messages as POST /debug/behaviour.
         self.behaviour()
 
@@ -131,6 +150,7 @@ class FakeWorkerSettings:
             fail_mode=FailMode(self.fail_mode),
             fail_after_chunks=self.fail_after_chunks,
             external_load=self.external_load,
+            lora_adapters=self.lora_adapters,
         )
 
 

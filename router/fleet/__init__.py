@@ -1,5 +1,6 @@
-"""The fleet: worker records, the registry of live workers and their load, DP rank accounting, the circuit breaker, and active health checks."""
+"""The fleet: worker records, the registry of live workers and their load, each worker's LoRA adapters, DP rank accounting, the circuit breaker, and active health checks."""
 
+from router.fleet.adapters import AdapterActivity, SlotState, WorkerAdapters
 from router.fleet.breaker import BreakerSettings, BreakerState, Outcome, Permit, make_breaker
 from router.fleet.candidates import AllOpenMode, LegPool, filter_leg
 from router.fleet.health import serve_health_checks
@@ -15,6 +16,7 @@ from router.fleet.records import (
 from router.fleet.registry import BreakerFactory, Fleet, Worker
 
 __all__ = [
+    "AdapterActivity",
     "AllOpenMode",
     "BreakerFactory",
     "BreakerSettings",
@@ -27,8 +29,10 @@ __all__ = [
     "Permit",
     "RankChooser",
     "Role",
+    "SlotState",
     "Status",
     "Worker",
+    "WorkerAdapters",
     "WorkerRecord",
     "disagg_meta",
     "filter_leg",

@@ -12,9 +12,9 @@ reading is as old as its interval. So the figure is
 where `others` is the engine's count at its last reading minus the requests of this
 process it held then. Which of ours it held is decided by time: a request this process
 sent within `window_s` before the reading was taken is presumed not counted yet (the
-engine's intake lag), any earlier one still in flight is presumed counted. A request of
-ours that ends, or a new one sent, moves the figure at once; only other senders' work
-waits for the next reading. A reading that is missing, stale or garbage leaves `others`
+engine's intake lag), any earlier one still in flight is presumed counted; one that has
+ended by then is in neither count. A request of ours that ends, or a new one sent, moves
+the figure at once; only other senders' work waits for the next reading. A reading that is missing, stale or garbage leaves `others`
 unknown (None), and the figure is then this process's own count: unknown is never zero,
 and never a guess.
 
@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections import deque
 
 MAX_RECENT_DISPATCHES = 4096
-"""Dispatch times kept per view to tell which requests a reading can have counted. Only
-those within the window before a reading matter; past this many (a burst beyond 4,096
-requests within one window), the oldest are presumed counted."""
+"""Send times of requests still in flight kept per view, to tell which a reading can have
+counted. Only those within the window before a reading matter (older ones are dropped at
+each reading); past this many (a burst beyond 4,096 requests within one window), the
+oldest are presumed counted."""
 
 
 class EngineShare:
@@ -50,12 +51,23 @@ class EngineShare:
         """This process sent one request to the view at `now`."""
         self._recent.append(now)
 
+    def ended(self, sent_at: float) -> None:
+        """A request of this process sent at `sent_at` ended: it is in no reading to come.
+        Found from the newest end, where requests of the window are (O(those))."""
+        recent = self._recent
+        if not recent or sent_at < recent[0]:
+            return  # older than the window: presumed counted, and dropped already
+        for position in range(len(recent) - 1, -1, -1):
+            if recent[position] == sent_at:
+                del recent[position]
+                return
+
     def observe(self, total: float, taken_at: float, own_inflight: int, window_s: float) -> None:
         """The engine held `total` requests (running + waiting) when the reading was taken,
         at `taken_at`; this process has `own_inflight` requests on the view now.
 
-        Ours sent after `taken_at - window_s` are presumed not counted in `total`, the rest
-        of ours still in flight presumed counted; the engine's surplus over those is other
+        Ours still in flight and sent after `taken_at - window_s` are presumed not counted
+        in `total`, the rest of ours still in flight presumed counted; the engine's surplus over those is other
         senders' work. Never below zero: a reading that lags our own completions is not
         read as negative work elsewhere.
         """

@@ -101,6 +101,10 @@ class WorkerRecord:
     empty when the engine publishes none or has not said."""
     api_key: str | None = field(default=None, repr=False)
     """The key the router sends this worker (`Authorization: Bearer`); never listed back."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the record declares the engine holds, each applying to the record's
+    first model; what the engine's own model list says is learned beside them
+    (`router.engines.adapter_lists`)."""
 
     @property
     def is_grpc(self) -> bool:
@@ -180,6 +184,7 @@ class WorkerRecord:
                 {"bootstrap_port"} if "dp_size" in data else {"bootstrap_port", "dp_size"}
             )
         unknown |= descriptive_facts(engine)
+        adapters = _adapters_field(data.get("adapters", ()), tuple(raw_models))
         api_key = data.get("api_key")
         if api_key is not None and (
             not isinstance(api_key, str) or not api_key.isprintable() or " " in api_key
@@ -200,6 +205,7 @@ class WorkerRecord:
             status=status,
             unknown_facts=unknown,
             api_key=api_key or None,
+            adapters=adapters,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -215,6 +221,8 @@ class WorkerRecord:
         }
         if self.disagg_meta is not None:
             data["disagg_meta"] = self.disagg_meta
+        if self.adapters:
+            data["adapters"] = list(self.adapters)
         if self.status is not Status.ACTIVE:
             data["status"] = self.status.value
         return data
@@ -277,6 +285,23 @@ def _enum_field(kind: type[_E], value: Any, name: str) -> _E:
     except ValueError:
         choices = ", ".join(member.value for member in kind)
         raise InvalidWorkerRecord(f"'{name}' must be one of {choices}, got {value!r}") from None
+
+
+def _adapters_field(value: Any, models: tuple[str, ...]) -> tuple[str, ...]:
+    """A record's `adapters`: a list of names (or one string, `a+b` for several), none of
+    them one of the record's models."""
+    if isinstance(value, str):
+        value = [name for name in value.split("+") if name]
+    if not isinstance(value, list | tuple) or not all(isinstance(a, str) and a for a in value):
+        raise InvalidWorkerRecord(
+            f"'adapters' must be a string or a list of strings, got {value!r}"[:200]
+        )
+    clash = sorted(set(value) & set(models))
+    if clash:
+        raise InvalidWorkerRecord(
+            f"'adapters' names {', '.join(clash)}, which the record also serves as a model"
+        )
+    return tuple(dict.fromkeys(value))
 
 
 def _int_field(value: Any, name: str, *, minimum: int) -> int:

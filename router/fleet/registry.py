@@ -1,18 +1,21 @@
 """The fleet registry and the router's own load accounting.
 
 A `Worker` is the router's live view of a `WorkerRecord` (`router.fleet.records`): the
-record plus health, in-flight counts, the engine's own load (`router.fleet.load`) and
-breaker. Only discovery replaces a record; only the health checker writes `healthy`; only
-the engine load reader (`router.engines.load_reader`) writes the engine's share. The
-`Fleet` indexes workers by model and tells its listeners when one leaves.
+record plus health, in-flight counts, the engine's own load (`router.fleet.load`), its
+LoRA adapters (`router.fleet.adapters`) and breaker. Only discovery replaces a record;
+only the health checker writes `healthy`; only the engine load reader
+(`router.engines.load_reader`) writes the engine's share and adapter slots; the adapters
+the engine holds change through the `Fleet` (its model list read, a routing miss), which
+indexes workers by model and by adapter and tells its listeners when one leaves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from router.fleet.adapters import WorkerAdapters
 from router.fleet.load import EngineShare, figure
 from router.fleet.records import (
     BLOCKING_FACTS,
@@ -44,10 +47,13 @@ class Worker:
     shares: list[EngineShare] = field(default_factory=list)
     """The engine's own load beyond this process, one per view (per DP rank when the
     router picks ranks, else one); empty when engine load is not read."""
+    adapters: WorkerAdapters = field(default_factory=WorkerAdapters)
+    """The LoRA adapters it holds, and its engine's adapter slots."""
 
     def __post_init__(self) -> None:
         if not self.rank_inflight:
             self.rank_inflight = [0] * self.record.dp_size
+        self.adapters.declare(self.record.adapters, _first_model(self.record))
 
     def keep_engine_shares(self) -> None:
         """Keep one engine share per view, so readings have somewhere to land."""
@@ -134,10 +140,17 @@ class Worker:
         if self.shares and now is not None:
             self.shares[rank if rank is not None and rank < len(self.shares) else 0].dispatched(now)
 
-    def end(self, rank: int | None = None) -> None:
+    def end(self, rank: int | None = None, sent_at: float | None = None) -> None:
+        """One request sent at `sent_at` (on `rank`) ended."""
         self.inflight -= 1
         if rank is not None and rank < len(self.rank_inflight):
             self.rank_inflight[rank] -= 1
+        if self.shares and sent_at is not None:
+            self.shares[rank if rank is not None and rank < len(self.shares) else 0].ended(sent_at)
+
+
+def _first_model(record: WorkerRecord) -> str | None:
+    return record.models[0] if record.models else None
 
 
 BreakerFactory = Callable[[str], "CircuitBreaker | None"]
@@ -180,6 +193,8 @@ class Fleet:
         """Whether workers keep engine shares (an engine load reader runs)."""
         self._workers: dict[str, Worker] = {}
         self._by_model: dict[str, list[Worker]] = {}
+        self._base_models: list[str] = []
+        self._adapter_parents: dict[str, str] = {}
         self._urls: set[str] = set()
         self._model_memory_s = model_memory_s
         self._clock = clock
@@ -212,11 +227,31 @@ class Fleet:
         return list(self._workers.values())
 
     def models(self) -> list[str]:
-        return sorted(self._by_model)
+        """The base models served (sorted); adapters are `adapters()`."""
+        return self._base_models
+
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter some worker holds, with the base model it applies to."""
+        return self._adapter_parents
+
+    def adapter_parent(self, name: str) -> str | None:
+        """The base model of adapter `name`; None when no worker holds an adapter so named."""
+        return self._adapter_parents.get(name)
 
     def for_model(self, model: str) -> list[Worker]:
-        """Workers of every role and status registered for `model` (empty when none)."""
+        """Workers of every role and status registered for `model`, or holding the LoRA
+        adapter of that name (empty when none)."""
         return self._by_model.get(model, [])
+
+    def learn_adapters(self, worker: Worker, listed: Mapping[str, str]) -> None:
+        """`worker`'s engine lists the adapters `listed` (name -> base model) now."""
+        if worker.adapters.learn(listed) and self._workers.get(worker.id) is worker:
+            self._reindex()
+
+    def adapter_missed(self, worker: Worker, adapter: str) -> None:
+        """`worker`'s engine answered 404 for `adapter`: it is planned elsewhere from now on."""
+        if worker.adapters.miss(adapter) and self._workers.get(worker.id) is worker:
+            self._reindex()
 
     def last_served_at(self, model: str) -> float | None:
         """When `model` lost its last worker, if that was within `model_memory_s`; None for
@@ -268,7 +303,9 @@ class Fleet:
             if record.url != worker.record.url:
                 old_url = worker.record.url
                 worker.shares = []  # another engine: what was read of the old one is not its
+                worker.adapters = WorkerAdapters()
             worker.record = record
+            worker.adapters.declare(record.adapters, _first_model(record))
         if self.engine_shares:
             worker.keep_engine_shares()
         self._reindex()
@@ -368,11 +405,21 @@ class Fleet:
 
     def _reindex(self) -> None:
         by_model: dict[str, list[Worker]] = {}
+        parents: dict[str, str] = {}
         for worker in self._workers.values():
             for model in worker.record.models:
                 by_model.setdefault(model, []).append(worker)
+        base_models = sorted(by_model)
+        for worker in self._workers.values():
+            for adapter, parent in worker.adapters.held.items():
+                holders = by_model.setdefault(adapter, [])
+                if worker not in holders:
+                    holders.append(worker)
+                parents.setdefault(adapter, parent)
         self._remember_models(self._by_model, by_model)
         self._by_model = by_model
+        self._base_models = base_models
+        self._adapter_parents = {adapter: parent for adapter, parent in sorted(parents.items())}
         self._urls = {worker.url for worker in self._workers.values()}
         self.generation += 1
 

@@ -108,8 +108,9 @@ class RequestMetrics:
 
 class PipelineMetrics:
     """How the request pipeline served: generation requests by dispatch mode, retries on
-    another worker by reason, PD legs failed before the first byte by role, and requests
-    refused for the router's own shortage by kind."""
+    another worker by reason, PD legs failed before the first byte by role, requests
+    refused for the router's own shortage by kind, and streams broken after the first
+    byte by what became of them."""
 
     def __init__(self) -> None:
         self.retries = Counter(
@@ -128,6 +129,18 @@ class PipelineMetrics:
             "router_local_errors",
             "Requests refused for the router's own shortage (no worker blamed), by kind",
             ["kind"],
+            registry=None,
+        )
+        self.resumes = Counter(
+            "router_resumes",
+            "Streams broken after the first byte, by route and what became of them",
+            ["route", "outcome"],
+            registry=None,
+        )
+        self.resume_refusals = Counter(
+            "router_resume_refusals",
+            "Broken streams not resumed, by route and why",
+            ["route", "reason"],
             registry=None,
         )
         self.rewrites = Counter(
@@ -162,6 +175,14 @@ class PipelineMetrics:
 
     def count_local_error(self, kind: str) -> None:
         _bound(self._local_errors, self.local_errors, kind).inc()
+
+    def count_resume(self, route: str, outcome: str) -> None:
+        """A stream of `route` broke after its first byte: `outcome` is what became of it
+        (`router.pipeline.resume.Outcome`). Rare: bound on use."""
+        self.resumes.labels(route, outcome).inc()
+
+    def count_resume_refusal(self, route: str, reason: str) -> None:
+        self.resume_refusals.labels(route, reason).inc()
 
     def count_rewrite(self, alias: str, model: str) -> None:
         """Count a request for `alias` planned for `model` (both names from the settings)."""
@@ -306,6 +327,8 @@ class RouterMetrics:
             self.discovery.events,
             self.discovery.relists,
             self.pipeline.local_errors,
+            self.pipeline.resumes,
+            self.pipeline.resume_refusals,
             self.admission.wait,
             self.admission.tenant_wait,
             self.pipeline.rewrites,

@@ -8,7 +8,10 @@ takes and how their exchanges fit together; the attempt loop (`router.pipeline.s
 whether another attempt follows.
 
 The verdict is recorded in one place, `Lease.settle`; a failure leaves this module as a
-`WorkerFailed` that names its worker from where it is raised.
+`WorkerFailed` that names its worker from where it is raised. A worker's 404 for a LoRA
+adapter it was thought to hold is a routing miss (`adapter_missing`): another worker is
+tried, the breaker records nothing, and `on_adapter_miss` tells whoever keeps the
+fleet's adapters.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from router.pipeline.dispatch import (
     WORKER_HEADER,
     Answer,
     AttemptFailed,
+    StreamBroken,
     Timeouts,
+    adapter_missing,
     client_headers,
     first_stream_chunk,
     judge_answer,
@@ -49,6 +54,7 @@ from router.pipeline.grpc_dispatch import GrpcDispatch
 from router.pipeline.grpc_request import grpc_gap
 from router.pipeline.plan import Plan
 from router.pipeline.resolve import GenerationRequest
+from router.pipeline.resume_request import RequestResume
 from router.pipeline.stall_watch import StallWatch
 from router.policies.policy import Policy, PolicyKey, RankedPick, pick_excluding
 
@@ -75,6 +81,18 @@ class WorkerFailed(Exception):
         super().__init__(f"{worker.id}: {failure.detail}")
         self.worker = worker
         self.failure = failure
+
+
+class StreamCut(Exception):
+    """`worker`'s stream broke after the client got its first bytes, and may go on
+    elsewhere (`broken` says how; nothing was written for it). The worker already counts
+    as tried for its role; the breaker records nothing (the stream's start was a success).
+    """
+
+    def __init__(self, worker: Worker, broken: StreamBroken) -> None:
+        super().__init__(f"{worker.id}: {broken.message}")
+        self.worker = worker
+        self.broken = broken
 
 
 @dataclass(slots=True)
@@ -114,6 +132,8 @@ class RequestContext:
     key_bytes: bytes | None
     started: float
     log: AttemptLog = field(default_factory=AttemptLog)
+    resume: RequestResume | None = None
+    """A streamed generation's resume (None: its stream is relayed as it comes)."""
 
 
 class Strategy(Protocol):
@@ -134,9 +154,13 @@ class Lease:
     permit: Permit | None
     rank: int | None
     trace: AttemptTrace = NO_ATTEMPT_TRACE
+    sent_at: float | None = None
+    """When it was taken (the engine share tells its readings by it)."""
     settled: bool = False
     committed: bool = False
     """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
+    adapter: str | None = None
+    """The LoRA adapter the attempt runs on the worker, counted in flight there."""
 
     async def commit(self) -> None:
         """Pass the point of no return, unless the attempt was cancelled meanwhile.
@@ -185,6 +209,7 @@ class AttemptRunner:
         worker_api_key: str = "",
         on_release: Callable[[Worker], None] = lambda worker: None,
         grpc: GrpcDispatch | None = None,
+        on_adapter_miss: Callable[[Worker, str], None] = lambda worker, adapter: None,
     ) -> None:
         self.fleet = fleet
         self.grpc = grpc
@@ -198,6 +223,7 @@ class AttemptRunner:
         self.ranks = RankChooser()
         self._worker_api_key = worker_api_key
         self._on_release = on_release
+        self._on_adapter_miss = on_adapter_miss
 
     def pick(self, plan: Plan, role: Role, ctx: RequestContext) -> tuple[Worker, int | None] | None:
         """The role's policy pick among the plan's candidates the request has not tried,
@@ -236,6 +262,7 @@ class AttemptRunner:
             generation.body,
             generation.route,
             generation.tokens,
+            self.fleet.adapter_parent(generation.model),
         )
         # A policy that also chooses the DP rank (kv_aware: the rank holding the prompt's
         # blocks) has a `pick_ranked`.
@@ -278,7 +305,7 @@ class AttemptRunner:
                     worker.id,
                     current_request_id(),
                 )
-        lease = Lease(worker, permit, rank, current_trace().attempt(worker))
+        lease = Lease(worker, permit, rank, current_trace().attempt(worker), now)
         worker.begin(rank, now)
         leases.append(lease)
         return lease
@@ -289,7 +316,9 @@ class AttemptRunner:
         try:
             lease.settle()
         finally:
-            lease.worker.end(lease.rank)
+            if lease.adapter is not None:
+                lease.worker.adapters.ended(lease.adapter)
+            lease.worker.end(lease.rank, lease.sent_at)
             lease.trace.end()
             self.fleet.lease_ended(lease.worker)
             self._on_release(lease.worker)
@@ -309,6 +338,22 @@ class AttemptRunner:
         ctx.log.tried[worker.role].add(worker.id)
         return WorkerFailed(worker, failure)
 
+    def _hold_adapter(self, lease: Lease, model: str) -> None:
+        """Count the attempt in flight on its worker's adapter, when `model` is one the
+        worker holds (the adapter policies read it before the engine's own reading)."""
+        adapters = lease.worker.adapters
+        if lease.adapter is None and model in adapters.held:
+            lease.adapter = model
+            adapters.began(model)
+
+    def _judge_adapter(self, lease: Lease, answer: Answer, model: str) -> None:
+        """Raise AttemptFailed for a 404 to a request for an adapter the worker was thought
+        to hold (a routing miss), after telling `on_adapter_miss`."""
+        worker = lease.worker
+        if answer.status == 404 and model in worker.adapters.held:
+            self._on_adapter_miss(worker, model)
+            raise adapter_missing(answer, worker.url, model)
+
     def _headers(self, lease: Lease, request: Request) -> list[tuple[bytes, bytes]]:
         key = lease.worker.record.api_key or self._worker_api_key
         credential = b"Bearer " + key.encode() if key else None
@@ -318,13 +363,32 @@ class AttemptRunner:
         """One request to one worker whose answer goes to the client.
 
         Raises WorkerFailed when nothing reached the client yet and another worker may be
-        tried; otherwise answers the client and returns the status.
+        tried; StreamCut when a stream that may resume broke after its first bytes;
+        otherwise answers the client and returns the status. A continuation
+        (`ctx.resume` past its seam) adds to the stream the client already has: any
+        answer but a 200 stream fails it.
         """
         worker = lease.worker
         generation = ctx.generation
         if worker.record.is_grpc:
+            if ctx.resume is not None and ctx.resume.seam is not None:
+                # A continuation is relayed past its seam as the rest of the client's
+                # stream; the gRPC path answers from the start (docs/grpc.md, the gap).
+                failure = AttemptFailed(
+                    "unsupported_over_grpc",
+                    f"{worker.url}: a broken stream is not continued over gRPC",
+                    fault=False,
+                )
+                raise self._failed(lease, failure, ctx)
             return await self._exchange_grpc(lease, ctx)
         idle_s = self.timeouts.stream_idle_s
+        resume = ctx.resume
+        events = None
+        continuing = False
+        if resume is not None:
+            continuing = resume.seam is not None
+            body, events = resume.prepare(worker, body)
+        self._hold_adapter(lease, generation.model)
         try:
             async with open_upstream_response(
                 self.pool,
@@ -337,22 +401,41 @@ class AttemptRunner:
                 lease.trace.answered(response.status)
                 if generation.stream and response.status == 200:
                     first = await first_stream_chunk(response, worker.url, idle_s)
-                    await self._begin_answer(lease, 200, ctx)
-                    await ctx.writer.start(
-                        200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
-                    )
-                    await relay_stream(
-                        response,
-                        first,
-                        ctx.writer,
-                        worker.url,
-                        self.stalls,
-                        STREAM_ERROR_EVENTS[generation.spec.dialect],
-                    )
+                    if continuing:
+                        lease.settle(status=200)
+                        await lease.commit()
+                    else:
+                        await self._begin_answer(lease, 200, ctx)
+                        await ctx.writer.start(
+                            200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
+                        )
+                    try:
+                        ended = await relay_stream(
+                            response,
+                            first,
+                            ctx.writer,
+                            worker.url,
+                            self.stalls,
+                            STREAM_ERROR_EVENTS[generation.spec.dialect],
+                            events,
+                        )
+                    except StreamBroken as broken:
+                        ctx.log.tried[worker.role].add(worker.id)
+                        raise StreamCut(worker, broken) from None
+                    if ended is not None and resume is not None:
+                        resume.ended_broken = True
                     return 200
                 answer = await read_answer(response, worker.url, idle_s)
             # The upstream connection is back in the pool before a slow client is written to.
             judge_answer(answer, worker.url, expect_json=not generation.stream)
+            self._judge_adapter(lease, answer, generation.model)
+            if continuing:
+                raise AttemptFailed(
+                    f"status_{answer.status}",
+                    f"{worker.url} answered {answer.status} to the continuation of a stream",
+                    fault=False,
+                    retryable=False,
+                )
         except AttemptFailed as failure:
             raise self._failed(lease, failure, ctx) from failure
         await self._begin_answer(lease, answer.status, ctx)
@@ -403,6 +486,7 @@ class AttemptRunner:
         """
         worker = lease.worker
         generation = ctx.generation
+        self._hold_adapter(lease, generation.model)
         try:
             async with open_upstream_response(
                 self.pool,
@@ -415,6 +499,7 @@ class AttemptRunner:
                 lease.trace.answered(response.status)
                 answer = await read_answer(response, worker.url, self.timeouts.stream_idle_s)
             judge_answer(answer, worker.url, expect_json=not generation.stream)
+            self._judge_adapter(lease, answer, generation.model)
             if answer.status >= 400:
                 raise AttemptFailed(
                     f"{worker.role.value}_status_{answer.status}",

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 import orjson
 import trio
@@ -23,6 +24,7 @@ from router.http.upstream.exceptions import LocalShortage, UpstreamConnectError,
 from router.http.upstream.pool import PooledRequest, UpstreamPool
 from router.pipeline.relay import EventCutter
 from router.pipeline.stall_watch import StallWatch
+from router.pipeline.stream_capture import GarbledEvent
 
 log = logging.getLogger("router.dispatch")
 
@@ -241,6 +243,18 @@ def judge_answer(answer: Answer, url: str, *, expect_json: bool) -> Answer:
     return answer
 
 
+def adapter_missing(answer: Answer, url: str, adapter: str) -> AttemptFailed:
+    """A worker's 404 for a LoRA adapter it was thought to hold: a routing miss, not the
+    client's error (another worker holds it) nor the worker's fault (it serves, it only
+    lacks that adapter now). Retried elsewhere; the breaker records nothing."""
+    return AttemptFailed(
+        "adapter_missing",
+        f"{url} answered 404 for adapter {adapter!r}, which it was listed with",
+        fault=False,
+        answer=answer,
+    )
+
+
 async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float) -> bytes:
     """The first body bytes of a 200 stream; nothing has reached the client yet."""
     try:
@@ -268,6 +282,44 @@ def stream_error_event(message: str, code: str) -> bytes:
     return b"event: error\ndata: " + payload + b"\n\n"
 
 
+class EventFilter(Protocol):
+    """What `relay_stream` passes whole events through (a stream that may resume):
+    the bytes the client gets for them."""
+
+    @property
+    def complete(self) -> bool:
+        """The client's stream has its end; nothing more is read from the worker."""
+        ...
+
+    @property
+    def max_event_bytes(self) -> int:
+        """The largest event it must see whole (a prompt's ids ride on one event)."""
+        ...
+
+    def feed(self, events: bytes) -> bytes:
+        """The client's bytes for whole `events`; GarbledEvent for one it cannot read."""
+        ...
+
+
+class StreamBroken(Exception):
+    """A stream relayed through an event filter broke after its first bytes reached the
+    client; nothing more was written (no error event, no end), so the caller decides how
+    the client's stream goes on: resumed elsewhere, or ended with `error_event`."""
+
+    def __init__(self, code: str, message: str, mid_event: bool) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.mid_event = mid_event
+        """The client's bytes stop inside an event (a flush past the bound): a blank line
+        must close it before anything else is written."""
+
+    def error_event(self, build: Callable[[str, str], bytes]) -> bytes:
+        """The bytes that end the client's stream with the route's error event."""
+        event = build(self.message, self.code)
+        return b"\n\n" + event if self.mid_event else event
+
+
 async def relay_stream(
     response: UpstreamResponse,
     first: bytes,
@@ -275,8 +327,10 @@ async def relay_stream(
     url: str,
     stalls: StallWatch,
     error_event: Callable[[str, str], bytes] = stream_error_event,
-) -> int:
-    """Relay SSE bytes as they arrive; returns the number of body bytes relayed.
+    events: EventFilter | None = None,
+) -> str | None:
+    """Relay SSE bytes as they arrive; returns the code of the error event the stream
+    ended with (`stream_interrupted`, `stream_idle_timeout`), None when it ended whole.
 
     Everything up to the last complete event of what arrived goes out at once (an event
     ends at LF LF, CRLF CRLF or CR CR: `EventCutter`); bytes of an unfinished event are
@@ -287,11 +341,17 @@ async def relay_stream(
     a 64 KiB flush left the client inside an event). Time spent writing to the client does
     not count as the worker's silence. `ClientDisconnected` from the writer propagates (the
     caller's scope closes the upstream connection).
+
+    With `events` (a stream that may resume: `router.pipeline.resume_request`), whole
+    events go through `events.feed` and the client gets what it returns; the stream must
+    reach its end marker (`events.complete`), after which nothing more is read. A break,
+    a stall, an event the filter cannot read or an end before the marker raises
+    `StreamBroken` with nothing written for it and the stream left open.
     """
     relayed = 0
-    cutter = EventCutter()
+    cutter = EventCutter() if events is None else EventCutter(events.max_event_bytes)
     chunk = first
-    error: bytes | None = None
+    error: tuple[str, str] | None = None
     # The reads run in one scope that `stalls` cancels when the worker is silent too long
     # (no trio deadline moved per event: see `router.pipeline.stall_watch`).
     with trio.CancelScope() as reads:
@@ -300,18 +360,35 @@ async def relay_stream(
             while True:
                 ready = cutter.feed(chunk)
                 if ready:
-                    watched.waiting_since = math.inf
-                    await writer.write(ready)
-                    relayed += len(ready)
-                    watched.waiting_since = trio.current_time()
+                    if events is not None:
+                        try:
+                            ready = events.feed(ready)
+                        except GarbledEvent as exc:
+                            error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
+                            break
+                    if ready:
+                        watched.waiting_since = math.inf
+                        await writer.write(ready)
+                        relayed += len(ready)
+                        watched.waiting_since = trio.current_time()
+                    if events is not None and events.complete:
+                        break
                 try:
                     chunk = await response.receive_some()
                 except UpstreamError:
-                    error = error_event(f"worker {url} broke the stream", "stream_interrupted")
+                    error = (f"worker {url} broke the stream", "stream_interrupted")
                     break
                 if not chunk:
                     watched.waiting_since = math.inf
                     rest = cutter.flush()
+                    if events is not None:
+                        try:
+                            rest = events.feed(rest) if rest else b""
+                        except GarbledEvent as exc:
+                            error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
+                            break
+                        if not events.complete:
+                            error = (f"worker {url} ended the stream early", "stream_interrupted")
                     if rest:
                         await writer.write(rest)
                         relayed += len(rest)
@@ -319,10 +396,12 @@ async def relay_stream(
         finally:
             stalls.forget(watched)
     if watched.stalled:
-        error = error_event(
-            f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout"
-        )
+        error = (f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout")
     if error is not None:
-        await writer.write(b"\n\n" + error if cutter.mid_event else error)
+        message, code = error
+        if events is not None:
+            raise StreamBroken(code, message, cutter.mid_event)
+        event = error_event(message, code)
+        await writer.write(b"\n\n" + event if cutter.mid_event else event)
     await writer.finish()
-    return relayed
+    return None if error is None else error[1]

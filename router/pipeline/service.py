@@ -3,7 +3,10 @@
 One request = one call of `GenerationService.handle`, inside the nursery the server gave
 the request. Each attempt is run by the plan's strategy (`router.pipeline.mixed`, `router.pipeline.pd`),
 which takes its workers through `router.pipeline.attempt` and records one verdict for each. A
-pre-first-byte failure goes back to planning; after the first byte nothing is retried.
+pre-first-byte failure goes back to planning. After the first byte nothing is retried, but
+a stream that breaks may resume: its continuation is planned and attempted the same way,
+on workers not tried yet, and adds to the stream the client already has
+(`router.pipeline.resume_request`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from functools import partial
 
 import trio
 
-from router.api.error_shapes import error_body
+from router.api.error_shapes import STREAM_ERROR_EVENTS, error_body
 from router.api.errors import (
     JSON_CONTENT_TYPE,
     ModelNotFound,
@@ -29,14 +32,21 @@ from router.api.routes import ROUTES
 from router.fleet.candidates import AllOpenMode
 from router.fleet.ranks import RankChooser
 from router.fleet.records import Mode, Role
-from router.fleet.registry import Fleet
+from router.fleet.registry import Fleet, Worker
 from router.http.direct_socket import SendStalled
 from router.http.grpc import GrpcPool
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
 from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import PipelineMetrics, RequestMetrics
 from router.observability.request_id import current_request_id
-from router.pipeline.attempt import AttemptRunner, RequestContext, Strategy, WorkerFailed
+from router.pipeline.attempt import (
+    AttemptRunner,
+    RequestContext,
+    Strategy,
+    StreamCut,
+    WorkerFailed,
+)
+from router.pipeline.continuation import Seam
 from router.pipeline.dispatch import Timeouts, client_headers
 from router.pipeline.engine_tokens import EngineTokens, EngineTokenSettings
 from router.pipeline.grpc_dispatch import GrpcDispatch, GrpcEngines
@@ -45,7 +55,16 @@ from router.pipeline.model_names import ModelNames, ModelNameWriter, ModelRoute
 from router.pipeline.pd import PDStrategy
 from router.pipeline.plan import Plan, plan_request
 from router.pipeline.resolve import GenerationRequest, parse_generation_request
+from router.pipeline.resume import (
+    OPT_OUT_HEADER,
+    Outcome,
+    Refusal,
+    ResumeSettings,
+    continuation_body,
+)
+from router.pipeline.resume_request import RequestResume
 from router.pipeline.wait import WorkerWait, WorkerWaitSettings
+from router.policies.adapter_affinity import AdapterAffinitySettings
 from router.policies.by_name import make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareSettings
 from router.policies.kv_aware import KvAware, KvPolicyInputs
@@ -53,10 +72,14 @@ from router.policies.policy import Policy
 from router.policies.routing_keys import routing_key, routing_text
 from router.policies.spread import NearTies, SpreadSettings
 from router.prompts.token_sources import TokenSources
+from router.prompts.tokenizer import TextTokenizer
 
 log = logging.getLogger("router.failover")
 
 CLIENT_LEFT = 499  # status recorded in metrics for a client that went away
+CONTINUATION_FAILED = -200
+"""What `_attempts` says when a broken stream found no worker for its continuation (the
+client got its 200 and then the error event)."""
 # The routes whose engine request has vLLM's `priority` field (SGLang's /generate has it too).
 ENGINE_PRIORITY_ROUTES = frozenset({"chat", "completions", "responses", "generate"})
 
@@ -82,6 +105,9 @@ class FailoverSettings:
     engine_tokens: EngineTokenSettings | None = None
     """Ask the engines for token ids `kv_aware` cannot compute here; None: never."""
     token_sources: TokenSources | None = None
+    resume: ResumeSettings = field(default_factory=ResumeSettings)
+    """Streams that break after the first byte go on elsewhere (`--resume-limit`); the
+    text after the seam is made with the model's local tokenizer (`token_sources`)."""
     engine_priority: bool = False
     """Send a request's priority class to the engine as its `priority` field (vLLM run with
     `--scheduling-policy priority`): rank 0, the highest class, is served first there too."""
@@ -89,6 +115,8 @@ class FailoverSettings:
     """The operator's aliases and fallbacks."""
     answer_alias: bool = False
     """Write an alias, not the served model, in the answer's `model` field."""
+    adapters: AdapterAffinitySettings = field(default_factory=AdapterAffinitySettings)
+    """What a LoRA adapter's slots cost the load-reading policies."""
 
 
 class GenerationService:
@@ -104,11 +132,14 @@ class GenerationService:
         pipeline_metrics: PipelineMetrics,
         *,
         draw: Callable[[], float] | None = None,
+        on_adapter_miss: Callable[[Worker, str], None] | None = None,
         grpc: GrpcPool | None = None,
     ) -> None:
         """`draw` picks among an alias's models (numbers in [0, 1); default: a generator
-        seeded by the OS); `grpc` carries the exchanges with `grpc://` workers (None: they
-        cannot be served)."""
+        seeded by the OS). `on_adapter_miss(worker, adapter)` hears of each routing miss
+        (`router.engines.adapter_lists.AdapterLists.missed`; default: the fleet alone
+        forgets the adapter on that worker); `grpc` carries the exchanges with `grpc://`
+        workers (None: they cannot be served)."""
         self.settings = settings
         self.names = settings.names
         self.draw = draw if draw is not None else random.Random().random
@@ -121,7 +152,14 @@ class GenerationService:
         ties = NearTies(settings.spread.margin, rng)
 
         def build(name: str) -> Policy:
-            return make_policy(name, rng=rng, cache=settings.cache, kv=settings.kv, ties=ties)
+            return make_policy(
+                name,
+                rng=rng,
+                cache=settings.cache,
+                kv=settings.kv,
+                ties=ties,
+                adapters=settings.adapters,
+            )
 
         self.policies = {
             Role.MIXED: build(settings.policy),
@@ -157,6 +195,9 @@ class GenerationService:
             self.policies,
             worker_api_key=settings.worker_api_key,
             on_release=self.waits.notify,
+            on_adapter_miss=on_adapter_miss
+            if on_adapter_miss is not None
+            else fleet.adapter_missed,
             grpc=grpc_dispatch,
         )
         self.strategies: dict[Mode, Strategy] = {
@@ -273,21 +314,58 @@ class GenerationService:
         if self.reads_text:
             generation.routing_text = routing_text(generation.body)
         ctx = RequestContext(generation, request, writer, key_bytes, started)
+        if generation.stream and self.settings.resume.limit > 0:
+            ctx.resume = RequestResume(
+                self.settings.resume,
+                generation,
+                self._local_tokenizer,
+                request.header(OPT_OUT_HEADER),
+            )
+        while True:
+            try:
+                status = await self._attempts(ctx, route)
+            except StreamCut as cut:
+                if await self._resume(ctx, cut):
+                    continue
+                return 200
+            resume = ctx.resume
+            if resume is not None:
+                if resume.seam is not None:
+                    # The continuation ran to its end (or gave up, which `_give_up` counted).
+                    if status != CONTINUATION_FAILED:
+                        self.pipeline_metrics.count_resume(generation.route, Outcome.RESUMED)
+                    return 200
+                if resume.ended_broken:
+                    # Broken, relayed without capture: it ended with the error event as ever.
+                    self._refused(ctx, resume.why_relayed_plain())
+            return status
+
+    async def _attempts(self, ctx: RequestContext, route: ModelRoute | None) -> int:
+        """Attempt the request (or its continuation) on distinct workers until one
+        answers; the status given to the client. `route`: the request's model names (its
+        fallbacks), None without aliases or fallbacks."""
+        generation = ctx.generation
+        continuing = ctx.resume is not None and ctx.resume.seam is not None
         attempts = ctx.log
         retry_reason: str | None = None
         for attempt in range(self.settings.max_attempts):
             now = trio.current_time()
             try:
-                if attempt == 0:
-                    plan: Plan | None = (
+                if continuing:
+                    # A continuation carries the tokens of the model that began the stream:
+                    # it stays on that model (no fallback) and waits for no worker.
+                    planned = self._plan(generation, now)
+                    plan: Plan | None = planned if attempts.untried_left(planned) else None
+                elif attempt == 0:
+                    plan = (
                         await self.waits.plan(generation.model, partial(self._plan, generation))
                         if route is None
-                        else await self._first_plan(generation, writer, route)
+                        else await self._first_plan(generation, ctx.writer, route)
                     )
                 else:
                     plan = self._retry_plan(ctx, route, now)
             except RouterError:
-                if attempt == 0:
+                if attempt == 0 and not continuing:
                     raise
                 break  # the fleet changed under a failing request: give the last answer
             if plan is None:
@@ -297,7 +375,7 @@ class GenerationService:
                 # request is no retry, whatever its reason.
                 self.pipeline_metrics.count_retry(retry_reason)
                 retry_reason = None
-            if attempt == 0 and generation.spec.generation:
+            if attempt == 0 and not continuing and generation.spec.generation:
                 # A request counts once, under the mode it was first planned in.
                 self.pipeline_metrics.count_mode(plan.mode)
                 if self.engine_tokens is not None:
@@ -322,6 +400,84 @@ class GenerationService:
                 break  # no untried worker left
             return delivered
         return await self._give_up(ctx)
+
+    async def _resume(self, ctx: RequestContext, cut: StreamCut) -> bool:
+        """After `cut`: True when a continuation is to be attempted (`ctx.generation` is
+        now its request); False when the client's stream was ended here, with the error
+        event (refused) or with the end the engine had already reached."""
+        resume = ctx.resume
+        assert resume is not None
+        generation = resume.generation
+        writer = ctx.writer
+        if resume.seam is not None:
+            # A continuation broke: it had started, so the resume before it went on.
+            self.pipeline_metrics.count_resume(generation.route, Outcome.RESUMED)
+        # Kept for the error event a later failure ends with; without its traceback, whose
+        # frames hold this request's context (and with it this exception): a cycle that
+        # would keep every broken stream's buffers until a full collection.
+        resume.broken = cut.broken.with_traceback(None)
+        decision = resume.decide(cut.worker)
+        if isinstance(decision, Refusal):
+            self._refused(ctx, decision)
+            await writer.write(cut.broken.error_event(STREAM_ERROR_EVENTS[generation.spec.dialect]))
+            await writer.finish()
+            return False
+        seam = decision
+        budget = seam.budget_left
+        capture = resume.capture
+        if capture is not None and capture.finish_reason is not None and seam.resumes == 0:
+            # The engine had finished; only the usage and the end were lost.
+            await writer.write(seam.ending())
+        elif budget is not None and budget <= 0:
+            await writer.write(seam.ending("length"))
+        else:
+            seam.resumes += 1
+            ctx.generation = self._continuation(generation, seam, cut.worker)
+            log.warning(
+                "stream from %s broke after %d tokens (%s): resuming elsewhere [request %s]",
+                cut.worker.id,
+                len(seam.generated),
+                cut.broken.code,
+                current_request_id(),
+            )
+            return True
+        await writer.finish()
+        self.pipeline_metrics.count_resume(generation.route, Outcome.RESUMED)
+        return False
+
+    def _continuation(
+        self, generation: GenerationRequest, seam: Seam, broken: Worker
+    ) -> GenerationRequest:
+        body, raw = continuation_body(
+            generation.route,
+            generation.body,
+            seam.prompt_ids,
+            seam.generated,
+            max_model_len=broken.record.max_model_len.get(generation.model),
+        )
+        return GenerationRequest(
+            route=generation.route,
+            path=generation.path,
+            model=generation.model,
+            stream=True,
+            body=body,
+            raw=raw,
+            spec=generation.spec,
+            routing_text=generation.routing_text,
+            tokens=[*seam.prompt_ids, *seam.generated],
+        )
+
+    def _refused(self, ctx: RequestContext, reason: Refusal) -> None:
+        route = ctx.generation.route
+        self.pipeline_metrics.count_resume(route, Outcome.REFUSED)
+        self.pipeline_metrics.count_resume_refusal(route, reason)
+        log.warning(
+            "stream of request %s broke and is not resumed: %s", current_request_id(), reason.value
+        )
+
+    def _local_tokenizer(self, model: str) -> TextTokenizer | None:
+        sources = self.settings.token_sources
+        return None if sources is None else sources.local(model)
 
     async def _resolve_tokens(self, generation: GenerationRequest, plan: Plan) -> None:
         """The token ids `kv_aware` predicts with, once, before the first pick (asking an
@@ -419,6 +575,18 @@ class GenerationService:
 
     async def _give_up(self, ctx: RequestContext) -> int:
         attempts = ctx.log
+        resume = ctx.resume
+        if resume is not None and resume.seam is not None and resume.broken is not None:
+            # The client's stream is open: no worker took its continuation.
+            tried = "; ".join(attempts.reasons[-3:]) or "no untried worker left"
+            log.warning(
+                "no worker continued the stream of request %s: %s", current_request_id(), tried
+            )
+            self.pipeline_metrics.count_resume(ctx.generation.route, Outcome.FAILED)
+            dialect = ctx.generation.spec.dialect
+            await ctx.writer.write(resume.broken.error_event(STREAM_ERROR_EVENTS[dialect]))
+            await ctx.writer.finish()
+            return CONTINUATION_FAILED
         if attempts.last_answer is not None:
             answer, worker_id = attempts.last_answer
             await ctx.writer.respond(

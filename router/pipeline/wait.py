@@ -68,7 +68,7 @@ class WorkerWait:
 
     def notify(self, worker: Worker) -> None:
         """A request on `worker` ended: the head of each of its models' lines may go."""
-        for model in worker.record.models:
+        for model in (*worker.record.models, *worker.adapters.held):
             line = self._lines.get(model)
             if line:
                 next(iter(line)).event.set()
@@ -177,7 +177,7 @@ class WorkerWait:
         # Models served before this change were served until now, including departed ones.
         for model in self._known:
             self._recent[model] = now
-        self._known = set(self.fleet.models())
+        self._known = {*self.fleet.models(), *self.fleet.adapters()}
         for model in self._known:
             self._recent[model] = now
         horizon = now - self.settings.workers_wait_s

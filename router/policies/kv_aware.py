@@ -34,6 +34,13 @@ computes itself). Per request:
 4. The chosen view's blocks count as held for a short time (`KvIndex.note_routed`), so a
    burst of one new prefix does not spread before the engine's events arrive.
 
+A request for a LoRA adapter is tokenized as its base model's, and looked up in the base
+model's index under keys namespaced by the adapter (the engines' `BlockStored` events
+carry `lora_name`, which our keys chain in; the base model is its own namespace), so an
+adapter's blocks never count as the base model's nor another adapter's. Its cost on each
+candidate adds what the adapter costs there (`router.policies.adapter_affinity`: running
+it, a free slot, a wait).
+
 Pure and synchronous: `clock` (the caller's, trio's in the router) is read once per pick.
 """
 
@@ -48,6 +55,7 @@ from router.engines.kv_events.fleet_views import KvIndexes
 from router.engines.kv_events.index import MatchResult, ViewId
 from router.fleet.records import Role
 from router.fleet.registry import Worker
+from router.policies.adapter_affinity import AdapterAffinitySettings, adapter_cost
 from router.policies.spread import NearTies, deterministic
 from router.prompts.chat_request import NotRendered
 from router.prompts.chat_template import TemplateFailed
@@ -100,6 +108,12 @@ class RequestKey(Protocol):
 
     @property
     def tokens(self) -> list[int] | str | None: ...
+
+    @property
+    def base_model(self) -> str | None: ...
+
+    @property
+    def adapter(self) -> str | None: ...
 
 
 # Why a request got no prediction (the `reason` label of the counter).
@@ -180,6 +194,7 @@ class KvAware:
     __slots__ = (
         "_clock",
         "_start",
+        "adapters",
         "indexes",
         "local",
         "no_prediction",
@@ -202,8 +217,10 @@ class KvAware:
         tokenizer: TextTokenizer | None = None,
         ties: NearTies | None = None,
         local: Callable[[str], TextTokenizer | None] | None = None,
+        adapters: AdapterAffinitySettings | None = None,
     ) -> None:
         self.settings = settings
+        self.adapters = adapters or AdapterAffinitySettings()
         self.tokenizer = tokenizer
         self.local = local
         self.ties = ties or deterministic()
@@ -234,13 +251,16 @@ class KvAware:
         """The pick and, for a rank-multiplexed worker, the DP rank whose view holds the
         longest run (the least loaded of equal runs); None without a prediction, so the
         pipeline takes its least-loaded rank."""
+        # An adapter's prompt is its base model's tokens, its blocks in that model's index.
+        model = key.base_model or key.model
+        adapter = key.adapter
         found = key.tokens
         if found is None:
-            tokenizer = self.local(key.model) if self.local is not None else self.tokenizer
+            tokenizer = self.local(model) if self.local is not None else self.tokenizer
             found = tokens_or_reason(key.body, tokenizer, key.route)
         tokens = found if isinstance(found, list) else []
         reason = found if isinstance(found, str) else None
-        index = self.indexes.get(key.model)
+        index = self.indexes.get(model)
         if reason is None:
             if index is None or index.block_size is None:
                 reason = NO_INDEX
@@ -253,7 +273,9 @@ class KvAware:
         if reason is not None or index is None:
             self.no_prediction[reason or NO_INDEX] += 1
             self.picks["no_prediction"] += 1
-            loads = [(worker.load, worker) for worker in candidates]
+            loads = [
+                (worker.load + self._adapter_cost(worker, adapter), worker) for worker in candidates
+            ]
             best_idle = start
             for offset in range(1, count):
                 position = (start + offset) % count
@@ -261,7 +283,7 @@ class KvAware:
                     best_idle = position
             return self.ties.choose(loads, best_idle), None
         now = self._clock()
-        keys = index.block_keys(tokens, extra_keys=_salt_keys(key.body))
+        keys = index.block_keys(tokens, lora_name=adapter, extra_keys=_salt_keys(key.body))
         result = index.match(keys, now)
         self.predictions += 1
         weight = self.settings.overlap_weight / self._typical(result.blocks)
@@ -271,6 +293,7 @@ class KvAware:
         for offset in range(count):
             worker = candidates[(start + offset) % count]
             held, load, view = self._held(worker, result)
+            load += self._adapter_cost(worker, adapter)
             score = (weight * (result.blocks - held) + load, load)
             if offset == 0 or score < best_score:
                 best, best_score = offset, score
@@ -288,6 +311,9 @@ class KvAware:
             return best_worker, None
         index.note_routed(keys, best_view[0], best_view[1], now)
         return best_worker, best_view[1]
+
+    def _adapter_cost(self, worker: Worker, adapter: str | None) -> float:
+        return 0.0 if adapter is None else adapter_cost(worker, adapter, self.adapters)
 
     def _typical(self, blocks: int) -> float:
         """The typical prompt's blocks, this request's `blocks` folded in (at least 1)."""

@@ -1,7 +1,9 @@
 """The policies that read load (`Worker.load`: the engine's own count plus what this
 process sent that it cannot have counted yet, or this process's own count while the
 engine's is unknown; `router.fleet.load`): `least_load` (the least loaded) and
-`power_of_two` (two at random, the less loaded of them)."""
+`power_of_two` (two at random, the less loaded of them). A request for a LoRA adapter
+adds to each candidate's load what the adapter costs there
+(`router.policies.adapter_affinity`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import random
 from collections.abc import Sequence
 
 from router.fleet.registry import Worker
+from router.policies.adapter_affinity import AdapterAffinitySettings, adapter_cost
 from router.policies.policy import PolicyKey, _StateKey
 from router.policies.spread import NearTies, deterministic
 
@@ -22,18 +25,29 @@ class LeastLoad:
     (`router.policies.spread`), so replicas reading the same loads spread too.
     """
 
-    __slots__ = ("_start", "ties")
+    __slots__ = ("_start", "adapters", "ties")
 
-    def __init__(self, ties: NearTies | None = None) -> None:
+    def __init__(
+        self, ties: NearTies | None = None, adapters: AdapterAffinitySettings | None = None
+    ) -> None:
         self._start: dict[_StateKey, int] = {}
         self.ties = ties or deterministic()
+        self.adapters = adapters or AdapterAffinitySettings()
 
     def pick(self, key: PolicyKey, candidates: Sequence[Worker]) -> Worker:
         count = len(candidates)
         state_key = (key.model, key.role)
         start = self._start.get(state_key, 0) % count
         self._start[state_key] = (start + 1) % count
-        scored = [(worker.load, worker) for worker in candidates]
+        adapter = key.adapter
+        if adapter is None:
+            scored = [(worker.load, worker) for worker in candidates]
+        else:
+            costs = self.adapters
+            scored = [
+                (worker.load + adapter_cost(worker, adapter, costs), worker)
+                for worker in candidates
+            ]
         best = start
         for offset in range(1, count):
             index = (start + offset) % count
@@ -45,10 +59,11 @@ class LeastLoad:
 class PowerOfTwo:
     """Two distinct random candidates; the less loaded of them (the first on a tie)."""
 
-    __slots__ = ("_rng",)
+    __slots__ = ("_rng", "adapters")
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, adapters: AdapterAffinitySettings | None = None) -> None:
         self._rng = rng
+        self.adapters = adapters or AdapterAffinitySettings()
 
     def pick(self, key: PolicyKey, candidates: Sequence[Worker]) -> Worker:
         count = len(candidates)
@@ -59,4 +74,9 @@ class PowerOfTwo:
         if second >= first:
             second += 1
         a, b = candidates[first], candidates[second]
-        return b if b.load < a.load else a
+        adapter = key.adapter
+        if adapter is None:
+            return b if b.load < a.load else a
+        cost_a = a.load + adapter_cost(a, adapter, self.adapters)
+        cost_b = b.load + adapter_cost(b, adapter, self.adapters)
+        return b if cost_b < cost_a else a

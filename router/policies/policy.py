@@ -30,6 +30,14 @@ class PolicyKey:
     """The request's token ids as the pipeline resolved them for `kv_aware`
     (`router.pipeline.engine_tokens`), or why there are none; None: not resolved (the
     policy computes them from `body` itself)."""
+    base_model: str | None = None
+    """When `model` names a LoRA adapter, the base model it applies to (whose tokenizer
+    and KV-block index serve it); None for a base model."""
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the request names, or None for a base model."""
+        return self.model if self.base_model is not None else None
 
 
 class Policy(Protocol):

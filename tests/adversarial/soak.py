@@ -1,9 +1,14 @@
 """The soak: many concurrent streams through a real router process, for a bounded time,
-against a fleet with a resetting worker and a 503-wedged one, with clients that leave.
+against a fleet with a resetting worker, a 503-wedged one and one that breaks every stream
+it serves mid-way, with clients that leave.
 
 What it proves is what is left afterwards: no lease (in-flight 0 on every worker), no
 upstream connection beyond the idle pool, the router's task count back to its idle value,
-its memory no larger than after warm-up (within 10%), and no request lost.
+its memory no larger than after warm-up (within 10%), and no request lost. The workers
+are vLLM fakes and the router has their vocabulary, so a stream the breaking worker cuts
+resumes on another worker: every stream in the resume envelope must end whole, with the
+unbroken text; a tenth of the requests ask for two choices (outside the envelope), and
+those the breaking worker cuts end with the error event, counted by reason.
 
 `make soak` runs the long version (`python -m tests.adversarial.soak`); the suite runs a
 ten-second one (`tests/adversarial/test_soak.py`).
@@ -17,6 +22,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -27,14 +33,20 @@ import httpx
 import orjson
 import trio
 
+from router.fake_worker.formats import expected_text
+from router.fake_worker.vocabulary import write_tokenizer
 from tests.support.cli_process import REPO, Output
 from tests.support.traffic import repeat
 
 URL_LINE = re.compile(r"(?:listening on|router listening on) (http://\S+)")
-HEALTHY_WORKERS = 2
+HEALTHY_WORKERS = 3
 TOKENS = 20
 TOKEN_LATENCY_MS = 50
 POOL_MAX_IDLE = 64
+BREAK_AFTER_EVENTS = 8
+"""The breaking worker's streams end after this many events (the role and 7 tokens)."""
+TWO_CHOICES = 0.1
+"""The share of requests with n = 2: outside the resume envelope."""
 
 
 @dataclass(slots=True)
@@ -51,6 +63,19 @@ class SoakReport:
     first_burst_at_reset_worker: int | None = None
     """Its dispatches once its breaker opened and its count settled; None: never opened."""
     first_burst_at_wedged_worker: int | None = None
+    dispatches_at_breaking_worker: int = 0
+    envelope_sent: int = 0
+    """Requests in the resume envelope (n = 1) the clients did not leave."""
+    envelope_ended_early: int = 0
+    """Of those, streams that did not end whole with the unbroken text."""
+    envelope_examples: list[str] = field(default_factory=list)
+    outside_sent: int = 0
+    outside_ended_with_error: int = 0
+    """Requests outside the envelope (n = 2) ended with the error event: a break not resumed."""
+    resumes: dict[str, float] = field(default_factory=dict)
+    """`router_resumes_total` by outcome."""
+    refusals: dict[str, float] = field(default_factory=dict)
+    """`router_resume_refusals_total` by reason."""
     inflight_after: dict[str, int] = field(default_factory=dict)
     connections_in_use_after: int | None = None
     connections_idle_after: int | None = None
@@ -68,6 +93,13 @@ class SoakReport:
         found = []
         if self.lost:
             found.append(f"{self.lost} of {self.sent} requests lost, e.g. {self.lost_examples[:3]}")
+        if self.envelope_ended_early:
+            found.append(
+                f"{self.envelope_ended_early} of {self.envelope_sent} streams in the resume "
+                f"envelope ended early, e.g. {self.envelope_examples[:3]}"
+            )
+        if not self.resumes.get("resumed"):
+            found.append(f"no stream resumed: {self.resumes}")
         if self.completed == 0:
             found.append("no request completed")
         if any(self.inflight_after.values()) or not self.inflight_after:
@@ -127,6 +159,16 @@ def _rss_kib(pid: int) -> int | None:
     return None
 
 
+def _by_label(scrape: str, name: str, label: str) -> dict[str, float]:
+    """A counter's samples summed by one label (over the others)."""
+    out: dict[str, float] = {}
+    for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} ([0-9.e+]+)$", scrape, re.M):
+        found = re.search(rf'{label}="([^"]*)"', labels)
+        if found is not None:
+            out[found.group(1)] = out.get(found.group(1), 0.0) + float(value)
+    return out
+
+
 def _gauge(scrape: str, name: str, labels: str = "") -> int | None:
     match = re.search(rf"^{re.escape(name + labels)} ([0-9.e+]+)$", scrape, re.M)
     return int(float(match.group(1))) if match else None
@@ -134,12 +176,14 @@ def _gauge(scrape: str, name: str, labels: str = "") -> int | None:
 
 async def _one_stream(address: tuple[str, int], rng: random.Random, report: SoakReport) -> None:
     """One streamed chat request on its own connection; a fifth of the clients leave
-    after the first bytes of the answer."""
+    after the first bytes of the answer, a tenth of the requests ask for two choices."""
+    choices = 2 if rng.random() < TWO_CHOICES else 1
     body = orjson.dumps(
         {
             "model": "fake-model",
             "stream": True,
             "max_tokens": TOKENS,
+            "n": choices,
             "messages": [{"role": "user", "content": f"soak {rng.random()}"}],
         }
     )
@@ -166,14 +210,43 @@ async def _one_stream(address: tuple[str, int], rng: random.Random, report: Soak
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             _lose(report, f"transport: {exc!r}")
             return
-    if (
-        received.startswith(b"HTTP/1.1 200")
-        and b"data: [DONE]" in received
-        and b"event: error" not in received
-    ):
+    whole = b"data: [DONE]" in received and b"event: error" not in received
+    if choices == 1:
+        report.envelope_sent += 1
+        text = _stream_text(bytes(received))
+        if not whole or text != expected_text(TOKENS):
+            report.envelope_ended_early += 1
+            if len(report.envelope_examples) < 10:
+                report.envelope_examples.append(f"{text!r} {bytes(received[-160:])!r}")
+    else:
+        report.outside_sent += 1
+        if b"event: error" in received and received.startswith(b"HTTP/1.1 200"):
+            report.outside_ended_with_error += 1
+            report.completed += 1  # an honest end: the break, said
+            return
+    if received.startswith(b"HTTP/1.1 200") and whole:
         report.completed += 1
     else:
         _lose(report, bytes(received[:200]).decode(errors="replace"))
+
+
+def _stream_text(response: bytes) -> str:
+    """The text of a chunked SSE chat answer (one choice)."""
+    _, _, body = response.partition(b"\r\n\r\n")
+    data = bytearray()
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        data += rest[:size]
+        body = rest[size + 2 :]
+    text = []
+    for event in bytes(data).split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for choice in orjson.loads(event[6:]).get("choices") or ():
+                text.append(choice.get("delta", {}).get("content") or "")
+    return "".join(text)
 
 
 def _lose(report: SoakReport, what: str) -> None:
@@ -193,28 +266,41 @@ async def _client_loop(
 
 async def run_soak(duration_s: float, streams: int) -> SoakReport:
     """Run the soak and read what the router holds afterwards."""
+    with tempfile.TemporaryDirectory(prefix="soak-") as scratch:
+        return await _soak(duration_s, streams, Path(scratch))
+
+
+async def _soak(duration_s: float, streams: int, scratch: Path) -> SoakReport:
     report = SoakReport(duration_s=duration_s, streams=streams)
     fake = [
         "fake-worker",
         "--port",
         "0",
+        "--engine",
+        "vllm",
         "--tokens",
         str(TOKENS),
         "--token-latency-ms",
         str(TOKEN_LATENCY_MS),
     ]
+    breaks = ["--fail-first", "-1", "--fail-mode", "midstream"]
     async with trio.open_nursery() as nursery:
         workers = []
         async with (
             _child(nursery, fake) as (_, healthy_a),
             _child(nursery, fake) as (_, healthy_b),
+            _child(nursery, fake) as (_, healthy_c),
             _child(nursery, [*fake, "--fail-first", "-1", "--fail-mode", "reset"]) as (
                 _,
                 resetting,
             ),
             _child(nursery, [*fake, "--fail-first", "-1", "--fail-status", "503"]) as (_, wedged),
+            _child(nursery, [*fake, *breaks, "--fail-after-chunks", str(BREAK_AFTER_EVENTS)]) as (
+                _,
+                breaking,
+            ),
         ):
-            workers = [healthy_a, healthy_b, resetting, wedged]
+            workers = [healthy_a, healthy_b, healthy_c, resetting, wedged, breaking]
             report.idle_pool_bound = POOL_MAX_IDLE * len(workers)
             args = [
                 "serve",
@@ -226,9 +312,11 @@ async def run_soak(duration_s: float, streams: int) -> SoakReport:
                 "3600",
                 "--pool-max-idle-per-worker",
                 str(POOL_MAX_IDLE),
+                "--kv-tokenizer",
+                str(await trio.to_thread.run_sync(write_tokenizer, scratch / "tokenizer.json")),
             ]
             for url in workers:
-                args += ["--worker", url]
+                args += ["--worker", f"{url},engine=vllm"]
             async with (
                 _child(nursery, args) as (router, router_url),
                 httpx.AsyncClient(base_url=router_url, timeout=10) as http,
@@ -270,6 +358,11 @@ async def run_soak(duration_s: float, streams: int) -> SoakReport:
                     report.dispatches_at_wedged_worker = (
                         await direct.get(wedged + "/debug/routing")
                     ).json()["dispatches"]
+                    report.dispatches_at_breaking_worker = (
+                        await direct.get(breaking + "/debug/routing")
+                    ).json()["dispatches"]
+                report.resumes = _by_label(scrape, "router_resumes_total", "outcome")
+                report.refusals = _by_label(scrape, "router_resume_refusals_total", "reason")
         nursery.cancel_scope.cancel()
     return report
 

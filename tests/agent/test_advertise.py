@@ -106,6 +106,10 @@ def test_worker_record_is_the_registered_json_and_omits_status_while_active() ->
         bootstrap_port=8998,
     )
     assert ipv6.bootstrap_addr == "[fd00::7]:8998"
+    lora = worker_record(
+        worker_id="w", url="http://w:1", model="m", role="mixed", engine="vllm", adapters=("a",)
+    )
+    assert lora.to_json()["adapters"] == ["a"]
 
 
 def test_worker_record_rejects_a_bad_field() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import kv_engines
 from bench.cache_workload import ClientStats
 from bench.kv_engines_report import (
     END,
@@ -183,3 +184,32 @@ def test_several_routers_are_judged_by_the_median_of_their_runs_against_one() ->
         "+28.0 points; target at least 15 points above round robin: met"
     ) in lines
     assert not any("roomy" in line for line in lines)  # no roomy runs: nothing judged
+
+
+def test_every_contender_logs_to_a_file_in_the_work_directory() -> None:
+    names = [c.name for group in kv_engines.GROUPS.values() for c in group]
+    assert (
+        kv_engines.log_name("ours kv_aware (engine /tokenize)") == "ours-kv_aware-engine-tokenize"
+    )
+    for name in names:
+        assert "/" not in kv_engines.log_name(name)
+    assert len({kv_engines.log_name(name) for name in names}) == len(set(names))
+
+
+def test_reading_the_engines_load_is_judged_against_the_same_contender_counting_its_own() -> None:
+    runs = [
+        _run("ours kv_aware", 0.79),
+        _run("ours kv_aware (own count)", 0.80),
+        _run("ours kv_aware (--processes 2)", 0.76),
+        _run("ours kv_aware (--processes 2, own count)", 0.79),
+    ]
+    lines = replica_verdicts(runs, "evicting", "roomy")
+    assert (
+        "- evicting: ours kv_aware 79.0% against ours kv_aware (own count) 80.0%, -1.0 points; "
+        "target no more than 2 points under its own count: met"
+    ) in lines
+    assert (
+        "- evicting: ours kv_aware (--processes 2) 76.0% against "
+        "ours kv_aware (--processes 2, own count) 79.0%, -3.0 points; "
+        "target no more than 2 points under its own count: **not met**"
+    ) in lines

@@ -168,6 +168,7 @@ def test_spec_options() -> None:
     assert prefill.models == ("llama", "qwen")
     assert prefill.bootstrap_addr == "p:8998"
     assert prefill.dp_size == 4 and prefill.rank_multiplexed
+    assert parse_worker_spec("http://m:1,model=base,adapters=a+b").adapters == ("a", "b")
     ranked = parse_worker_spec("http://d:1,role=decode,dp_size=2,dp_rank=1,engine=vllm,id=d-1")
     assert (ranked.id, ranked.engine, ranked.dp_rank, ranked.rank_multiplexed) == (
         "d-1",

@@ -94,6 +94,12 @@ def test_fault_and_streaming_steps_and_the_fleet_kinds_load(tmp_path: Path) -> N
             "publishes KV events (kv_events); a real engine (fleets: vllm) cannot",
         ),
         (
+            ENGINES.replace("  b: {}", "  b: {lora_adapters: []}"),
+            6,
+            "fleet.b",
+            "holds LoRA adapters (lora_adapters); a real engine (fleets: vllm) cannot",
+        ),
+        (
             ENGINES.replace("  b: {}", "  b: {kv_events: sometimes}"),
             6,
             "fleet.b.kv_events",

@@ -68,6 +68,11 @@ def test_a_grpc_case_keeps_its_behaviour_ranks_and_code_list(tmp_path: Path) -> 
             "publishes KV events (kv_events); a gRPC worker (fleets: grpc) cannot",
         ),
         (
+            GRPC.replace("  b: {dp_size: 2}", "  b: {lora_adapters: [x]}"),
+            "fleet.b",
+            "holds LoRA adapters (lora_adapters); a gRPC worker (fleets: grpc) cannot",
+        ),
+        (
             GRPC.replace("fleets: [fake, grpc]\n", "fleets: [fake, grpc]\ndiscovery: etcd\n"),
             "discovery",
             "a gRPC worker (fleets: grpc) is not discovered",

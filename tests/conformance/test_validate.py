@@ -375,3 +375,52 @@ def test_bad_traffic_settings_name_file_line_and_field(
     assert code == 2
     assert err.startswith(f"{path}:{line}: {field}: "), err
     assert words in err
+
+
+LORA = """\
+name: adapters
+description: engines holding LoRA adapters, a model list read with GET
+fleet:
+  a: {lora_adapters: [x, y], max_loras: 2}
+  b: {lora_adapters: []}
+  c: {}
+steps:
+  - poll: {route: models, within_s: 5}
+    expect:
+      lists_models: {m: null, x: m}
+  - set_behaviour: {worker: a, behaviour: {lora_adapters: [x]}}
+  - send: {model: x, route: completions}
+"""
+
+
+def test_lora_workers_and_model_lists_load_and_imply_their_capability(tmp_path: Path) -> None:
+    case = load_case(write(tmp_path, LORA), tmp_path)
+    a, b, c = case.fleet
+    assert (a.lora_adapters, a.max_loras, b.lora_adapters, c.lora_adapters) == (
+        ("x", "y"),
+        2,
+        (),
+        None,
+    )
+    poll = case.steps[0]
+    assert not isinstance(poll, SendStep)
+    assert poll.expect.lists_models == {"m": None, "x": "m"}  # type: ignore[union-attr]
+    needed = case.capabilities_needed()
+    assert "lora.adapters" in needed and "route.completions" in needed
+    assert "route.models" not in needed  # GET /v1/models: every plane serves it
+
+
+@pytest.mark.parametrize(
+    ("fragment", "message"),
+    [
+        ("  a: {lora_adapters: x}\n", "fleet.a.lora_adapters: must be a list of adapter names"),
+        ("  a: {lora_adapters: [x], max_loras: 0}\n", "fleet.a.max_loras"),
+        ("  a: {max_loras: 2}\n", "fleet.a.max_loras: only a worker with lora_adapters"),
+    ],
+)
+def test_bad_lora_fields_name_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fragment: str, message: str
+) -> None:
+    write(tmp_path, GOOD.replace("  a: {}\n", fragment))
+    code, err = validate(tmp_path, capsys)
+    assert code != 0 and message in err

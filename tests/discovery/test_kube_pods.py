@@ -89,8 +89,10 @@ def test_annotations_give_port_model_role_dp_size_and_the_bootstrap_port() -> No
         "trio-router/dp-size": "4",
         "sglang.ai/bootstrap-port": "9000",
         "trio-router/engine": "sglang",
+        "trio-router/adapters": "x, y",
     }
     record = pod_record(PodFacts.of(pod(annotations=notes)), Role.MIXED, 8000)
+    assert record.adapters == ("x", "y")
     assert (record.id, record.url, record.models) == (
         "default/w-0",
         "http://10.1.2.3:30000",

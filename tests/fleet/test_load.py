@@ -111,3 +111,19 @@ def test_resizing_keeps_one_share_per_view(dp_size: int) -> None:
     assert w is not None and len(w.shares) == dp_size
     fleet.upsert(WorkerRecord(id="w", url="http://w:1", models=("m",), dp_size=2))
     assert len(w.shares) == 2
+
+
+def test_ours_that_ended_before_a_reading_are_in_neither_count() -> None:
+    w = worker()
+    for _ in range(3):
+        w.begin(None, now=0.0)  # long ones, counted by the engine
+    for sent in (9.8, 9.9):
+        w.begin(None, now=sent)  # two fast ones, in and out before the reading
+        w.end(None, sent_at=sent)
+    # The engine holds our three and nothing else.
+    w.shares[0].observe(3, taken_at=10.0, own_inflight=w.inflight, window_s=WINDOW)
+    assert w.shares[0].others == 0.0 and w.load == 3.0
+    # Held as still in flight, the two would have made ours look uncounted: 2 elsewhere.
+    assert w.shares[0].kept_dispatches() == 0
+    w.end(None, sent_at=0.0)  # older than the window: never held, nothing to drop
+    assert w.inflight == 2 and w.load == 2.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,10 +22,14 @@ import trio
 import trio.testing
 
 from router.cli.serve import RunningRouter
+from router.fake_worker.behaviour import FailMode
+from router.fake_worker.settings import FakeWorkerSettings
+from router.fake_worker.vocabulary import write_tokenizer
 from router.http.grpc import open_grpc_pool
 from router.pipeline.dispatch import AttemptFailed
 from router.pipeline.grpc_dispatch import GrpcEngines
 from router.prompts.tokenizer import HfTokenizer
+from tests.support.failover import scrape
 from tests.support.fake_fleet import open_fake_fleet
 from tests.support.grpc_fake_process import FakeGrpcEngine, fake_grpc_engine
 from tests.support.http_client import RawClient
@@ -197,8 +202,6 @@ async def test_the_gap_goes_to_an_http_worker_of_the_model_when_there_is_one(
 ) -> None:
     a, _ = engines
     await a.behave()
-    from router.fake_worker.settings import FakeWorkerSettings
-
     with trio.fail_after(GUARD_S):
         async with open_fake_fleet([FakeWorkerSettings(model=MODEL)]) as fleet:
             async with router_before(a.url, fleet[0].url) as client:
@@ -315,6 +318,42 @@ async def test_a_stream_broken_after_the_first_token_ends_with_an_error_event(
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events(answer.text)[:-1])
     assert text == " tok0 tok1"
     assert (await a.routing())["dispatches"] == 1
+
+
+async def test_a_broken_http_stream_does_not_go_on_over_grpc(
+    engines: tuple[FakeGrpcEngine, ...], tmp_path: Path
+) -> None:
+    """A continuation is the rest of a stream the client already has, asked as token ids
+    and relayed past its seam: a grpc:// worker of the model would answer it from scratch
+    (a second role, a second text), so it is not sent one; the stream ends with the error
+    event and the gRPC engine sees only the request it served whole."""
+    a, _ = engines
+    await a.behave()
+    breaking = FakeWorkerSettings(
+        model=MODEL,
+        engine="vllm",
+        fail_first=1,
+        fail_mode=FailMode.MIDSTREAM,
+        fail_after_chunks=3,
+    )
+    vocabulary = str(write_tokenizer(tmp_path / "tokenizer.json"))
+    body = {**CHAT, "stream": True, "max_tokens": 12}
+    with trio.fail_after(GUARD_S):
+        async with open_fake_fleet([breaking]) as fleet:
+            http_url = fleet[0].url
+            async with router_before(
+                f"{http_url},engine=vllm", a.url, kv_tokenizer=vocabulary
+            ) as client:
+                answers = [await client.post("/v1/chat/completions", json=body) for _ in range(2)]
+                resumes = await scrape(client, "router_resumes_total")
+    (broken,) = [r for r in answers if "data: [DONE]" not in r.text]
+    assert broken.headers["x-router-worker"] == http_url
+    assert events(broken.text)[-1]["error"]["code"] == "stream_interrupted"
+    roles = [e for e in events(broken.text)[:-1] if e["choices"][0]["delta"].get("role")]
+    assert len(roles) == 1
+    served_by_grpc = [r for r in answers if r.headers["x-router-worker"] == a.url]
+    assert (await a.routing())["dispatches"] == len(served_by_grpc)
+    assert {dict(labels)["outcome"]: n for labels, n in resumes.items()} == {"failed": 1}
 
 
 async def test_a_client_that_leaves_mid_stream_aborts_the_engines_generation(

@@ -78,7 +78,9 @@ async def test_a_request_without_the_right_key_is_401_and_reaches_no_worker(
     with trio.fail_after(GUARD_S):
         async with (
             open_fake_fleet(1) as fleet,
-            open_router([spec(fleet[0])], api_key=CLIENT_KEY) as router,
+            # The router's own reading of the engine's model list (its adapters) is off:
+            # every /v1/models the worker sees would be the client's.
+            open_router([spec(fleet[0])], api_key=CLIENT_KEY, adapter_list_interval_s=0) as router,
         ):
             async with httpx.AsyncClient(base_url=router.url) as client:
                 for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
@@ -325,4 +327,7 @@ async def test_a_worker_that_guards_its_models_list_is_asked_with_the_worker_key
                     )
                     assert response.status_code == 200
             nursery.cancel_scope.cancel()
-    assert asked_with == [f"Bearer {WORKER_KEY}".encode()] * 3
+    # Its models, its server info and the chat; and the adapter list reader's reading of
+    # its models, when it came before the end: every one with the worker key.
+    assert asked_with == [f"Bearer {WORKER_KEY}".encode()] * len(asked_with)
+    assert 3 <= len(asked_with) <= 4

@@ -5,24 +5,14 @@ and a client's text is accepted at a seam only when the ids account for it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from router.fake_worker.vocabulary import write_tokenizer
 from router.prompts.detokenize import StreamedText, find_stop
 from router.prompts.tokenizer import HfTokenizer
 
 CORPUS = ["hello world café 東京 naïve 🙂 end of the line"] * 50
-
-
-def write_tokenizer(path: Path) -> Path:
-    """A word-level tokenizer.json whose id `k` reads `tok{k} ` (the HTTP fake's words)."""
-    vocabulary = {f"tok{k} ": k for k in range(50_000)}
-    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="tok0 "))
-    tokenizer.decoder = decoders.Fuse()  # the words carry their space already
-    tokenizer.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

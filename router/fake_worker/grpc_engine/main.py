@@ -51,11 +51,13 @@ class GrpcOptions:
 
 def unsupported(settings: FakeWorkerSettings) -> str | None:
     """What the gRPC fake cannot be asked to be, or None: a PD role (the gRPC fake serves
-    mixed generation only), a prefix cache and its KV events."""
+    mixed generation only), a prefix cache and its KV events, LoRA adapters."""
     if settings.role != "mixed":
         return f"--role {settings.role}: the gRPC fake serves mixed generation only"
     if settings.cache_tokens or settings.publishes_kv_events or settings.tokenizer:
         return "--cache-tokens, --kv-events and --tokenizer are not served over gRPC"
+    if settings.serves_lora:
+        return "--lora-adapters and --runtime-lora-updating are not served over gRPC"
     return None
 
 
