@@ -113,7 +113,8 @@ class AdapterLists:
         if self.fleet.generation == self._seen_generation:
             return
         self._seen_generation = self.fleet.generation
-        wanted = {worker.id: worker for worker in self.fleet.workers()}
+        # A grpc:// worker has no HTTP model list: its adapters are not read (docs/grpc.md).
+        wanted = {worker.id: worker for worker in self.fleet.workers() if not worker.record.is_grpc}
         for worker_id, task in list(self._tasks.items()):
             worker = wanted.get(worker_id)
             if worker is not task.worker or worker.url != task.url:

@@ -210,7 +210,9 @@ async def test_the_gap_goes_to_an_http_worker_of_the_model_when_there_is_one(
                     for _ in range(3)
                 ]
                 plain = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(2)]
-            http_dispatches = fleet[0].worker.routing.dispatches
+            # Generation requests only: the fake counts the token sources' probe of its
+            # /tokenize (the model directory checked against the engine) as a dispatch too.
+            http_dispatches = len(fleet[0].worker.routing.headers)
     assert [r.status_code for r in answers + plain] == [200] * 5
     assert {r.headers["x-router-worker"] for r in answers} == {fleet[0].url}
     # Round robin over both for the plain ones: one each.
@@ -400,6 +402,23 @@ async def test_a_grpc_worker_learns_its_model_and_facts_and_is_health_checked_ov
     assert worker["model"] == [MODEL]
     assert (worker["engine"], worker["max_model_len"]) == ("vllm", {MODEL: 2048})
     assert paths["/vllm.grpc.engine.VllmEngine/HealthCheck"] >= 1
+
+
+async def test_a_grpc_worker_has_no_http_model_list_reader(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    """The adapter lists are read from `/v1/models` over HTTP: a grpc:// worker gets no
+    reader, so no failed read is counted for it each interval."""
+    a, _ = engines
+    await a.behave()
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url, adapter_list_interval_s=0.05) as client:
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            await trio.sleep(0.3)  # several intervals of a reader, were there one
+            readers = await scrape(client, "router_adapter_list_readers")
+            reads = await scrape(client, "router_adapter_list_reads_total")
+    assert list(readers.values()) == [0]
+    assert sum(reads.values()) == 0
 
 
 async def test_a_grpc_workers_engine_load_is_read_over_get_loads(
