@@ -10,8 +10,9 @@ unit, requests in flight, so it adds to the load figure (`Worker.load`) and to
 `kv_aware`'s prefix score: a free slot costs `slot_cost` (the adapter is swapped in), a
 wait `wait_cost` (a slot must drain first). An engine whose slots are unknown (its
 `/metrics` not read, an engine that does not publish them) costs `slot_cost`, between
-the two, never the best. The defaults come from the benchmark in docs/policies.md
-("LoRA adapters").
+the two, never the best. The defaults are a reasoned start, not a measured optimum: a
+swap-in is about one request's worth of delay, a wait about a batch's; the benchmark in
+docs/policies.md ("LoRA adapters") ran with them and did not sweep them.
 
 Pure and synchronous.
 """
