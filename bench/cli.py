@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import report
+from bench import grpc_row, report
 from bench.plan import (
     CASES,
     CONTENDERS,
@@ -74,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="idle SSE streams held through `ours` (0 skips; default 10,000)",
     )
     parser.add_argument("--no-burst", action="store_true", help="skip the burst-then-c=1 run")
+    parser.add_argument(
+        "--no-grpc",
+        action="store_true",
+        help="skip the gRPC rows (bench/grpc_row.py: ours and smg over HTTP and over gRPC, on fleets of their own, after the cases above)",
+    )
+    parser.add_argument(
+        "--grpc-contenders",
+        default="ours,ours-grpc,smg,smg-grpc",
+        help="comma-separated, of ours, ours-grpc, smg, smg-grpc (default: all four; smg's left out where smg is not installed)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -258,6 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     contenders = _names(
         args.contenders or ",".join(default_contenders), list(CONTENDERS), "contender"
     )
+    grpc_contenders = (
+        []
+        if args.no_grpc or resume
+        else _names(args.grpc_contenders, list(grpc_row.CONTENDER_FLEETS), "gRPC contender")
+    )
     idle_count = (
         args.idle_streams
         if args.idle_streams is not None
@@ -336,6 +352,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.write_doc(out, report.results_markdown(session, header, png.name))
     dump_json(out.with_suffix(".json"), {"header": header, **session.to_json()})
     log(f"wrote {out}, {png.name} and {out.with_suffix('.json').name}")
+    if grpc_contenders:
+        return _grpc_rows(out, header, grpc_contenders, duration, args.rounds, log)
+    return 0
+
+
+def _grpc_rows(
+    out: Path,
+    header: dict[str, str],
+    contenders: list[str],
+    duration: int,
+    rounds: int,
+    log: Callable[[str], None],
+) -> int:
+    """The gRPC rows of `contenders`, on fleets of their own, into their block of `out`
+    and their figures file beside it; smg's only where smg is installed."""
+    if importlib.util.find_spec("smg") is None:
+        contenders = [name for name in contenders if not name.startswith("smg")]
+    log(f"the gRPC rows: {', '.join(contenders)}")
+    try:
+        rows = grpc_row.run(contenders, duration, rounds, log)
+    except BenchError as exc:
+        print(f"python -m bench: the gRPC rows: {exc}", file=sys.stderr)
+        return 1
+    report.write_doc(
+        out, grpc_row.markdown(rows, header), start=grpc_row.GRPC_START, end=grpc_row.GRPC_END
+    )
+    figures = out.with_name(f"{out.stem}-grpc.json")
+    dump_json(figures, {"header": header, "rows": [dataclasses.asdict(row) for row in rows]})
+    log(f"wrote the gRPC rows into {out} and {figures.name}")
     return 0
 
 

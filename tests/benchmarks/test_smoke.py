@@ -30,7 +30,8 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
     out = tmp_path / "perf.md"
     out.write_text(
         "# Perf\n\nWritten by hand.\n\n<!-- bench:results:start -->\nold figures\n"
-        "<!-- bench:results:end -->\n\n## Analysis\n\nAlso by hand.\n"
+        "<!-- bench:results:end -->\n\n<!-- bench:grpc:start -->\nold grpc figures\n"
+        "<!-- bench:grpc:end -->\n\n## Analysis\n\nAlso by hand.\n"
     )
     completed = subprocess.run(
         [
@@ -47,6 +48,8 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
             ",".join(CASES),
             "--idle-streams",
             "100",
+            "--grpc-contenders",
+            "ours-grpc",
             "--out",
             str(out),
         ],
@@ -63,6 +66,20 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
     assert text.endswith("## Analysis\n\nAlso by hand.\n")
     assert "old figures" not in text
     assert text.count("<!-- bench:results:start -->") == 1
+    # The gRPC rows, in their own block.
+    assert "old grpc figures" not in text
+    grpc = text.split("<!-- bench:grpc:start -->")[1].split("<!-- bench:grpc:end -->")[0]
+    for case in ("unary-c32", "stream-c32"):
+        (row,) = [line for line in grpc.splitlines() if line.startswith(f"| ours-grpc | {case} |")]
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[3] == "0", row  # errors
+        assert re.fullmatch(NUMBER, cells[4]) and cells[4] != "0", row  # req/CPU-s
+    grpc_runs = orjson.loads(tmp_path.joinpath("perf-grpc.json").read_bytes())["rows"]
+    assert {(r["contender"], r["case"]) for r in grpc_runs} == {
+        ("ours-grpc", "unary-c32"),
+        ("ours-grpc", "stream-c32"),
+    }
+    assert all(r["requests"] > 0 for r in grpc_runs)
 
     for case in CASES:
         for contender in CONTENDERS:
