@@ -407,18 +407,23 @@ async def test_a_grpc_worker_learns_its_model_and_facts_and_is_health_checked_ov
 async def test_a_grpc_worker_has_no_http_model_list_reader(
     engines: tuple[FakeGrpcEngine, ...],
 ) -> None:
-    """The adapter lists are read from `/v1/models` over HTTP: a grpc:// worker gets no
-    reader, so no failed read is counted for it each interval."""
+    """The adapter lists are read from `/v1/models` over HTTP: beside an HTTP worker whose
+    list is read, a grpc:// worker gets no reader, so no failed read is counted for it."""
     a, _ = engines
     await a.behave()
     with trio.fail_after(GUARD_S):
-        async with router_before(a.url, adapter_list_interval_s=0.05) as client:
-            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-            await trio.sleep(0.3)  # several intervals of a reader, were there one
+        async with (
+            open_fake_fleet([FakeWorkerSettings(model=MODEL, engine="vllm")]) as fleet,
+            router_before(a.url, fleet[0].url, adapter_list_interval_s=0.05) as client,
+        ):
+            # Several intervals pass: the HTTP worker's reader has read three times.
+            reads: dict[Any, float] = {}
+            while sum(reads.values()) < 3:
+                reads = await scrape(client, "router_adapter_list_reads_total")
+                await trio.sleep(0.05)
             readers = await scrape(client, "router_adapter_list_readers")
-            reads = await scrape(client, "router_adapter_list_reads_total")
-    assert list(readers.values()) == [0]
-    assert sum(reads.values()) == 0
+    assert list(readers.values()) == [1]
+    assert {dict(labels)["outcome"] for labels, n in reads.items() if n} == {"ok"}
 
 
 async def test_a_grpc_workers_engine_load_is_read_over_get_loads(
