@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.plan import CASES, MODEL, STREAM_TOKENS, UNARY_TOKENS, chat_body
-from bench.procs import Proc, free_port, python_module, start
+from bench.procs import Proc, free_port, python_module, smg_launch, start
 from bench.wrk import find_wrk, run_wrk, write_script
 
 FLEET_SIZE = 2
@@ -78,25 +78,8 @@ def _contender(work: Path, name: str, urls: list[str]) -> tuple[Proc, str]:
             *(arg for url in urls for arg in ("--worker", f"{url},model={MODEL}")),
         )
     else:
-        command = python_module(
-            "smg",
-            "launch",
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warn",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            # Two smg processes at once: each its own metrics port (default 29000).
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-        )
+        # Two smg processes at once: each its own metrics port.
+        command = smg_launch(urls, port, free_port())
     proc = start(name, command, work)
     url = f"http://127.0.0.1:{port}"
     proc.wait_for_answer(url + CHAT_PATH, chat_body(stream=False, tokens=4), timeout_s=60)

@@ -262,3 +262,25 @@ def start(
 def python_module(*args: str) -> list[str]:
     """A command running `python -m <args>` with this interpreter."""
     return [sys.executable, "-m", *args]
+
+
+def smg_launch(urls: Sequence[str], port: int, metrics_port: int | None = None) -> list[str]:
+    """smg in front of `urls` with round robin on 127.0.0.1:`port`; its metrics on
+    `metrics_port` (None: smg's default, 29000, which two smg processes cannot share)."""
+    command = python_module(
+        "smg",
+        "launch",
+        "--worker-urls",
+        *urls,
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warn",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    )
+    if metrics_port is not None:
+        command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    return command

@@ -22,7 +22,7 @@ import yaml
 
 from bench import idle, pyspy
 from bench.plan import CONTENDERS, MODEL, VOCABULARY, Case, Contender, chat_body
-from bench.procs import BenchError, Proc, free_port, python_module, start
+from bench.procs import BenchError, Proc, free_port, python_module, smg_launch, start
 from bench.wrk import WrkResult, run_wrk, write_script
 from router.fake_worker.vocabulary import write_tokenizer
 
@@ -185,20 +185,7 @@ class Bench:
                     ),
                 )
             else:
-                command = python_module(
-                    "smg",
-                    "launch",
-                    "--worker-urls",
-                    *self.fleet_urls,
-                    "--policy",
-                    "round_robin",
-                    "--log-level",
-                    "warn",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                )
+                command = smg_launch(self.fleet_urls, port)
             proc = self._start(name, command, env)
             target = Target(contender, f"http://127.0.0.1:{port}", proc)
             pending.append((target, self._readiness(target)))
