@@ -3,7 +3,9 @@ and unary bodies, as the engines' own HTTP servers write them.
 
 - OpenAI chat completions and completions (`OpenAIAnswer`), as vLLM writes them: a chat
   stream opens each choice with a `role` chunk; deltas; the finish reason (and vLLM's
-  `stop_reason`) with the last delta; a usage chunk when asked; `[DONE]`.
+  `stop_reason`) with the last delta; a usage chunk when asked; `[DONE]`. Logprobs, when
+  asked, ride on the chunk of the engine's step that generated their tokens, which may
+  carry no text while a character or a possible stop string is incomplete.
 - Anthropic Messages (`AnthropicAnswer`): `message_start` (with the input tokens),
   one text block (`content_block_start`, `text_delta`s, `content_block_stop`),
   `message_delta` with the stop reason and output tokens, `message_stop`.
@@ -36,6 +38,16 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's logprob as the engine gave it, with the alternatives asked
+    for (`top`, the engine's order: the sampled token first, then by rank)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     """One choice once its sequence ended."""
 
@@ -44,6 +56,63 @@ class Finished:
     finish: str
     stop_reason: Any
     """The stop string, or the stop token id, that ended it (vLLM's `stop_reason`)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Its tokens' logprobs not given out yet (a stream) or all of them (unary); None
+    when the request asked for none."""
+
+
+LOGPROB_FLOOR = -9999.0
+"""vLLM's OpenAI server writes no logprob below this (`-inf` is not JSON)."""
+
+
+def _floor(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def _bytes_of(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's `logprobs`, as vLLM's chat server writes them."""
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": _floor(entry.logprob),
+                "bytes": _bytes_of(entry.token),
+                "top_logprobs": [
+                    {"token": token, "logprob": _floor(logprob), "bytes": _bytes_of(token)}
+                    for token, logprob in entry.top
+                ],
+            }
+            for entry in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """A completions choice's `logprobs`, as vLLM's completions server writes them:
+    `text_offset` counts from the characters of the choice given out before these
+    tokens; each position's alternatives are keyed by their text (the sampled token
+    alone when none were asked for)."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.token)
+        tokens.append(entry.token)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [_floor(entry.logprob) for entry in entries],
+        "tokens": tokens,
+        "top_logprobs": [
+            {token: _floor(logprob) for token, logprob in entry.top}
+            if entry.top
+            else {entry.token: _floor(entry.logprob)}
+            for entry in entries
+        ],
+    }
 
 
 class AnswerShapes(Protocol):
@@ -51,7 +120,9 @@ class AnswerShapes(Protocol):
         """What a stream begins with, once the first token is in."""
         ...
 
-    def delta(self, index: int, text: str) -> bytes: ...
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """A choice's next text (with its tokens' logprobs, where the API carries them)."""
+        ...
 
     def finish(self, done: Finished) -> bytes:
         """A choice's last text and its end."""
@@ -89,12 +160,13 @@ DONE = b"data: [DONE]\n\n"
 class OpenAIAnswer:
     """Chat completions (`chat`) or completions, as vLLM writes them."""
 
-    __slots__ = ("_chat", "_head", "_id", "_model", "created")
+    __slots__ = ("_chat", "_head", "_id", "_model", "_sent", "created")
 
     def __init__(self, route: str, request_id: str, model: str) -> None:
         self._chat = route == "chat"
         self._id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
         self._model = model
+        self._sent: dict[int, int] = {}  # characters given out per choice (`text_offset`)
         self.created = int(time.time())  # the answer's timestamp: wall clock by definition
         kind = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = (
@@ -119,15 +191,27 @@ class OpenAIAnswer:
             for index in range(n)
         )
 
-    def delta(self, index: int, text: str) -> bytes:
-        return self._chunk(index, text, b'null,"finish_reason":null')
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        tail = self._logprobs(index, text, logprobs) + b',"finish_reason":null'
+        return self._chunk(index, text, tail)
 
     def finish(self, done: Finished) -> bytes:
-        tail = b'null,"finish_reason":%s,"stop_reason":%s' % (
-            orjson.dumps(done.finish),
-            orjson.dumps(done.stop_reason),
+        tail = self._logprobs(done.index, done.text, done.logprobs) + (
+            b',"finish_reason":%s,"stop_reason":%s'
+            % (orjson.dumps(done.finish), orjson.dumps(done.stop_reason))
         )
         return self._chunk(done.index, done.text, tail)
+
+    def _logprobs(self, index: int, text: str, entries: list[TokenLogprob] | None) -> bytes:
+        """The chunk's `logprobs` (`null` when none were asked for); counts the
+        characters given out, for completions' `text_offset`."""
+        if entries is None:
+            return b"null"
+        if self._chat:
+            return orjson.dumps(chat_logprobs(entries))
+        sent = self._sent.get(index, 0)
+        self._sent[index] = sent + len(text)
+        return orjson.dumps(completion_logprobs(entries, sent))
 
     def _chunk(self, index: int, text: str, tail: bytes) -> bytes:
         content = orjson.dumps(text)
@@ -152,18 +236,19 @@ class OpenAIAnswer:
         )
 
     def _choice(self, done: Finished) -> dict[str, Any]:
+        entries = done.logprobs
         if self._chat:
             return {
                 "index": done.index,
                 "message": {"role": "assistant", "content": done.text, "tool_calls": []},
-                "logprobs": None,
+                "logprobs": None if entries is None else chat_logprobs(entries),
                 "finish_reason": done.finish,
                 "stop_reason": done.stop_reason,
             }
         return {
             "index": done.index,
             "text": done.text,
-            "logprobs": None,
+            "logprobs": None if entries is None else completion_logprobs(entries, 0),
             "finish_reason": done.finish,
             "stop_reason": done.stop_reason,
         }
@@ -216,7 +301,7 @@ class AnthropicAnswer:
             },
         )
 
-    def delta(self, index: int, text: str) -> bytes:
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
         return (
             b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
             b'"delta":{"type":"text_delta","text":%s}}\n\n' % orjson.dumps(text)
@@ -329,7 +414,7 @@ class ResponsesAnswer:
             + self._event("response.content_part.added", {**where, "part": self._part("")})
         )
 
-    def delta(self, index: int, text: str) -> bytes:
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
         self._texts.append(text)
         where = {"item_id": self._item, "output_index": 0, "content_index": 0}
         return self._event("response.output_text.delta", {**where, "delta": text, "logprobs": []})
@@ -388,7 +473,7 @@ class GenerateAnswer:
     def opening(self, n: int, prompt_tokens: int) -> bytes:
         return b""
 
-    def delta(self, index: int, text: str) -> bytes:
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
         self._texts.append(text)
         whole = "".join(self._texts)
         return (

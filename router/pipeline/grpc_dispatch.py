@@ -57,7 +57,7 @@ from router.http.grpc import (
 from router.http.server.messages import ResponseWriter
 from router.http.upstream.exceptions import LocalShortage
 from router.pipeline.dispatch import Answer, AttemptFailed, Timeouts
-from router.pipeline.grpc_answers import AnswerShapes, Finished, Usage, shapes_for
+from router.pipeline.grpc_answers import AnswerShapes, Finished, TokenLogprob, Usage, shapes_for
 from router.pipeline.grpc_request import (
     GrpcGeneration,
     build_generate,
@@ -243,15 +243,45 @@ def prompt_ids(generation: GenerationRequest, tokenizer: TextTokenizer) -> list[
 
 
 class Choices:
-    """The text of every choice of one generation, made from the ids as they come."""
+    """The text of every choice of one generation, made from the ids as they come, and
+    the logprobs of its tokens when the request asked for them."""
 
-    __slots__ = ("_built", "_tokenizer", "finished", "texts")
+    __slots__ = ("_built", "_logprobs", "_tokenizer", "finished", "texts")
 
     def __init__(self, built: GrpcGeneration, tokenizer: TextTokenizer) -> None:
         self._built = built
         self._tokenizer = tokenizer
         self.texts: dict[int, StreamedText] = {}
         self.finished: dict[int, Finished] = {}
+        self._logprobs: dict[int, list[TokenLogprob]] = {}
+
+    def add_logprobs(self, index: int, proto: Any) -> None:
+        """Keep an `OutputLogProbs` message's entries for choice `index` (nothing when
+        the request asked for none)."""
+        if self._built.logprobs is None:
+            return
+        pending = self._logprobs.setdefault(index, [])
+        text = self._tokenizer.token_text
+        tops = proto.top_logprobs
+        for position, (token_id, logprob) in enumerate(
+            zip(proto.token_ids, proto.token_logprobs, strict=False)
+        ):
+            top: tuple[tuple[str, float], ...] = ()
+            if position < len(tops):
+                alternatives = tops[position]
+                top = tuple(
+                    (text(other), value)
+                    for other, value in zip(
+                        alternatives.token_ids, alternatives.values, strict=False
+                    )
+                )
+            pending.append(TokenLogprob(text(token_id), logprob, top))
+
+    def take_logprobs(self, index: int) -> list[TokenLogprob] | None:
+        """Choice `index`'s entries not given out yet; None when none were asked for."""
+        if self._built.logprobs is None:
+            return None
+        return self._logprobs.pop(index, [])
 
     def text(self, index: int) -> StreamedText:
         text = self.texts.get(index)
@@ -407,9 +437,15 @@ class GrpcDispatch:
                     chunk = message.chunk
                     prompt_tokens, cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
                     text = choices.push(chunk.index, chunk.token_ids)
+                    if chunk.HasField("output_logprobs"):
+                        choices.add_logprobs(chunk.index, chunk.output_logprobs)
                     piece = text.take()
-                    if piece:
-                        out += shapes.delta(chunk.index, piece)
+                    # With logprobs, a chunk per step even while its text is held back,
+                    # as vLLM's servers stream them (completions' `text_offset` counts
+                    # from the text given out before each chunk).
+                    entries = choices.take_logprobs(chunk.index)
+                    if piece or entries:
+                        out += shapes.delta(chunk.index, piece, entries)
                 elif kind == "complete":
                     complete = message.complete
                     prompt_tokens = complete.prompt_tokens or prompt_tokens
@@ -423,7 +459,13 @@ class GrpcDispatch:
                         )
                         break
                     finish, stop_reason = finish_of(complete, text)
-                    done = Finished(complete.index, text.take(finished=True), finish, stop_reason)
+                    done = Finished(
+                        complete.index,
+                        text.take(finished=True),
+                        finish,
+                        stop_reason,
+                        choices.take_logprobs(complete.index),
+                    )
                     out += shapes.finish(done)
                     choices.finished[complete.index] = done
                 if out:
@@ -492,9 +534,17 @@ class GrpcDispatch:
                         fault=True,
                     )
                 text = choices.push(complete.index, complete.output_ids)
+                if complete.HasField("output_logprobs"):
+                    choices.add_logprobs(complete.index, complete.output_logprobs)
                 finish, stop_reason = finish_of(complete, text)
                 finished.append(
-                    Finished(complete.index, text.take(finished=True), finish, stop_reason)
+                    Finished(
+                        complete.index,
+                        text.take(finished=True),
+                        finish,
+                        stop_reason,
+                        choices.take_logprobs(complete.index),
+                    )
                 )
             with trio.move_on_after(idle_s) as waited:
                 raw = await call.receive_message()

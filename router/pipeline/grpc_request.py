@@ -10,7 +10,7 @@ maps as vLLM's Anthropic endpoint maps it (`stop_sequences` are stop strings); a
 `/generate` body's `sampling_params` as SGLang reads them (`max_new_tokens`, default 128).
 
 `grpc_gap` names what the path does not do, before any worker is picked: tool calls,
-structured output, logprobs, multimodal content (and Messages' tool and thinking
+structured output, prompt logprobs and logprobs outside chat and completions, multimodal content (and Messages' tool and thinking
 blocks), Responses' `previous_response_id` and non-message items, `echo` and `suffix`,
 batched prompts, `/generate`'s logprobs, images and LoRA, and every route but chat,
 completions, Messages, Responses and `/generate`. A request with a gap goes to an HTTP worker of
@@ -69,7 +69,9 @@ def grpc_gap(generation: GenerationRequest) -> str | None:
     for name in _STRUCTURED:
         if body.get(name) is not None:
             return f"structured output (`{name}`)"
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"):
+    if body.get("prompt_logprobs") is not None:
+        return "prompt logprobs (`prompt_logprobs`)"
+    if route not in ("chat", "completions") and (body.get("logprobs") or body.get("top_logprobs")):
         return "logprobs"
     if route == "generate":
         for name in ("return_logprob", "image_data", "lora_path", "input_embeds"):
@@ -164,6 +166,8 @@ class GrpcGeneration:
     skip_special_tokens: bool
     include_usage: bool
     continuous_usage: bool
+    logprobs: int | None = None
+    """Alternatives asked for with each token's logprob; None: no logprobs."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -223,6 +227,9 @@ def build_generate(
     seed = _int(body, "seed", None)
     if seed is not None:
         params.seed = seed
+    logprobs = _logprobs(generation.route, body)
+    if logprobs is not None:
+        params.logprobs = logprobs
     bias = body.get("logit_bias")
     if isinstance(bias, Mapping):
         try:
@@ -253,7 +260,28 @@ def build_generate(
         skip_special_tokens=skip_special,
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
+        logprobs=logprobs,
     )
+
+
+def _logprobs(route: str, body: Mapping[str, Any]) -> int | None:
+    """How many alternatives to give with each generated token's logprob, as vLLM's
+    OpenAI server asks its engine (chat: `top_logprobs` when `logprobs` is true;
+    completions: `logprobs`); None when the body asks for none."""
+    if route == "chat":
+        wanted = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None)
+        if top is not None and top < 0:
+            raise BadRequest("'top_logprobs' must be a non-negative integer")
+        if top is not None and top > 0 and not wanted:
+            raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true")
+        return (top or 0) if wanted else None
+    if route == "completions":
+        count = _int(body, "logprobs", None)
+        if count is not None and count < 0:
+            raise BadRequest("'logprobs' must be a non-negative integer")
+        return count
+    return None
 
 
 def _float(body: Mapping[str, Any], name: str) -> float | None:

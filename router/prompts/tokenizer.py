@@ -7,6 +7,7 @@ The `tokenizers` library is an optional dependency (the `kv` extra); chat render
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +39,10 @@ class TextTokenizer(Protocol):
         gives each id's text as vLLM's streaming detokenizer does."""
         ...
 
+    def token_text(self, token_id: int) -> str:
+        """One id's text on its own, as vLLM writes a logprob's `token`."""
+        ...
+
 
 class HfTokenizer:
     """The model's tokenizer through the `tokenizers` library (an optional dependency):
@@ -58,6 +63,7 @@ class HfTokenizer:
         except Exception as exc:  # the library raises its own Exception types
             raise ValueError(f"cannot load {file}: {exc}") from None
         self._decode_stream = module.decoders.DecodeStream
+        self._space_marker = _leading_space_marker(self._tokenizer.to_str())
         self.chat: ChatTemplate | None = None
         """The model's chat template; None for a tokenizer.json alone, or a directory
         without a template the router renders (chat then gets no prediction)."""
@@ -73,6 +79,18 @@ class HfTokenizer:
             raise NotRendered("no chat template")
         prompt = self.chat.render(body, anthropic=anthropic)
         return self.encode(prompt.text, prompt.add_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        # vLLM's `convert_ids_list_to_tokens`: the id decoded alone (special tokens kept),
+        # with the leading spaces a Metaspace decoder strips put back from the raw piece.
+        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False) or ""
+        marker = self._space_marker
+        if marker is None:
+            return text
+        raw = self._tokenizer.id_to_token(token_id) or ""
+        markers = len(raw) - len(raw.lstrip(marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
 
     def decode_stream(
         self, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True
@@ -97,3 +115,19 @@ class HfTokenizer:
             return piece
 
         return step
+
+
+def _leading_space_marker(tokenizer_json: str) -> str | None:
+    """The character a Metaspace pre-tokenizer stands for a space with (SentencePiece
+    models), whose leading instance decoding an id alone strips; None for other
+    pre-tokenizers (byte-level ones keep their spaces)."""
+    try:
+        pre = json.loads(tokenizer_json).get("pre_tokenizer") or {}
+    except ValueError:
+        return None
+    candidates = pre.get("pretokenizers") or () if pre.get("type") == "Sequence" else (pre,)
+    for candidate in candidates:
+        if isinstance(candidate, dict) and candidate.get("type") == "Metaspace":
+            marker = candidate.get("replacement", "\u2581")
+            return marker if isinstance(marker, str) and marker else None
+    return None

@@ -68,7 +68,9 @@ class Seen:
     """One call as a router meets it: per choice, its messages' kinds and token counts and
     the final complete's finish reason and counts; or the status it failed with."""
 
-    choices: dict[int, list[tuple[str, int]]]
+    choices: dict[int, list[tuple[str, int, tuple[int, ...] | None]]]
+    """Per choice, each message's kind, token count and, where it carries logprobs, how
+    many alternatives each of its tokens has."""
     finish: dict[int, tuple[str, int, int]]
     code: grpc.StatusCode | None = None
 
@@ -76,16 +78,20 @@ class Seen:
 def _call(target: str, request: pb.GenerateRequest) -> Seen:
     with grpc.insecure_channel(target) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        choices: dict[int, list[tuple[str, int]]] = {}
+        choices: dict[int, list[tuple[str, int, tuple[int, ...] | None]]] = {}
         finish: dict[int, tuple[str, int, int]] = {}
         try:
             for reply in stub.Generate(request, timeout=CALL_TIMEOUT_S):
                 if reply.HasField("chunk"):
                     chunk = reply.chunk
-                    choices.setdefault(chunk.index, []).append(("chunk", len(chunk.token_ids)))
+                    choices.setdefault(chunk.index, []).append(
+                        ("chunk", len(chunk.token_ids), _logprobs(chunk))
+                    )
                 else:
                     done = reply.complete
-                    choices.setdefault(done.index, []).append(("complete", len(done.output_ids)))
+                    choices.setdefault(done.index, []).append(
+                        ("complete", len(done.output_ids), _logprobs(done))
+                    )
                     finish[done.index] = (
                         done.finish_reason,
                         done.prompt_tokens,
@@ -96,12 +102,30 @@ def _call(target: str, request: pb.GenerateRequest) -> Seen:
         return Seen(choices, finish)
 
 
+def _logprobs(message: Any) -> tuple[int, ...] | None:
+    """The alternatives per token of a message's `output_logprobs`, one entry per token
+    with a logprob; None when it carries none."""
+    if not message.HasField("output_logprobs"):
+        return None
+    logprobs = message.output_logprobs
+    tops = [len(top.values) for top in logprobs.top_logprobs]
+    return tuple(tops[k] if k < len(tops) else 0 for k in range(len(logprobs.token_ids)))
+
+
 def _request(
-    ids: list[int], *, stream: bool = False, max_tokens: int | None = 3, n: int = 0, **more: Any
+    ids: list[int],
+    *,
+    stream: bool = False,
+    max_tokens: int | None = 3,
+    n: int = 0,
+    logprobs: int | None = None,
+    **more: Any,
 ) -> pb.GenerateRequest:
     params = pb.SamplingParams(n=n, ignore_eos=True)
     if max_tokens is not None:
         params.max_tokens = max_tokens
+    if logprobs is not None:
+        params.logprobs = logprobs
     return pb.GenerateRequest(
         request_id="fidelity",
         tokenized=pb.TokenizedInput(input_ids=ids),
@@ -116,6 +140,9 @@ CASES: dict[str, pb.GenerateRequest] = {
     "streamed, max_tokens 3": _request([5, 6], stream=True),
     "streamed, n 2": _request([5, 6], stream=True, n=2, max_tokens=2),
     "unary, n 2": _request([5, 6], n=2, max_tokens=2),
+    "streamed, logprobs 2": _request([5, 6], stream=True, logprobs=2),
+    "unary, logprobs 0": _request([5, 6], logprobs=0),
+    "unary, logprobs 3": _request([5, 6], logprobs=3),
     "max_tokens beyond the context": _request([5, 6], max_tokens=5000),
     "max_tokens 0": _request([5, 6], max_tokens=0),
     "empty prompt": _request([]),

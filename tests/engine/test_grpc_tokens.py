@@ -117,3 +117,86 @@ async def test_over_grpc_the_answers_are_the_engines_own(
                 if ours != direct:
                     differ.append(f"{path} {body}: engine {direct!r}, router {ours!r}")
     assert differ == [], "\n".join(differ) + "\n" + router.log()
+
+
+LOGPROB_TOLERANCE = 1e-3
+"""Two engine processes of the same model on CPU: the same floats, give or take rounding."""
+LOGPROB_CASES = [CASES[0], CASES[3], CASES[4], CASES[10], CASES[12], CASES[14]]
+"""Chat and completions, multi-byte text among them."""
+
+
+def _logprob_entries(path: str, logprobs: Any) -> list[tuple[str, float, list[Any], Any]]:
+    """One choice's logprobs, per token: its text, logprob, alternatives and offset."""
+    if path == "/v1/chat/completions":
+        return [
+            (
+                entry["token"],
+                entry["logprob"],
+                [(t["token"], t["logprob"], t["bytes"]) for t in entry["top_logprobs"]],
+                entry["bytes"],
+            )
+            for entry in logprobs["content"]
+        ]
+    return [
+        (token, logprob, sorted(top.items()), offset)
+        for token, logprob, top, offset in zip(
+            logprobs["tokens"],
+            logprobs["token_logprobs"],
+            logprobs["top_logprobs"],
+            logprobs["text_offset"],
+            strict=True,
+        )
+    ]
+
+
+async def _logprobs(client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any]) -> Any:
+    """The first choice's logprob entries, joined over a stream's chunks."""
+    response = await client.post(url + path, json=body)
+    assert response.status_code == 200, response.text
+    if not body.get("stream"):
+        return _logprob_entries(path, response.json()["choices"][0]["logprobs"])
+    entries = []
+    for block in response.text.split("\n\n"):
+        if not block.startswith("data: ") or block == "data: [DONE]":
+            continue
+        for choice in orjson.loads(block.removeprefix("data: "))["choices"]:
+            if choice.get("logprobs"):
+                entries += _logprob_entries(path, choice["logprobs"])
+    return entries
+
+
+def _close(ours: Any, theirs: Any) -> bool:
+    """Equal, floats within LOGPROB_TOLERANCE."""
+    if isinstance(ours, float) and isinstance(theirs, float):
+        return abs(ours - theirs) <= LOGPROB_TOLERANCE
+    if isinstance(ours, list | tuple) and isinstance(theirs, list | tuple):
+        return len(ours) == len(theirs) and all(map(_close, ours, theirs))
+    return bool(ours == theirs)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+async def test_over_grpc_the_logprobs_are_the_engines_own(
+    host: EngineHost, router: RouterProcess, stream: bool
+) -> None:
+    http_engine = _engine(host, "http")
+    extra: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS}
+    if stream:
+        extra["stream"] = True
+    differ: list[str] = []
+    tokens = 0
+    with trio.fail_after(CALL_TIMEOUT_S * 4):
+        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as client:
+            for path, body in LOGPROB_CASES:
+                asked = (
+                    {"logprobs": True, "top_logprobs": 3}
+                    if path == "/v1/chat/completions"
+                    else {"logprobs": 3}
+                )
+                request = {**body, **extra, **asked}
+                direct = await _logprobs(client, http_engine.url, path, request)
+                ours = await _logprobs(client, router.url, path, request)
+                tokens += len(direct)
+                if not direct or not _close(ours, direct):
+                    differ.append(f"{path} {body}:\n  engine {direct!r}\n  router {ours!r}")
+    print(f"logprobs {'streamed' if stream else 'unary'}: {tokens} tokens compared")
+    assert differ == [], "\n".join(differ) + "\n" + router.log()

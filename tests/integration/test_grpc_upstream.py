@@ -176,6 +176,60 @@ async def test_completions_n_2_by_index_and_a_stop_string(
     )
 
 
+def sampled(k: int) -> float:
+    """The fake engine's logprob of its `k`-th token (`output_logprob`)."""
+    return -0.125 * (1 + k % 5)
+
+
+def chat_entry(k: int, alternatives: int) -> dict[str, Any]:
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    top = [one(f"tok{k + rank}", sampled(k) - rank) for rank in range(alternatives)]
+    return {**one(f"tok{k}", sampled(k)), "top_logprobs": top}
+
+
+async def test_logprobs_come_from_the_engine_in_each_apis_shape(
+    engines: tuple[FakeGrpcEngine, ...],
+) -> None:
+    a, _ = engines
+    await a.behave()
+    chat = {**CHAT, "logprobs": True, "top_logprobs": 2}
+    completions = {"model": MODEL, "prompt": "hello there", "max_tokens": 4}
+    with trio.fail_after(GUARD_S):
+        async with router_before(a.url) as client:
+            chat_unary = await client.post("/v1/chat/completions", json=chat)
+            chat_stream = await client.post("/v1/chat/completions", json={**chat, "stream": True})
+            plain_unary = await client.post("/v1/completions", json={**completions, "logprobs": 0})
+            plain_stream = await client.post(
+                "/v1/completions", json={**completions, "logprobs": 1, "stream": True}
+            )
+    expected = [chat_entry(k, 2) for k in range(4)]
+    assert chat_unary.json()["choices"][0]["logprobs"] == {"content": expected}
+    chunks = [e for e in events(chat_stream.text) if e != "[DONE]"]
+    # The role chunk has none; every chunk with text carries its tokens' logprobs.
+    assert chunks[0]["choices"][0]["logprobs"] is None
+    streamed = [entry for c in chunks[1:] for entry in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == expected
+    assert plain_unary.json()["choices"][0]["logprobs"] == {
+        "text_offset": [0, 4, 8, 12],
+        "token_logprobs": [sampled(k) for k in range(4)],
+        "tokens": [f"tok{k}" for k in range(4)],
+        "top_logprobs": [{f"tok{k}": sampled(k)} for k in range(4)],
+    }
+    pieces = [e["choices"][0] for e in events(plain_stream.text) if e != "[DONE]"]
+    joined: dict[str, list[Any]] = {"text_offset": [], "tokens": [], "top_logprobs": []}
+    for piece in pieces:
+        for key, values in joined.items():
+            values.extend(piece["logprobs"][key])
+    # Offsets count the characters streamed before each chunk (" tok0" is five).
+    assert joined == {
+        "text_offset": [0, 5, 10, 15],
+        "tokens": [f"tok{k}" for k in range(4)],
+        "top_logprobs": [{f"tok{k}": sampled(k)} for k in range(4)],
+    }
+
+
 async def test_a_request_the_grpc_path_cannot_serve_is_a_400_naming_the_gap(
     engines: tuple[FakeGrpcEngine, ...],
 ) -> None:
@@ -183,16 +237,16 @@ async def test_a_request_the_grpc_path_cannot_serve_is_a_400_naming_the_gap(
     await a.behave()
     with trio.fail_after(GUARD_S):
         async with router_before(a.url) as client:
-            refused = await client.post(
-                "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2}
-            )
+            refused = await client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 2})
             tools = await client.post(
                 "/v1/chat/completions",
                 json={**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
             )
     assert refused.status_code == 400
     assert refused.json()["error"]["code"] == "unsupported_over_grpc"
-    assert refused.json()["error"]["message"].startswith("logprobs over gRPC is not supported")
+    assert refused.json()["error"]["message"].startswith(
+        "prompt logprobs (`prompt_logprobs`) over gRPC is not supported"
+    )
     assert "tool calls" in tools.json()["error"]["message"]
     assert (await a.routing())["dispatches"] == 0
 
@@ -206,7 +260,7 @@ async def test_the_gap_goes_to_an_http_worker_of_the_model_when_there_is_one(
         async with open_fake_fleet([FakeWorkerSettings(model=MODEL)]) as fleet:
             async with router_before(a.url, fleet[0].url) as client:
                 answers = [
-                    await client.post("/v1/chat/completions", json={**CHAT, "logprobs": True})
+                    await client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 1})
                     for _ in range(3)
                 ]
                 plain = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(2)]

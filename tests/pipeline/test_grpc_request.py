@@ -51,6 +51,46 @@ def test_chat_sampling_fields_map_onto_the_engines_params() -> None:
     assert not sent.HasField("data_parallel_rank")
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "count"),
+    [
+        ("/v1/chat/completions", {**CHAT}, None),
+        ("/v1/chat/completions", {**CHAT, "logprobs": False}, None),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True}, 0),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3}, 3),
+        ("/v1/completions", {"model": "m", "prompt": "x"}, None),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 0}, 0),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 5}, 5),
+    ],
+)
+def test_logprobs_are_asked_of_the_engine_as_vllms_servers_ask(
+    path: str, body: dict[str, Any], count: int | None
+) -> None:
+    generation = request(path, **body)
+    out = build_generate(pb, generation, [5, 6], "rid", frozenset({1}), None)
+    params = pb.GenerateRequest.FromString(out.request).sampling_params
+    assert out.logprobs == count
+    assert params.HasField("logprobs") == (count is not None)
+    assert params.logprobs == (count or 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "why"),
+    [
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "`logprobs` must be set to true"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "non-negative"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "must be a boolean"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": -1}, "non-negative"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "an integer"),
+    ],
+)
+def test_a_logprobs_field_the_servers_refuse_is_the_clients_400(
+    path: str, body: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(BadRequest, match=why):
+        build_generate(pb, request(path, **body), [5, 6], "rid", frozenset({1}), None)
+
+
 def test_the_servers_defaults_chat_to_the_context_completions_to_16() -> None:
     assert not built("/v1/chat/completions", **CHAT).sampling_params.HasField("max_tokens")
     assert not built("/v1/chat/completions", **CHAT).sampling_params.HasField("temperature")
@@ -102,7 +142,11 @@ def test_a_field_of_the_wrong_type_is_the_clients_400(body: dict[str, Any], why:
     [
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tool calls"),
         ("/v1/chat/completions", {**CHAT, "tools": [{}], "tool_choice": "none"}, None),
-        ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3}, None),
+        ("/v1/completions", {"model": "m", "prompt": "a", "logprobs": 0}, None),
+        ("/v1/completions", {"model": "m", "prompt": "a", "prompt_logprobs": 1}, "prompt logprobs"),
+        ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 0}, "prompt logprobs"),
+        ("/v1/responses", {"model": "m", "input": "x", "top_logprobs": 2}, "logprobs"),
         (
             "/v1/chat/completions",
             {**CHAT, "response_format": {"type": "json_object"}},

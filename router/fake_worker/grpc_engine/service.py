@@ -7,7 +7,10 @@ What a router over gRPC calls, and what it gets here:
   per generated token, the word `tok{k}` of the fake's tokenizer, then a `complete`
   with the finish reason and counts, in the shapes vLLM's servicer sends (a chunk holds
   its new tokens and their count; a streamed `complete` repeats the last chunk's
-  tokens, a unary one holds them all). Requests vLLM refuses are INVALID_ARGUMENT with
+  tokens, a unary one holds them all). With `sampling_params.logprobs` set, each chunk
+  and `complete` carries its tokens' `output_logprobs` as the servicer builds them:
+  token `k`'s logprob is `output_logprob(k)`, and `logprobs` alternatives (the sampled
+  token first, then the next words with lower logprobs). Requests vLLM refuses are INVALID_ARGUMENT with
   its messages: an empty prompt, a prompt longer than the context, a token id out of the
   vocabulary, `max_tokens` below 1, a DP rank out of range; a limit beyond the context is
   cut to what it holds. `n` above 128 is refused too, the fake's own bound.
@@ -107,6 +110,8 @@ class Plan:
     n: int
     stream: bool
     explicit_limit: bool
+    logprobs: int | None = None
+    """Alternatives per token's logprob; None: the request asked for no logprobs."""
 
     @property
     def finish_reason(self) -> str:
@@ -153,7 +158,8 @@ def plan_generation(
         raise BadRequest(
             f"data_parallel_rank {request.data_parallel_rank} is out of range [0, {dp_size})."
         )
-    return Plan(request.request_id, rank, prompt, tokens, n, request.stream, explicit)
+    logprobs = params.logprobs if params.HasField("logprobs") else None
+    return Plan(request.request_id, rank, prompt, tokens, n, request.stream, explicit, logprobs)
 
 
 def _serialize(message: Message | bytes) -> bytes:
@@ -372,16 +378,23 @@ class FakeVllmEngine:
             load.generation_tokens += plan.n
             if plan.stream:
                 for index in range(plan.n):
-                    await context.write(_chunk([output_token_id(k)], plan.prompt_tokens, index))
+                    chunk = _chunk([output_token_id(k)], plan.prompt_tokens, index)
+                    _add_logprobs(chunk.chunk.output_logprobs, [k], plan.logprobs)
+                    await context.write(chunk)
         if plan.stream:
             # The last chunk's tokens again; none after an abort, as vLLM's servicer sends.
-            last = [output_token_id(produced - 1)] if produced and finish != "abort" else []
+            last = [produced - 1] if produced and finish != "abort" else []
             for index in range(plan.n):
-                await context.write(_complete(last, finish, plan.prompt_tokens, index))
+                ids = [output_token_id(k) for k in last]
+                complete = _complete(ids, finish, plan.prompt_tokens, index)
+                _add_logprobs(complete.complete.output_logprobs, last, plan.logprobs)
+                await context.write(complete)
         else:
             ids = [output_token_id(k) for k in range(produced)]
             for index in range(plan.n):
-                await context.write(_complete(ids, finish, plan.prompt_tokens, index))
+                complete = _complete(ids, finish, plan.prompt_tokens, index)
+                _add_logprobs(complete.complete.output_logprobs, range(produced), plan.logprobs)
+                await context.write(complete)
 
     async def _fail(
         self, request: vllm_engine_pb2.GenerateRequest | None, context: grpc.aio.ServicerContext
@@ -572,6 +585,27 @@ def _chunk(ids: list[int], prompt_tokens: int, index: int) -> vllm_engine_pb2.Ge
             index=index,
         )
     )
+
+
+def output_logprob(k: int) -> float:
+    """The logprob of the fake's `k`-th generated token: a few distinct values."""
+    return -0.125 * (1 + k % 5)
+
+
+def _add_logprobs(proto: Any, positions: Iterable[int], count: int | None) -> None:
+    """Fill an `OutputLogProbs` for the tokens at `positions` (nothing when `count` is
+    None): each token's logprob and, with `count` above 0, `count` alternatives, the
+    sampled token first (the servicer's order), then the next words, each less likely."""
+    if count is None:
+        return
+    for k in positions:
+        proto.token_ids.append(output_token_id(k))
+        proto.token_logprobs.append(output_logprob(k))
+        if count > 0:
+            top = proto.top_logprobs.add()
+            for rank in range(count):
+                top.token_ids.append(output_token_id(k + rank))
+                top.values.append(output_logprob(k) - rank)
 
 
 def _complete(
