@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --lora-engines: play the contenders this many times over, in turn",
     )
     parser.add_argument(
+        "--lora-costs",
+        default="",
+        help="with --lora-engines: sweep the adapter costs instead, ours least_load once per SLOT:WAIT pair (e.g. 1:4,0:0,0.5:2,2:8 for --adapter-slot-cost and --adapter-wait-cost); writes its own block of policies.md",
+    )
+    parser.add_argument(
         "--engine-costs",
         action="store_true",
         help="run the engine-costs benchmark instead (bench/engine_costs.py): kv_aware's token ids from the model directory against the engine's /tokenize, and the cost of reading engines' load, on one vLLM engine (make engine-env); writes its own block of --out",
@@ -178,7 +183,8 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.cache:
         from bench import cache
 
@@ -227,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lora_engines:
         from bench import lora_engines
 
+        try:
+            costs = lora_engines.parse_costs(args.lora_costs) if args.lora_costs else []
+        except ValueError as exc:
+            parser.error(f"--lora-costs: {exc}")
         started = time.monotonic()
         return lora_engines.run(
             args.out.with_name("policies.md"),
@@ -237,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
             repeat=max(1, args.lora_repeat),
+            costs=costs,
         )
     if args.traffic:
         from bench import traffic

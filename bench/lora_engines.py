@@ -47,6 +47,8 @@ from conformance.engines import EngineEnvironment
 
 START = "<!-- bench:lora-engines:start -->"
 END = "<!-- bench:lora-engines:end -->"
+SWEEP_START = "<!-- bench:lora-costs:start -->"
+SWEEP_END = "<!-- bench:lora-costs:end -->"
 MODEL = "tiny"
 ADAPTERS = ("a", "b", "c")
 # Each engine holds two of the three adapters; each adapter is on two engines.
@@ -114,6 +116,36 @@ CONTENDERS = (
     LoraContender("ours round_robin", "ours", "round_robin"),
     LoraContender("smg least_load", "smg", "least_load"),
 )
+
+
+def cost_contenders(pairs: Sequence[tuple[float, float]]) -> tuple[LoraContender, ...]:
+    """Ours `least_load` once per (slot cost, wait cost) pair: the sweep of
+    `--lora-costs`."""
+    return tuple(
+        LoraContender(
+            f"ours least_load, slot {slot:g}, wait {wait:g}",
+            "ours",
+            "least_load",
+            ("--adapter-slot-cost", f"{slot:g}", "--adapter-wait-cost", f"{wait:g}"),
+        )
+        for slot, wait in pairs
+    )
+
+
+def parse_costs(text: str) -> list[tuple[float, float]]:
+    """`SLOT:WAIT[,SLOT:WAIT...]` as pairs of non-negative numbers; ValueError naming the
+    bad one."""
+    pairs = []
+    for item in text.split(","):
+        slot, sep, wait = item.strip().partition(":")
+        try:
+            pair = (float(slot), float(wait))
+        except ValueError:
+            pair = (-1.0, -1.0)
+        if not sep or min(pair) < 0:
+            raise ValueError(f"{item!r} is not SLOT:WAIT (two non-negative numbers)")
+        pairs.append(pair)
+    return pairs
 
 
 @dataclass
@@ -190,9 +222,19 @@ class LoraRun:
         )
 
 
-def run(out: Path, quick: bool, log: Log, command: str, *, repeat: int = 1) -> int:
+def run(
+    out: Path,
+    quick: bool,
+    log: Log,
+    command: str,
+    *,
+    repeat: int = 1,
+    costs: Sequence[tuple[float, float]] = (),
+) -> int:
     """Every contender `repeat` times over, in turn; the exit status (2 without the
-    engine environment, 1 when a run fails)."""
+    engine environment, 1 when a run fails). With `costs`, the contenders are ours
+    `least_load` at each (slot cost, wait cost) pair instead, and the results go to a
+    block of their own (the sweep that chose the defaults)."""
     try:
         environment = EngineEnvironment.from_env()
     except engines.EngineUnavailable as exc:
@@ -208,8 +250,9 @@ def run(out: Path, quick: bool, log: Log, command: str, *, repeat: int = 1) -> i
         try:
             adapter_dirs = write_adapters(environment, Path(work) / "lora", log)
             with open_lora_fleet(environment, adapter_dirs, Path(work), log) as fleet:
+                contenders = cost_contenders(costs) if costs else CONTENDERS
                 for _ in range(repeat):
-                    for contender in CONTENDERS:
+                    for contender in contenders:
                         runs.append(fleet.measure(contender, mix))
         except (BenchError, httpx.HTTPError, subprocess.CalledProcessError) as exc:
             log(f"python -m bench --lora-engines: {exc!r}")
@@ -222,9 +265,10 @@ def run(out: Path, quick: bool, log: Log, command: str, *, repeat: int = 1) -> i
         "model": environment.model_dir.name,
         "wall_min": f"{wall / 60:.1f}",
     }
-    block = markdown(runs, header, mix)
-    report.write_doc(out, block, start=START, end=END)
-    json_path = out.with_name(out.stem + "-lora-engines.json")
+    start, end, suffix = (SWEEP_START, SWEEP_END, "costs") if costs else (START, END, "engines")
+    block = markdown(runs, header, mix).replace(START, start).replace(END, end)
+    report.write_doc(out, block, start=start, end=end)
+    json_path = out.with_name(out.stem + f"-lora-{suffix}.json")
     raw = {"header": header, "mix": asdict(mix), "runs": [asdict(one) for one in runs]}
     dump_json(json_path, raw)
     log(f"wrote {out} and {json_path.name} ({wall / 60:.1f} min)")
