@@ -142,3 +142,25 @@ def test_the_earliest_completed_stop_string_wins() -> None:
     assert find_stop("abcdef", 3, ["def", "cd"]) == ("cd", 2)
     assert find_stop("abcdef", 1, ["cd"]) is None
     assert find_stop("abcdef", 0, ["def"]) is None
+
+
+def test_a_tokens_own_text_is_the_id_decoded_alone_as_vllm_writes_logprobs(
+    byte_level: HfTokenizer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Byte-level: the id decoded alone, special tokens kept; half a character is U+FFFD.
+    hello = byte_level.encode("hello")
+    assert "".join(byte_level.token_text(i) for i in hello) == "hello"
+    assert byte_level.token_text(byte_level.encode("<s>")[0]) == "<s>"
+    cafe = byte_level.encode("é")
+    if len(cafe) > 1:
+        assert byte_level.token_text(cafe[0]) == "\ufffd"
+    assert byte_level.token_text(10**7) == ""
+    # SentencePiece-style (Metaspace): decoding strips the leading space; it is put back.
+    metaspace = Tokenizer(models.WordLevel({"▁hello": 0, "world": 1, "[UNK]": 2}, "[UNK]"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    path = tmp_path_factory.mktemp("metaspace") / "tokenizer.json"
+    metaspace.save(str(path))
+    spm = HfTokenizer(str(path))
+    assert metaspace.decode([0]) == "hello"
+    assert (spm.token_text(0), spm.token_text(1)) == (" hello", "world")
