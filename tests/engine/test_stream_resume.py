@@ -304,7 +304,12 @@ async def test_a_stream_killed_after_k_events_resumes_byte_identical(
         f"{sum(1 for r in results if r[2])} resumed (kill points {[r[0] for r in results]}); "
         f"restarts took {', '.join(f'{t:.0f}' for t in restarts.took_s)} s"
     )
-    assert all(r[2] == 1 for r in results)
+    # A break resumes once. A kill near the end may find the engine already done (it
+    # outran the client by the few tokens left): no break reached the stream, so nothing
+    # resumed, and the text above is whole all the same. A kill in the answer's first half
+    # always finds the engine generating.
+    assert all(r[2] in (0, 1) for r in results)
+    assert all(r[2] == 1 for r in results if r[0] <= events // 2)
 
 
 async def test_a_stop_string_across_the_seam_ends_where_the_undisturbed_run_ends(
