@@ -27,6 +27,7 @@ stream stalled) is aborted at the engine: its stream is reset and `Abort` names 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,7 @@ from router.pipeline.resolve import GenerationRequest
 from router.prompts.chat_request import NotRendered
 from router.prompts.chat_template import TemplateFailed
 from router.prompts.detokenize import StreamedText
-from router.prompts.tokenizer import HfTokenizer, TextTokenizer
+from router.prompts.tokenizer import COMPLETION_CONTEXT, HfTokenizer, TextTokenizer
 
 log = logging.getLogger("router.dispatch")
 
@@ -246,7 +247,7 @@ class Choices:
     """The text of every choice of one generation, made from the ids as they come, and
     the logprobs of its tokens when the request asked for them."""
 
-    __slots__ = ("_built", "_logprobs", "_tokenizer", "finished", "texts")
+    __slots__ = ("_built", "_logprobs", "_sampled", "_tokenizer", "finished", "texts")
 
     def __init__(self, built: GrpcGeneration, tokenizer: TextTokenizer) -> None:
         self._built = built
@@ -254,6 +255,7 @@ class Choices:
         self.texts: dict[int, StreamedText] = {}
         self.finished: dict[int, Finished] = {}
         self._logprobs: dict[int, list[TokenLogprob]] = {}
+        self._sampled: dict[int, deque[int]] = {}
 
     def add_logprobs(self, index: int, proto: Any) -> None:
         """Keep an `OutputLogProbs` message's entries for choice `index` (nothing when
@@ -261,21 +263,26 @@ class Choices:
         if self._built.logprobs is None:
             return
         pending = self._logprobs.setdefault(index, [])
+        # A token that is part of a character takes its text from the ids sampled before
+        # it; only the last few can matter.
+        sampled = self._sampled.setdefault(index, deque(maxlen=COMPLETION_CONTEXT))
         text = self._tokenizer.token_text
         tops = proto.top_logprobs
         for position, (token_id, logprob) in enumerate(
             zip(proto.token_ids, proto.token_logprobs, strict=False)
         ):
+            context = tuple(sampled)
             top: tuple[tuple[str, float], ...] = ()
             if position < len(tops):
                 alternatives = tops[position]
                 top = tuple(
-                    (text(other), value)
+                    (text(other, context), value)
                     for other, value in zip(
                         alternatives.token_ids, alternatives.values, strict=False
                     )
                 )
-            pending.append(TokenLogprob(text(token_id), logprob, top))
+            pending.append(TokenLogprob(text(token_id, context), logprob, top))
+            sampled.append(token_id)
 
     def take_logprobs(self, index: int) -> list[TokenLogprob] | None:
         """Choice `index`'s entries not given out yet; None when none were asked for."""

@@ -16,6 +16,11 @@ from router.prompts.chat_request import NotRendered
 from router.prompts.chat_template import ChatTemplate
 from router.prompts.detokenize import DecodeStep
 
+REPLACEMENT = "\ufffd"
+"""What a decoder writes for bytes that are not (yet) a whole character."""
+COMPLETION_CONTEXT = 4
+"""Sampled ids before a token that may complete its character: a UTF-8 character has at
+most 4 bytes (vLLM's `max_context`)."""
 INVALID_PREFIX = "Invalid prefix encountered"
 """How `tokenizers` says its incremental decoder cannot go on from where it is."""
 
@@ -39,8 +44,10 @@ class TextTokenizer(Protocol):
         gives each id's text as vLLM's streaming detokenizer does."""
         ...
 
-    def token_text(self, token_id: int) -> str:
-        """One id's text on its own, as vLLM writes a logprob's `token`."""
+    def token_text(self, token_id: int, context: Sequence[int] = ()) -> str:
+        """One id's text, as vLLM writes a logprob's `token`: the id on its own, or, when
+        that is part of a character, completed from `context` (the ids sampled before it,
+        oldest first)."""
         ...
 
 
@@ -80,10 +87,14 @@ class HfTokenizer:
         prompt = self.chat.render(body, anthropic=anthropic)
         return self.encode(prompt.text, prompt.add_special_tokens)
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, context: Sequence[int] = ()) -> str:
         # vLLM's `convert_ids_list_to_tokens`: the id decoded alone (special tokens kept),
-        # with the leading spaces a Metaspace decoder strips put back from the raw piece.
-        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False) or ""
+        # with the leading spaces a Metaspace decoder strips put back from the raw piece;
+        # then, as its logprobs processor corrects a text ending in U+FFFD, completed from
+        # the sampled ids before it.
+        text = self._decode([token_id])
+        if text.endswith(REPLACEMENT):
+            return self._completed(token_id, context[-COMPLETION_CONTEXT:])
         marker = self._space_marker
         if marker is None:
             return text
@@ -91,6 +102,32 @@ class HfTokenizer:
         markers = len(raw) - len(raw.lstrip(marker))
         missing = markers - (len(text) - len(text.lstrip(" ")))
         return " " * missing + text if missing > 0 else text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False) or ""
+
+    def _completed(self, token_id: int, context: Sequence[int]) -> str:
+        """The text `token_id` completes with the fewest of the ids before it (vLLM's
+        `_correct_decoded_token`): the characters it finishes, counting the bytes of the
+        partial ids just before it (whose own texts were ""); "" when it finishes none."""
+        for size in range(1, len(context) + 1):
+            window = list(context[-size:])
+            whole = self._decode([*window, token_id])
+            if whole.endswith(REPLACEMENT):
+                continue
+            clean = len(window)
+            while clean > 0 and self._decode([window[clean - 1]]).endswith(REPLACEMENT):
+                clean -= 1
+            prefix = self._decode(window[:clean]) if clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix) :]
+            # A normalizer can make the two differ: what follows their common start.
+            common = next(
+                (i for i, (a, b) in enumerate(zip(prefix, whole, strict=False)) if a != b),
+                min(len(prefix), len(whole)),
+            )
+            return whole[common:]
+        return ""
 
     def decode_stream(
         self, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True

@@ -46,6 +46,7 @@ PROMPTS = (
 )
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 TRIAL_TIMEOUT_S = 600.0
+PEER_READY_S = 300.0
 # The vllm-router console script of the venv running the tests.
 VLLM_ROUTER = str(Path(sys.executable).with_name("vllm-router"))
 
@@ -304,12 +305,15 @@ async def test_a_stream_killed_after_k_events_resumes_byte_identical(
         f"{sum(1 for r in results if r[2])} resumed (kill points {[r[0] for r in results]}); "
         f"restarts took {', '.join(f'{t:.0f}' for t in restarts.took_s)} s"
     )
-    # A break resumes once. A kill near the end may find the engine already done (it
-    # outran the client by the few tokens left): no break reached the stream, so nothing
-    # resumed, and the text above is whole all the same. A kill in the answer's first half
-    # always finds the engine generating.
+    # A break resumes once. A kill may find the engine already done: the tiny model
+    # outruns the client, so the router can hold the whole answer before the client has
+    # read k events (seen at k = 2 as at k = 61); no break reached the stream, nothing
+    # resumed, and the text above is whole all the same. Every trial's text is checked
+    # above, so a break that did not go on fails there; here, most kills must have found
+    # the engine generating (17 and 19 of 20 on two shared cores), or the trials did not
+    # test a resume at all.
     assert all(r[2] in (0, 1) for r in results)
-    assert all(r[2] == 1 for r in results if r[0] <= events // 2)
+    assert sum(r[2] for r in results) >= len(results) // 2
 
 
 async def test_a_stop_string_across_the_seam_ends_where_the_undisturbed_run_ends(
@@ -388,17 +392,21 @@ async def test_beside_it_the_peers_cut_the_stream(host: EngineHost, plane: str) 
         open_process(argv, plane, stop_grace_s=2.0),
         httpx.AsyncClient(timeout=120) as client,
     ):
-        with trio.fail_after(120):
+        # Ready when a unary chat answers (without stream_options: vLLM refuses them on a
+        # unary request); what it last said is kept for the failure.
+        unary = {k: v for k, v in body("chat", PROMPTS[0]).items() if k != "stream_options"}
+        last: object = None
+        with trio.move_on_after(PEER_READY_S):
             while True:
                 try:
-                    ready = await client.post(
-                        url + ROUTES["chat"], json={**body("chat", PROMPTS[0]), "stream": False}
-                    )
+                    ready = await client.post(url + ROUTES["chat"], json={**unary, "stream": False})
+                    last = (ready.status_code, ready.text[:300])
                     if ready.status_code == 200:
                         break
-                except httpx.HTTPError:
-                    pass
+                except httpx.HTTPError as exc:
+                    last = repr(exc)
                 await trio.sleep(0.5)
+        assert isinstance(last, tuple) and last[0] == 200, f"{plane} never answered: {last}"
         with trio.fail_after(TRIAL_TIMEOUT_S):
             reference, _ = await stream(client, url + ROUTES["chat"], body("chat", PROMPTS[0]))
             try:

@@ -151,9 +151,6 @@ def test_a_tokens_own_text_is_the_id_decoded_alone_as_vllm_writes_logprobs(
     hello = byte_level.encode("hello")
     assert "".join(byte_level.token_text(i) for i in hello) == "hello"
     assert byte_level.token_text(byte_level.encode("<s>")[0]) == "<s>"
-    cafe = byte_level.encode("é")
-    if len(cafe) > 1:
-        assert byte_level.token_text(cafe[0]) == "\ufffd"
     assert byte_level.token_text(10**7) == ""
     # SentencePiece-style (Metaspace): decoding strips the leading space; it is put back.
     metaspace = Tokenizer(models.WordLevel({"▁hello": 0, "world": 1, "[UNK]": 2}, "[UNK]"))
@@ -164,3 +161,20 @@ def test_a_tokens_own_text_is_the_id_decoded_alone_as_vllm_writes_logprobs(
     spm = HfTokenizer(str(path))
     assert metaspace.decode([0]) == "hello"
     assert (spm.token_text(0), spm.token_text(1)) == (" hello", "world")
+
+
+def test_a_token_inside_a_character_is_completed_from_the_ids_sampled_before_it(
+    byte_level: HfTokenizer,
+) -> None:
+    # As vLLM's logprobs processor writes it: the id that finishes a character carries the
+    # whole character (and only that), the ids before it inside the character carry "".
+    *start, last = byte_level.encode("🚀")  # not in the corpus: its bytes in 3 or 4 ids
+    hello = byte_level.encode("hello")
+    assert len(start) >= 2
+    assert [byte_level.token_text(i) for i in start] == [""] * len(start)
+    assert byte_level.token_text(last, context=start) == "🚀"
+    assert byte_level.token_text(last, context=[*hello, *start]) == "🚀"
+    # A context that does not reach the character's first byte leaves it unfinished.
+    assert byte_level.token_text(last, context=start[1:]) == ""
+    # An id that is a whole character is itself, whatever came before.
+    assert byte_level.token_text(hello[0], context=start) == byte_level.token_text(hello[0])
