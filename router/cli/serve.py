@@ -402,6 +402,7 @@ async def run_router(
                 KvEventsSettings(
                     port=settings.kv_events_port, replay_port=settings.kv_events_replay_port
                 ),
+                grpc_pool=grpc,
             )
             await nursery.start(serve_kv_events, kv_events)
             operator = kv_tokenizer(settings)

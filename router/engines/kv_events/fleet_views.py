@@ -22,14 +22,15 @@ from urllib.parse import urlsplit
 
 import trio
 
+from router.engines.kv_events.grpc_subscription import GrpcKvSource, GrpcKvSubscription
 from router.engines.kv_events.index import IndexSettings, KvIndex, ViewId
 from router.engines.kv_events.subscription import (
     KvEventSource,
     KvSubscription,
     SubscriptionSettings,
-    serve_kv_subscription,
 )
 from router.fleet.registry import Fleet, Worker
+from router.http.grpc import GrpcPool
 
 logger = logging.getLogger("router.engines.kv_events")
 
@@ -73,16 +74,27 @@ class KvIndexes:
             index.forget_worker(worker_id)
 
 
-def worker_sources(worker: Worker, settings: KvEventsSettings) -> tuple[KvEventSource, ...]:
-    """Where `worker`'s ranks publish: its record's endpoints, else the static ports on
-    its own host; none when neither is known. The source's `dp_rank` is the view's rank:
-    the rank for a rank-multiplexed worker, the record's own `dp_rank` otherwise."""
+EventSource = KvEventSource | GrpcKvSource
+"""A ZMQ publisher (one worker rank) or a `grpc://` worker's event stream (all its
+ranks)."""
+
+
+def worker_sources(worker: Worker, settings: KvEventsSettings) -> tuple[EventSource, ...]:
+    """Where `worker`'s ranks publish: its record's endpoints; else a `grpc://` worker's
+    own `SubscribeKvEvents`; else the static ports on its own host; none when neither is
+    known. (A record's ZMQ endpoints win over the gRPC stream: their replay reaches back
+    to the engine's first batch, the stream does not.) The view's rank is the rank for a
+    rank-multiplexed worker, the record's own `dp_rank` otherwise."""
     record = worker.record
     multiplexed = record.rank_multiplexed
 
     def view_rank(rank: int) -> int | None:
         return rank if multiplexed else record.dp_rank
 
+    if record.is_grpc and not record.kv_event_sources:
+        ranks = range(record.dp_size) if multiplexed else [record.dp_rank or 0]
+        views = {rank: view_rank(rank) for rank in ranks}
+        return (GrpcKvSource(worker_id=record.id, url=record.url, views=views),)
     if record.kv_event_sources:
         return tuple(
             KvEventSource(
@@ -118,9 +130,9 @@ def worker_sources(worker: Worker, settings: KvEventsSettings) -> tuple[KvEventS
 
 @dataclass
 class _Running:
-    source: KvEventSource
+    source: EventSource
     model: str
-    subscription: KvSubscription
+    subscription: KvSubscription | GrpcKvSubscription
     scope: trio.CancelScope
 
 
@@ -158,8 +170,17 @@ class KvEvents:
     """The running subscriptions of a fleet; `statistics()` sums them, counting those
     that ended too (the counters never go back)."""
 
-    def __init__(self, fleet: Fleet, indexes: KvIndexes, settings: KvEventsSettings) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        indexes: KvIndexes,
+        settings: KvEventsSettings,
+        grpc_pool: GrpcPool | None = None,
+    ) -> None:
         self.fleet = fleet
+        self.grpc_pool = grpc_pool
+        """Where a `grpc://` worker's event stream is opened; None: such workers are not
+        subscribed to (their views stay unknown)."""
         self.indexes = indexes
         self.settings = settings
         self._running: dict[ViewId, _Running] = {}
@@ -168,7 +189,7 @@ class KvEvents:
         self._departed: list[str] = []
         self._seen_generation = -1
 
-    def subscription(self, view: ViewId) -> KvSubscription | None:
+    def subscription(self, view: ViewId) -> KvSubscription | GrpcKvSubscription | None:
         running = self._running.get(view)
         return None if running is None else running.subscription
 
@@ -200,13 +221,17 @@ class KvEvents:
         if departed == [] and self.fleet.generation == self._seen_generation:
             return
         self._seen_generation = self.fleet.generation
-        wanted: dict[ViewId, tuple[KvEventSource, str]] = {}
+        wanted: dict[ViewId, tuple[EventSource, str]] = {}
         for worker in self.fleet.workers():
             if not worker.record.models:
                 continue
             model = worker.record.models[0]
             for source in worker_sources(worker, self.settings):
-                wanted[(source.worker_id, source.dp_rank)] = (source, model)
+                if isinstance(source, GrpcKvSource):
+                    if self.grpc_pool is not None:
+                        wanted[(source.worker_id, None)] = (source, model)
+                else:
+                    wanted[(source.worker_id, source.dp_rank)] = (source, model)
         for view, running in list(self._running.items()):
             want = wanted.get(view)
             if want is None or want != (running.source, running.model):
@@ -219,21 +244,31 @@ class KvEvents:
             if view not in self._running:
                 self._start(nursery, source, model)
 
-    def _start(self, nursery: trio.Nursery, source: KvEventSource, model: str) -> None:
-        subscription = KvSubscription(
-            source, self.indexes.for_model(model), self.settings.subscription
-        )
+    def _start(self, nursery: trio.Nursery, source: EventSource, model: str) -> None:
+        index = self.indexes.for_model(model)
+        subscription: KvSubscription | GrpcKvSubscription
+        if isinstance(source, GrpcKvSource):
+            assert self.grpc_pool is not None
+            subscription = GrpcKvSubscription(
+                source, index, self.grpc_pool, self.settings.subscription
+            )
+            logger.info(
+                "kv events: subscribing to worker %s over gRPC at %s (ranks %s)",
+                source.worker_id,
+                source.url,
+                sorted(source.views),
+            )
+        else:
+            subscription = KvSubscription(source, index, self.settings.subscription)
+            logger.info(
+                "kv events: subscribing to worker %s rank %s at %s (replay %s)",
+                source.worker_id,
+                source.dp_rank,
+                source.endpoint,
+                source.replay_endpoint,
+            )
         scope = trio.CancelScope()
-        self._running[(source.worker_id, source.dp_rank)] = _Running(
-            source, model, subscription, scope
-        )
-        logger.info(
-            "kv events: subscribing to worker %s rank %s at %s (replay %s)",
-            source.worker_id,
-            source.dp_rank,
-            source.endpoint,
-            source.replay_endpoint,
-        )
+        self._running[subscription.view] = _Running(source, model, subscription, scope)
         nursery.start_soon(_run_subscription, subscription, scope)
 
     def _stop(self, view: ViewId, running: _Running) -> None:
@@ -244,13 +279,16 @@ class KvEvents:
             self._retired[name] += getattr(stats, name)
         for kind, count in stats.events.items():
             self._retired_events[kind] = self._retired_events.get(kind, 0) + count
-        # The view is not read again until a new subscription rebuilds it from seq 0.
-        running.subscription.index.mark_unknown(view, "not subscribed")
+        # The views are not read again until a new subscription rebuilds them.
+        for each in running.subscription.views():
+            running.subscription.index.mark_unknown(each, "not subscribed")
 
 
-async def _run_subscription(subscription: KvSubscription, scope: trio.CancelScope) -> None:
+async def _run_subscription(
+    subscription: KvSubscription | GrpcKvSubscription, scope: trio.CancelScope
+) -> None:
     with scope:
-        await serve_kv_subscription(subscription)
+        await subscription.serve()
 
 
 async def serve_kv_events(

@@ -220,6 +220,9 @@ class KvSubscription:
             last_seq=self._last_applied,
         )
 
+    def views(self) -> list[ViewId]:
+        return [self.view]
+
     async def wait_until(self, condition: Callable[[], bool]) -> None:
         """Until `condition()` holds, checked after every message and replay handled
         (e.g. the view known after the first replay, or a seq applied)."""

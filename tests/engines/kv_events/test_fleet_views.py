@@ -16,6 +16,7 @@ from router.engines.kv_events.fleet_views import (
     serve_kv_events,
     worker_sources,
 )
+from router.engines.kv_events.grpc_subscription import GrpcKvSource
 from router.fleet.records import EventEndpoint, WorkerRecord
 from router.fleet.registry import Fleet, Worker
 from tests.engines.kv_events.publisher import open_test_publisher
@@ -46,6 +47,32 @@ def test_static_ports_give_one_source_per_rank_on_the_workers_own_host() -> None
         KvEventSource("c", 2, "tcp://h:5559", "tcp://h:5602"),
     )
     assert worker_sources(plain, KvEventsSettings()) == ()
+
+
+def test_a_grpc_worker_is_one_stream_of_all_its_ranks_over_its_own_connection() -> None:
+    settings = KvEventsSettings(port=5557, replay_port=5558)
+    plain = Worker(record=WorkerRecord(id="g", url="grpc://10.0.0.5:9000", models=("m",)))
+    dp = Worker(record=WorkerRecord(id="h", url="grpc://h:9000", models=("m",), dp_size=2))
+    one_rank = Worker(
+        record=WorkerRecord(id="i", url="grpc://h:9000", models=("m",), dp_size=4, dp_rank=2)
+    )
+    # The static ZMQ ports are not the engine's over gRPC: the stream is.
+    assert worker_sources(plain, settings) == (
+        GrpcKvSource("g", "grpc://10.0.0.5:9000", {0: None}),
+    )
+    assert worker_sources(dp, KvEventsSettings()) == (
+        GrpcKvSource("h", "grpc://h:9000", {0: 0, 1: 1}),
+    )
+    assert worker_sources(one_rank, KvEventsSettings()) == (
+        GrpcKvSource("i", "grpc://h:9000", {2: 2}),
+    )
+    # A record that names its ZMQ publishers keeps them (their replay reaches seq 0).
+    named = dataclasses.replace(
+        plain.record, kv_event_sources=(EventEndpoint(0, "tcp://10.0.0.5:5557", None),)
+    )
+    assert worker_sources(Worker(record=named), settings) == (
+        KvEventSource("g", None, "tcp://10.0.0.5:5557", None),
+    )
 
 
 def test_the_records_endpoints_win_over_the_static_ports() -> None:
