@@ -23,8 +23,9 @@ What the router makes of it, per view (worker, rank):
 - a batch whose sequence skips (a batch lost on the way): unknown, as above.
 - a batch repeating or preceding the last one: skipped (a load-only record, a copy).
 - DATA_LOSS, a broken connection, the call ending: the views are unknown and the call
-  is made again, at once after DATA_LOSS, else after a backoff; UNIMPLEMENTED (no KV
-  events at this engine): unknown, asked again after the longest backoff.
+  is made again, at once after DATA_LOSS, else after a backoff of at most 1 s (so a
+  restarted engine is subscribed to before its first batch); UNIMPLEMENTED (no KV
+  events at this engine): unknown, asked again after `retry_max_s` (30 s).
 
 The engine's load on the batches (`EngineLoad`) is not read here: the load reader asks
 `GetLoads`. The call holds one of the worker's gRPC call slots while it runs.
@@ -57,6 +58,10 @@ from router.http.upstream.exceptions import LocalShortage
 logger = logging.getLogger("router.engines.kv_events")
 
 SUBSCRIBE_KV_EVENTS = "/vllm.grpc.engine.VllmEngine/SubscribeKvEvents"
+RESUBSCRIBE_MAX_S = 1.0
+"""The longest wait before calling again after a stream broke: short, because a view is
+known only if the call is made before the restarted engine's first batch (a refused
+connect costs next to nothing)."""
 
 REASON_SUBSCRIBING = "subscribing: no batch of this rank seen yet"
 REASON_JOINED_LATE = "subscribed after the engine's first batch: blocks cached before are unseen"
@@ -241,7 +246,7 @@ class GrpcKvSubscription:
             if self._batches_this_call:
                 delay = settings.retry_initial_s
             await trio.sleep(delay)
-            delay = min(delay * 2, settings.retry_max_s)
+            delay = min(delay * 2, RESUBSCRIBE_MAX_S)
 
     async def _one_call(self) -> str:
         """One `SubscribeKvEvents` call, read to its end: when to call again (`now`,
