@@ -111,9 +111,9 @@ class KvAwareCollector(Collector):
             ("replays", "Replays asked of the engines' replay sockets"),
             ("replay_failures", "Replays that got no answer in time"),
             ("gaps", "Sequence gaps seen on the live streams"),
-            ("restarts", "Engine restarts seen (sequence back to 0)"),
+            ("restarts", "Engine restarts seen (sequence back to 0; over gRPC, DATA_LOSS)"),
             ("reconnects", "Reconnects of a subscription to its publisher"),
-            ("disconnects", "Connections to a publisher lost (the view unknown until replayed)"),
+            ("disconnects", "Connections to a publisher, or gRPC event streams, lost"),
             ("unknown_views", "Times a worker rank's view became unknown"),
         ):
             family = CounterMetricFamily(f"router_kv_events_{name}", help_text)

@@ -5,6 +5,14 @@ HTTP one: `GET /debug/routing` (what reached it), `POST /debug/reset`, `GET`/`PO
 /debug/behaviour` (its live behaviour, the same JSON), and `GET /health` (200 while the
 process serves; the engine's own health is its `HealthCheck` RPC).
 
+With `--kv-events`, two scripted failures of the KV-event stream (`kv_events`), each
+answering `/debug/routing`'s `kv_events` object; without it they are 400:
+
+- `POST /debug/kv_events/data_loss`: every live `SubscribeKvEvents` call ends with
+  DATA_LOSS now, as when the relay cannot keep a stream whole (`ended` says how many);
+- `POST /debug/kv_events/skip` with `{"batches": N}` (N >= 1): the next batch is
+  numbered N later, the skipped ones never sent, as when the relay loses batches.
+
 One request per connection (the answer says `connection: close`), parsed by llhttp
 (`httptools`): bodies up to 1 MiB and whole requests up to 1 MiB more (413 beyond), and a
 connection that sends no whole request within 10 s is closed. asyncio, like the grpcio server beside it (`main` says why).
@@ -63,6 +71,8 @@ def answer(engine: FakeVllmEngine, method: str, path: str, body: bytes) -> tuple
         "/debug/routing": (frozenset({"GET"}), lambda: (200, engine.routing_json())),
         "/debug/reset": (frozenset({"POST"}), lambda: _reset(engine)),
         "/debug/behaviour": (frozenset({"GET", "POST"}), lambda: _behaviour(engine, method, body)),
+        "/debug/kv_events/data_loss": (frozenset({"POST"}), lambda: _kv_data_loss(engine)),
+        "/debug/kv_events/skip": (frozenset({"POST"}), lambda: _kv_skip(engine, body)),
         "/health": (frozenset({"GET"}), lambda: (200, {"serving": True})),
     }
     route = routes.get(path)
@@ -90,6 +100,32 @@ def _behaviour(engine: FakeVllmEngine, method: str, body: bytes) -> tuple[int, A
         except InvalidBehaviour as exc:
             return 400, _error(str(exc))
     return 200, engine.behaviour.to_json()
+
+
+def _kv_data_loss(engine: FakeVllmEngine) -> tuple[int, Any]:
+    hub = engine.kv_events
+    if hub is None:
+        return _kv_events_off()
+    ended = hub.lose_all()
+    return 200, {**hub.statistics().to_json(), "ended": ended}
+
+
+def _kv_skip(engine: FakeVllmEngine, body: bytes) -> tuple[int, Any]:
+    hub = engine.kv_events
+    if hub is None:
+        return _kv_events_off()
+    try:
+        batches = orjson.loads(body).get("batches")
+    except (orjson.JSONDecodeError, AttributeError):
+        batches = None
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        return 400, _error('the skip is {"batches": N}, N a whole number >= 1')
+    hub.skip(batches)
+    return 200, hub.statistics().to_json()
+
+
+def _kv_events_off() -> tuple[int, Any]:
+    return 400, _error("KV events are off: start the fake with --kv-events")
 
 
 def _error(message: str) -> dict[str, Any]:

@@ -51,11 +51,18 @@ class GrpcOptions:
 
 def unsupported(settings: FakeWorkerSettings) -> str | None:
     """What the gRPC fake cannot be asked to be, or None: a PD role (the gRPC fake serves
-    mixed generation only), a prefix cache and its KV events, LoRA adapters."""
+    mixed generation only), a model's tokenizer for the prefix cache, a ZMQ port for KV
+    events (they stream over `SubscribeKvEvents`), LoRA adapters. `--kv-events` without
+    `--cache-tokens` is the settings' own refusal."""
     if settings.role != "mixed":
         return f"--role {settings.role}: the gRPC fake serves mixed generation only"
-    if settings.cache_tokens or settings.publishes_kv_events or settings.tokenizer:
-        return "--cache-tokens, --kv-events and --tokenizer are not served over gRPC"
+    if settings.tokenizer:
+        return "--tokenizer is not served over gRPC"
+    if settings.kv_events_port:
+        return (
+            "--kv-events-port is not served over gRPC: with --kv-events the gRPC fake "
+            "streams its KV events over SubscribeKvEvents on its own port"
+        )
     if settings.serves_lora:
         return "--lora-adapters and --runtime-lora-updating are not served over gRPC"
     return None

@@ -21,8 +21,16 @@ What a router over gRPC calls, and what it gets here:
   (`tokenizer_files`), the context length, the DP size.
 - `GetLoads`: each DP rank's running and waiting requests.
 - `GetTokenizer`: the tokenizer files as one zip, in 64 KiB chunks, its SHA-256 last.
-- `FlushCache`: nothing cached, so always done.
-- `SubscribeKvEvents`: UNIMPLEMENTED, as vLLM's servicer answers when KV events are off.
+- `FlushCache`: the prefix cache emptied (a `cleared` event), always done.
+- `SubscribeKvEvents`: with `kv_events`, the prefix cache's events from the subscription
+  on, live, as vLLM's servicer relays them (`kv_events`): a non-zero start is
+  OUT_OF_RANGE, a subscriber that falls behind (or a scripted loss) ends with DATA_LOSS.
+  Without it, UNIMPLEMENTED with the servicer's message for KV events off.
+
+With `cache_tokens`, a prefix cache (`router.fake_worker.prefix_cache`) serves each
+Generate's prompt ids (a text prompt's: each word's id in the fake's vocabulary,
+`tokenizer_files.word_id`) once the request runs, before its first token; what it held
+is `cached_tokens` in every chunk and `complete` (0 without a cache).
 
 Any other method is UNIMPLEMENTED (grpcio's own answer). A message that does not parse
 is INTERNAL, gRPC's status for a request it cannot parse.
@@ -56,6 +64,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from router.fake_worker.behaviour import Behaviour, FailMode
 from router.fake_worker.formats import MAX_CHOICES
+from router.fake_worker.grpc_engine.kv_events import KvEventHub, SubscriptionLost
 from router.fake_worker.grpc_engine.relay import ConnectionRelay
 from router.fake_worker.grpc_engine.status_codes import code_for_status
 from router.fake_worker.grpc_engine.tokenizer_files import (
@@ -65,7 +74,9 @@ from router.fake_worker.grpc_engine.tokenizer_files import (
     PAD_ID,
     VOCAB_SIZE,
     output_token_id,
+    word_id,
 )
+from router.fake_worker.prefix_cache import PrefixCache, ids_prompt
 from router.fake_worker.settings import FakeWorkerSettings
 from router.fake_worker.stats import RankLoad, RoutingStats
 
@@ -80,6 +91,12 @@ TOKENIZER_CHUNK = 64 * 1024
 ABORT_HISTORY = 100
 # How a text prompt splits into tokens: the tokenizer's pre-tokenizer (`Whitespace`).
 _WORDS = re.compile(r"\w+|[^\w\s]+")
+# vLLM's servicer's answers to SubscribeKvEvents it cannot serve.
+KV_EVENTS_OFF = (
+    "KV cache events not enabled. Start vLLM with --kv-events-config "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\''
+)
+REPLAY_REFUSED = "KV event replay cursors are per subscription; resubscribe with zero and rebuild"
 
 Pause = Callable[[float, asyncio.Event], Awaitable[None]]
 M = TypeVar("M", bound=Message)
@@ -112,6 +129,8 @@ class Plan:
     explicit_limit: bool
     logprobs: int | None = None
     """Alternatives per token's logprob; None: the request asked for no logprobs."""
+    prompt_ids: tuple[int, ...] = ()
+    """The prompt as token ids (a text prompt's words' ids), what the prefix cache sees."""
 
     @property
     def finish_reason(self) -> str:
@@ -126,16 +145,17 @@ def plan_generation(
 ) -> Plan:
     """Validate a request as vLLM does; raise BadRequest for what it refuses."""
     kind = request.WhichOneof("input")
+    ids: tuple[int, ...]
     if kind == "tokenized":
-        ids = request.tokenized.input_ids
+        ids = tuple(request.tokenized.input_ids)
         for token_id in ids:
             if token_id >= VOCAB_SIZE:
                 raise BadRequest(f"Token id {token_id} is out of vocabulary")
-        prompt = len(ids)
     elif kind == "text":
-        prompt = len(_WORDS.findall(request.text))
+        ids = tuple(word_id(word) for word in _WORDS.findall(request.text))
     else:
-        prompt = 0
+        ids = ()
+    prompt = len(ids)
     if prompt == 0:
         raise BadRequest("The decoder prompt cannot be empty")
     if prompt > max_model_len:
@@ -159,7 +179,9 @@ def plan_generation(
             f"data_parallel_rank {request.data_parallel_rank} is out of range [0, {dp_size})."
         )
     logprobs = params.logprobs if params.HasField("logprobs") else None
-    return Plan(request.request_id, rank, prompt, tokens, n, request.stream, explicit, logprobs)
+    return Plan(
+        request.request_id, rank, prompt, tokens, n, request.stream, explicit, logprobs, ids
+    )
 
 
 def _serialize(message: Message | bytes) -> bytes:
@@ -205,9 +227,17 @@ class FakeVllmEngine:
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self.last_receive = 0.0
         self._changed = asyncio.Event()
+        self.prefix_cache = (
+            PrefixCache(settings.cache_tokens) if settings.cache_tokens > 0 else None
+        )
+        self.kv_events: KvEventHub | None = None
+        if settings.publishes_kv_events and self.prefix_cache is not None:
+            self.kv_events = KvEventHub()
+            self.prefix_cache.listener = self.kv_events
 
     def _notify(self) -> None:
-        """Wake whoever waits in `wait_until`: a generation began, queued, ran or ended."""
+        """Wake whoever waits in `wait_until`: a generation began, queued, ran or ended,
+        a KV-event subscription began or ended."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -271,8 +301,10 @@ class FakeVllmEngine:
                 "GetTokenizer": streaming(
                     "GetTokenizer", self.get_tokenizer, common.GetTokenizerRequest
                 ),
-                "SubscribeKvEvents": streaming(
-                    "SubscribeKvEvents", self.subscribe_kv_events, common.SubscribeKvEventsRequest
+                "SubscribeKvEvents": grpc.unary_stream_rpc_method_handler(
+                    self.subscribe_kv_events,
+                    request_deserializer=_unparsed,
+                    response_serializer=_serialize,
                 ),
             },
         )
@@ -352,7 +384,11 @@ class FakeVllmEngine:
         load.prompt_tokens += plan.prompt_tokens
         self._notify()
         try:
-            await self._tokens(plan, load, aborted, context)
+            cached = 0
+            if self.prefix_cache is not None:
+                cached = self.prefix_cache.serve(ids_prompt(plan.prompt_ids))
+                load.cached_tokens += cached
+            await self._tokens(plan, cached, load, aborted, context)
         finally:
             load.running -= 1
             if self._running.get(plan.request_id) is aborted:
@@ -361,9 +397,15 @@ class FakeVllmEngine:
                 limiter.release()
 
     async def _tokens(
-        self, plan: Plan, load: RankLoad, aborted: asyncio.Event, context: grpc.aio.ServicerContext
+        self,
+        plan: Plan,
+        cached: int,
+        load: RankLoad,
+        aborted: asyncio.Event,
+        context: grpc.aio.ServicerContext,
     ) -> None:
-        """The chunks (streaming) and the `complete` of each choice, paced."""
+        """The chunks (streaming) and the `complete` of each choice, paced; `cached` is
+        the prompt's tokens the prefix cache held."""
         behaviour = self.behaviour
         produced = 0
         finish = plan.finish_reason
@@ -378,7 +420,7 @@ class FakeVllmEngine:
             load.generation_tokens += plan.n
             if plan.stream:
                 for index in range(plan.n):
-                    chunk = _chunk([output_token_id(k)], plan.prompt_tokens, index)
+                    chunk = _chunk([output_token_id(k)], plan.prompt_tokens, index, cached)
                     _add_logprobs(chunk.chunk.output_logprobs, [k], plan.logprobs)
                     await context.write(chunk)
         if plan.stream:
@@ -386,13 +428,13 @@ class FakeVllmEngine:
             last = [produced - 1] if produced and finish != "abort" else []
             for index in range(plan.n):
                 ids = [output_token_id(k) for k in last]
-                complete = _complete(ids, finish, plan.prompt_tokens, index)
+                complete = _complete(ids, finish, plan.prompt_tokens, index, cached)
                 _add_logprobs(complete.complete.output_logprobs, last, plan.logprobs)
                 await context.write(complete)
         else:
             ids = [output_token_id(k) for k in range(produced)]
             for index in range(plan.n):
-                complete = _complete(ids, finish, plan.prompt_tokens, index)
+                complete = _complete(ids, finish, plan.prompt_tokens, index, cached)
                 _add_logprobs(complete.complete.output_logprobs, range(produced), plan.logprobs)
                 await context.write(complete)
 
@@ -409,7 +451,7 @@ class FakeVllmEngine:
             for k in range(behaviour.fail_after_chunks):
                 if k:
                     await self._pause(behaviour.token_latency_ms / 1000, asyncio.Event())
-                await context.write(_chunk([output_token_id(k)], prompt, 0))
+                await context.write(_chunk([output_token_id(k)], prompt, 0, 0))
         if mode is FailMode.STATUS or mode is FailMode.MIDSTREAM:
             await context.abort(code_for_status(status), message)
         elif mode is FailMode.RESET:
@@ -510,7 +552,10 @@ class FakeVllmEngine:
     async def flush_cache(
         self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.FlushCacheResponse:
-        return common_pb2.FlushCacheResponse(success=True, message="nothing cached")
+        if self.prefix_cache is None:
+            return common_pb2.FlushCacheResponse(success=True, message="nothing cached")
+        self.prefix_cache.clear()
+        return common_pb2.FlushCacheResponse(success=True, message="cache flushed")
 
     async def get_tokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
@@ -523,13 +568,36 @@ class FakeVllmEngine:
                 data=data[offset : offset + TOKENIZER_CHUNK], sha256=digest if last else ""
             )
 
-    async def subscribe_kv_events(
-        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "the fake gRPC engine publishes no KV events"
-        )
-        yield common_pb2.KvEventBatch()  # never reached: abort raises
+    async def subscribe_kv_events(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        """One SubscribeKvEvents call, as vLLM's servicer answers it (`kv_events`): the
+        headers once subscribed (a client's `initial_metadata()` returns when it is), then
+        every batch published after, each written before the next is taken.
+
+        Cancellation (the client left or its deadline passed): the subscription and its
+        queue are gone at once.
+        """
+        self.routing.count_path(f"/{SERVICE}/SubscribeKvEvents")
+        request = await _parse(common_pb2.SubscribeKvEventsRequest, raw, context)
+        hub = self.kv_events
+        if hub is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, KV_EVENTS_OFF)
+            return
+        if request.start_sequence_number:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, REPLAY_REFUSED)
+            return
+        try:
+            with hub.subscribe() as subscription:
+                self._notify()
+                await context.send_initial_metadata(())
+                while True:
+                    try:
+                        batch = await subscription.next_batch()
+                    except SubscriptionLost as exc:
+                        await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+                        return
+                    await context.write(batch)
+        finally:
+            self._notify()
 
     def _tokenizer_bundle(self) -> tuple[bytes, str]:
         """The tokenizer files as one zip and its SHA-256, built once (a few KiB)."""
@@ -548,20 +616,25 @@ class FakeVllmEngine:
     # -- debug --------------------------------------------------------------------------
 
     def routing_json(self) -> dict[str, Any]:
-        """`GET /debug/routing` on the side port: the HTTP fake's counters, plus aborts
-        and the connections the relay took and cut."""
+        """`GET /debug/routing` on the side port: the HTTP fake's counters, plus aborts,
+        the connections the relay took and cut, and the KV-event publisher's figures
+        (`kv_events`, null without `--kv-events`)."""
         answer = self.routing.to_json()
         answer["aborts"] = self.aborts
         answer["aborted"] = list(self.aborted)
         if self.relay is not None:
             answer["connections"] = self.relay.connections
             answer["resets"] = self.relay.cuts
+        hub = self.kv_events
+        answer["kv_events"] = None if hub is None else hub.statistics().to_json()
         return answer
 
     def reset_counters(self) -> None:
         self.routing.reset()
         self.aborts = 0
         self.aborted.clear()
+        if self.kv_events is not None:
+            self.kv_events.reset_counters()
 
 
 async def _parse(kind: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
@@ -575,13 +648,15 @@ async def _parse(kind: type[M], raw: bytes, context: grpc.aio.ServicerContext) -
         raise  # abort raises; this keeps the type checker sure
 
 
-def _chunk(ids: list[int], prompt_tokens: int, index: int) -> vllm_engine_pb2.GenerateResponse:
+def _chunk(
+    ids: list[int], prompt_tokens: int, index: int, cached_tokens: int
+) -> vllm_engine_pb2.GenerateResponse:
     return vllm_engine_pb2.GenerateResponse(
         chunk=vllm_engine_pb2.GenerateStreamChunk(
             token_ids=ids,
             prompt_tokens=prompt_tokens,
             completion_tokens=len(ids),
-            cached_tokens=0,
+            cached_tokens=cached_tokens,
             index=index,
         )
     )
@@ -609,7 +684,7 @@ def _add_logprobs(proto: Any, positions: Iterable[int], count: int | None) -> No
 
 
 def _complete(
-    ids: list[int], finish_reason: str, prompt_tokens: int, index: int
+    ids: list[int], finish_reason: str, prompt_tokens: int, index: int, cached_tokens: int
 ) -> vllm_engine_pb2.GenerateResponse:
     return vllm_engine_pb2.GenerateResponse(
         complete=vllm_engine_pb2.GenerateComplete(
@@ -617,7 +692,7 @@ def _complete(
             finish_reason=finish_reason,
             prompt_tokens=prompt_tokens,
             completion_tokens=len(ids),
-            cached_tokens=0,
+            cached_tokens=cached_tokens,
             index=index,
         )
     )

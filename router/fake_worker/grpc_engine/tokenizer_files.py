@@ -52,6 +52,17 @@ def output_token_id(k: int) -> int:
     return FIRST_WORD_ID + k % OUTPUT_WORDS
 
 
+def word_id(word: str) -> int:
+    """The id of one pre-tokenized word (no whitespace in it): `tok{k}` for `k` below
+    `OUTPUT_WORDS` is its own word, anything else `[UNK]`, as `tokenizer.json` reads it."""
+    digits = word.removeprefix("tok")
+    if digits != word and digits.isascii() and digits.isdigit():
+        k = int(digits)
+        if k < OUTPUT_WORDS and str(k) == digits:
+            return FIRST_WORD_ID + k
+    return UNK_ID
+
+
 def tokenizer_json() -> dict[str, Any]:
     """`tokenizer.json` in the format of Hugging Face `tokenizers`: a word-level model."""
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}

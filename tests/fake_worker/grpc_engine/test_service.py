@@ -128,28 +128,6 @@ def test_loads_report_each_dp_rank_with_its_running_requests(tmp_path: Path) -> 
     assert ranks == {"1": 1}
 
 
-def test_kv_events_are_unimplemented_as_on_an_engine_without_them(tmp_path: Path) -> None:
-    async def scenario() -> grpc.StatusCode:
-        async with serving(tmp_path) as served:
-            stub = common_pb2_grpc_stub(served.channel)
-            try:
-                async for _ in stub(common_pb2.SubscribeKvEventsRequest()):
-                    pass
-            except grpc.aio.AioRpcError as exc:
-                return exc.code()
-            raise AssertionError("the subscription did not fail")
-
-    assert run_scenario(scenario) is grpc.StatusCode.UNIMPLEMENTED
-
-
-def common_pb2_grpc_stub(channel: grpc.aio.Channel):  # type: ignore[no-untyped-def]
-    return channel.unary_stream(
-        f"/{SERVICE}/SubscribeKvEvents",
-        request_serializer=common_pb2.SubscribeKvEventsRequest.SerializeToString,
-        response_deserializer=common_pb2.KvEventBatch.FromString,
-    )
-
-
 def test_the_tokenizer_streams_as_one_zip_with_its_digest_last(tmp_path: Path) -> None:
     async def scenario() -> list[common_pb2.GetTokenizerChunk]:
         async with serving(tmp_path) as served:

@@ -15,6 +15,7 @@ from router.fake_worker.grpc_engine.tokenizer_files import (
     UNK_ID,
     VOCAB_SIZE,
     output_token_id,
+    word_id,
     write_model_dir,
 )
 
@@ -52,3 +53,12 @@ def test_writing_twice_replaces_the_files(tmp_path: Path) -> None:
     write_model_dir(tmp_path, model_max_length=300)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["model_max_length"] == 300
+
+
+def test_a_words_id_is_what_the_tokenizer_reads(tmp_path: Path) -> None:
+    # The ids the prefix cache keeps for a text prompt are the ids a router would send.
+    tokenizer = Tokenizer.from_file(str(write_model_dir(tmp_path) / "tokenizer.json"))
+    text = "hello, world tok1 tok01 tok999 tok1000 x_tok3 tok3b ..!"
+    words = [word for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    assert [word_id(word) for word in words] == tokenizer.encode(text).ids
+    assert tokenizer.encode(text).ids == [3, 3, 3, 5, 3, 1003, 3, 3, 3, 3]
