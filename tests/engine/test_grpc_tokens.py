@@ -7,7 +7,8 @@ and detokenization are the engine's."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import operator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -99,23 +100,42 @@ async def _answer(client: httpx.AsyncClient, url: str, path: str, body: dict[str
     return text, finish, tokens
 
 
+Reader = Callable[[httpx.AsyncClient, str, str, dict[str, Any]], Awaitable[Any]]
+
+
+async def _differences(
+    engine_url: str,
+    router_url: str,
+    requests: list[tuple[str, dict[str, Any], dict[str, Any]]],
+    read: Reader,
+    same: Callable[[Any, Any], bool],
+) -> tuple[list[str], int]:
+    """Each request (path, the case's body, the body sent) to the engine's HTTP server and
+    to the router: what differs (or is empty), and how many items were compared."""
+    differ: list[str] = []
+    compared = 0
+    with trio.fail_after(CALL_TIMEOUT_S * 4):
+        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as client:
+            for path, body, request in requests:
+                direct = await read(client, engine_url, path, request)
+                ours = await read(client, router_url, path, request)
+                compared += len(direct)
+                if not direct or not same(ours, direct):
+                    differ.append(f"{path} {body}:\n  engine {direct!r}\n  router {ours!r}")
+    return differ, compared
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
 async def test_over_grpc_the_answers_are_the_engines_own(
     host: EngineHost, router: RouterProcess, stream: bool
 ) -> None:
-    http_engine = _engine(host, "http")
     extra: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS}
     if stream:
         extra |= {"stream": True, "stream_options": {"include_usage": True}}
-    differ: list[str] = []
-    with trio.fail_after(CALL_TIMEOUT_S * 4):
-        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as client:
-            for path, body in CASES:
-                request = {**body, **extra}
-                direct = await _answer(client, http_engine.url, path, request)
-                ours = await _answer(client, router.url, path, request)
-                if ours != direct:
-                    differ.append(f"{path} {body}: engine {direct!r}, router {ours!r}")
+    requests = [(path, body, {**body, **extra}) for path, body in CASES]
+    differ, _ = await _differences(
+        _engine(host, "http").url, router.url, requests, _answer, operator.eq
+    )
     assert differ == [], "\n".join(differ) + "\n" + router.log()
 
 
@@ -178,25 +198,27 @@ def _close(ours: Any, theirs: Any) -> bool:
 async def test_over_grpc_the_logprobs_are_the_engines_own(
     host: EngineHost, router: RouterProcess, stream: bool
 ) -> None:
-    http_engine = _engine(host, "http")
     extra: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": MAX_TOKENS}
     if stream:
         extra["stream"] = True
-    differ: list[str] = []
-    tokens = 0
-    with trio.fail_after(CALL_TIMEOUT_S * 4):
-        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as client:
-            for path, body in LOGPROB_CASES:
-                asked = (
+    requests = [
+        (
+            path,
+            body,
+            {
+                **body,
+                **extra,
+                **(
                     {"logprobs": True, "top_logprobs": 3}
                     if path == "/v1/chat/completions"
                     else {"logprobs": 3}
-                )
-                request = {**body, **extra, **asked}
-                direct = await _logprobs(client, http_engine.url, path, request)
-                ours = await _logprobs(client, router.url, path, request)
-                tokens += len(direct)
-                if not direct or not _close(ours, direct):
-                    differ.append(f"{path} {body}:\n  engine {direct!r}\n  router {ours!r}")
+                ),
+            },
+        )
+        for path, body in LOGPROB_CASES
+    ]
+    differ, tokens = await _differences(
+        _engine(host, "http").url, router.url, requests, _logprobs, _close
+    )
     print(f"logprobs {'streamed' if stream else 'unary'}: {tokens} tokens compared")
     assert differ == [], "\n".join(differ) + "\n" + router.log()
