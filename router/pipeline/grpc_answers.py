@@ -166,7 +166,7 @@ class OpenAIAnswer:
         self._chat = route == "chat"
         self._id = ("chatcmpl-" if self._chat else "cmpl-") + request_id
         self._model = model
-        self._sent: dict[int, int] = {}  # characters given out per choice (`text_offset`)
+        self._sent: dict[int, int] = {}  # per choice, the next `text_offset`
         self.created = int(time.time())  # the answer's timestamp: wall clock by definition
         kind = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = (
@@ -203,15 +203,17 @@ class OpenAIAnswer:
         return self._chunk(done.index, done.text, tail)
 
     def _logprobs(self, index: int, text: str, entries: list[TokenLogprob] | None) -> bytes:
-        """The chunk's `logprobs` (`null` when none were asked for); counts the
-        characters given out, for completions' `text_offset`."""
+        """The chunk's `logprobs` (`null` when none were asked for). Completions'
+        `text_offset` goes on from the last chunk's tokens' texts, as vLLM counts it,
+        not from the text given out (a token inside a character is "" there, and the
+        text held back for a stop string is not given out yet)."""
         if entries is None:
             return b"null"
         if self._chat:
             return orjson.dumps(chat_logprobs(entries))
-        sent = self._sent.get(index, 0)
-        self._sent[index] = sent + len(text)
-        return orjson.dumps(completion_logprobs(entries, sent))
+        offset = self._sent.get(index, 0)
+        self._sent[index] = offset + sum(len(entry.token) for entry in entries)
+        return orjson.dumps(completion_logprobs(entries, offset))
 
     def _chunk(self, index: int, text: str, tail: bytes) -> bytes:
         content = orjson.dumps(text)

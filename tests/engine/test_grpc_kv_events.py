@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +26,7 @@ MODEL = "tiny"
 BLOCK = 32
 # Six full blocks of token ids and a tail of five: the engine caches the six.
 PROMPT = list(range(10, 10 + 6 * BLOCK + 5))
-OTHER_PROMPT = list(range(1000, 1000 + 6 * BLOCK + 5))
+OTHER_PROMPT = list(range(400, 400 + 6 * BLOCK + 5))  # the tiny model has ~1,100 ids
 HELD_TOKENS = 6 * BLOCK
 SENDS = 4
 # The servicer's relay subscribes to the engine's ZMQ publisher when the call arrives; a
@@ -35,11 +36,13 @@ SENDS = 4
 RELAY_JOIN_S = 2.0
 
 
-def kv_grpc_engine() -> EngineSettings:
+def kv_grpc_engine(scratch: Path) -> EngineSettings:
+    # vLLM binds its PUB socket only for a wildcard or ipc endpoint (it connects to any
+    # other): an ipc socket keeps it on this host. Its replay socket always binds.
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "endpoint": f"ipc://{scratch}/kv-{free_port()}.sock",
         "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
     }
     return EngineSettings(
@@ -56,8 +59,9 @@ def kv_grpc_engine() -> EngineSettings:
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[EngineHost]:
-    yield from host_engines([kv_grpc_engine(), kv_grpc_engine()], name="grpc-kv")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
+    scratch = tmp_path_factory.mktemp("kv-events")
+    yield from host_engines([kv_grpc_engine(scratch), kv_grpc_engine(scratch)], name="grpc-kv")
 
 
 def worker_args(*engines: Engine) -> list[str]:

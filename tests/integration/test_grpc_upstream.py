@@ -222,9 +222,10 @@ async def test_logprobs_come_from_the_engine_in_each_apis_shape(
     for piece in pieces:
         for key, values in joined.items():
             values.extend(piece["logprobs"][key])
-    # Offsets count the characters streamed before each chunk (" tok0" is five).
+    # Offsets go on from the tokens' own texts, streamed or not, as vLLM counts them (not
+    # from the text streamed: " tok0" is five characters, its token "tok0" four).
     assert joined == {
-        "text_offset": [0, 5, 10, 15],
+        "text_offset": [0, 4, 8, 12],
         "tokens": [f"tok{k}" for k in range(4)],
         "top_logprobs": [{f"tok{k}": sampled(k)} for k in range(4)],
     }
