@@ -141,9 +141,13 @@ async def test_the_engine_another_router_warmed_gets_the_prompt_and_the_hits_agr
 async def test_a_router_joining_warm_engines_keeps_their_views_unknown(
     host: EngineHost,
 ) -> None:
-    # The engines are warm from the test before (their first batches are past).
     args = [*worker_args(*host.engines), "--policy", "kv_aware"]
     with trio.fail_after(300):
+        async with httpx.AsyncClient(timeout=60) as client:
+            # Both engines warm (their first batches past) before this router starts.
+            for engine in host.engines:
+                async with open_router(*worker_args(engine), name="other-router") as other:
+                    await send(client, other.url, PROMPT)
         async with (
             httpx.AsyncClient(timeout=60) as client,
             open_router(*args) as router,
