@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -17,7 +18,8 @@ import httpx
 import orjson
 import trio
 
-from conformance.processes import Child, open_process
+from conformance.engines import EngineSettings
+from conformance.processes import Child, free_port, open_process
 
 # The console script of the venv running the tests, as an operator runs it; ROUTER_CLI
 # (a command line) runs another build instead, e.g. `python -m router.cli` of a checkout.
@@ -232,3 +234,38 @@ async def open_raw_stream(url: str, path: str, body: dict[str, Any]) -> AsyncIte
     async with stream:
         await stream.send_all(head + payload)
         yield RawStream(stream)
+
+
+def kv_events_engine(
+    model: str,
+    block_size: int,
+    *,
+    endpoint: str = "",
+    replay_endpoint: str = "",
+    protocol: str = "http",
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> EngineSettings:
+    """An engine with prefix caching whose KV events go out over ZMQ with a replay socket:
+    its publisher on `endpoint` and its replay socket on `replay_endpoint` (default
+    wildcard TCP ports; vLLM binds its PUB socket only for a wildcard or ipc endpoint, and
+    connects to any other; the replay socket always binds)."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint or f"tcp://*:{free_port()}",
+        "replay_endpoint": replay_endpoint or f"tcp://*:{free_port()}",
+    }
+    return EngineSettings(
+        served_model_name=model,
+        protocol=protocol,
+        extra_args=(
+            "--block-size",
+            str(block_size),
+            "--enable-prefix-caching",
+            "--kv-events-config",
+            json.dumps(config),
+            *extra_args,
+        ),
+        env=env or {},
+    )

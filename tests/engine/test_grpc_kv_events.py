@@ -8,7 +8,6 @@ subscribed to again before its first batch, so its view is known again."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import trio
 from conformance.engines import Engine, EngineSettings
 from conformance.processes import free_port
 from tests.engine.conftest import EngineHost, host_engines
-from tests.engine.helpers import RouterProcess, metric_sum, open_router, scrape
+from tests.engine.helpers import RouterProcess, kv_events_engine, metric_sum, open_router, scrape
 
 MODEL = "tiny"
 BLOCK = 32
@@ -37,24 +36,14 @@ RELAY_JOIN_S = 2.0
 
 
 def kv_grpc_engine(scratch: Path) -> EngineSettings:
-    # vLLM binds its PUB socket only for a wildcard or ipc endpoint (it connects to any
-    # other): an ipc socket keeps it on this host. Its replay socket always binds.
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"ipc://{scratch}/kv-{free_port()}.sock",
-        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
-    }
-    return EngineSettings(
-        served_model_name=MODEL,
+    # The publisher on an ipc socket: vLLM binds it (it connects a tcp://127.0.0.1 one),
+    # and it stays on this host.
+    return kv_events_engine(
+        MODEL,
+        BLOCK,
+        endpoint=f"ipc://{scratch}/kv-{free_port()}.sock",
+        replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
         protocol="grpc",
-        extra_args=(
-            "--block-size",
-            str(BLOCK),
-            "--enable-prefix-caching",
-            "--kv-events-config",
-            json.dumps(config),
-        ),
     )
 
 

@@ -7,17 +7,15 @@ count of prefix-cache hits: a match rate of 1."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import trio
 
-from conformance.engines import Engine, EngineSettings
-from conformance.processes import free_port
+from conformance.engines import Engine
 from tests.engine.conftest import EngineHost, host_engines
-from tests.engine.helpers import RouterProcess, metric_sum, open_router, scrape
+from tests.engine.helpers import RouterProcess, kv_events_engine, metric_sum, open_router, scrape
 
 MODEL = "tiny"
 BLOCK = 32
@@ -27,28 +25,11 @@ HELD_TOKENS = 6 * BLOCK
 SENDS = 4
 
 
-def kv_engine() -> EngineSettings:
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{free_port()}",
-        "replay_endpoint": f"tcp://*:{free_port()}",
-    }
-    return EngineSettings(
-        served_model_name=MODEL,
-        extra_args=(
-            "--block-size",
-            str(BLOCK),
-            "--enable-prefix-caching",
-            "--kv-events-config",
-            json.dumps(config),
-        ),
-    )
-
-
 @pytest.fixture(scope="module")
 def host() -> Iterator[EngineHost]:
-    yield from host_engines([kv_engine(), kv_engine()], name="kv-aware")
+    yield from host_engines(
+        [kv_events_engine(MODEL, BLOCK), kv_events_engine(MODEL, BLOCK)], name="kv-aware"
+    )
 
 
 async def counters(client: httpx.AsyncClient, engine: Engine) -> tuple[float, float]:

@@ -12,7 +12,6 @@ router that cannot read the engines' files). Judged by the engines' own counters
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import httpx
@@ -20,9 +19,8 @@ import pytest
 import trio
 
 from conformance.engines import Engine, EngineSettings
-from conformance.processes import free_port
 from tests.engine.conftest import EngineHost, host_engines
-from tests.engine.helpers import metric_sum, open_router, scrape
+from tests.engine.helpers import kv_events_engine, metric_sum, open_router, scrape
 
 MODEL = "tiny"
 BLOCK = 32
@@ -33,23 +31,10 @@ ANSWER_TOKENS = 8
 
 
 def kv_engine() -> EngineSettings:
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{free_port()}",
-        "replay_endpoint": f"tcp://*:{free_port()}",
-    }
-    return EngineSettings(
-        served_model_name=MODEL,
-        extra_args=(
-            "--block-size",
-            str(BLOCK),
-            "--enable-prefix-caching",
-            "--kv-events-config",
-            json.dumps(config),
-            "--override-generation-config",
-            '{"temperature": 0.0}',
-        ),
+    return kv_events_engine(
+        MODEL,
+        BLOCK,
+        extra_args=("--override-generation-config", '{"temperature": 0.0}'),
         # /reset_prefix_cache, so each run starts from empty caches.
         env={"VLLM_SERVER_DEV_MODE": "1"},
     )

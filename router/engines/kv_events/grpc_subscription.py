@@ -85,10 +85,6 @@ class GrpcKvSource:
     """The engine's DP rank -> the view's rank (the rank itself for a rank-multiplexed
     worker; the record's `dp_rank`, often None, for a worker that is one rank)."""
 
-    @property
-    def endpoint(self) -> str:
-        return self.url
-
 
 @dataclass
 class _Rank:

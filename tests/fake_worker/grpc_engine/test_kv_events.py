@@ -191,18 +191,22 @@ def test_a_later_subscriber_gets_only_later_batches_under_engine_wide_numbers(
     assert early[1].events[0].event_id == 2
 
 
-def test_a_nonzero_start_is_out_of_range(tmp_path: Path) -> None:
-    async def scenario() -> tuple[grpc.aio.AioRpcError, dict[str, int]]:
-        async with serving(tmp_path, _settings()) as served:
-            request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=5)
-            try:
-                async for _ in served.stub.SubscribeKvEvents(request):
-                    pass
-            except grpc.aio.AioRpcError as exc:
-                return exc, served.engine.routing_json()["kv_events"]
-            raise AssertionError("the subscription was served")
+async def _refused(
+    tmp_path: Path, settings: FakeWorkerSettings, request: common_pb2.SubscribeKvEventsRequest
+) -> tuple[grpc.aio.AioRpcError, Any]:
+    """A subscription the fake refuses: its error, and its `kv_events` figures after."""
+    async with serving(tmp_path, settings) as served:
+        try:
+            async for _ in served.stub.SubscribeKvEvents(request):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc, served.engine.routing_json()["kv_events"]
+        raise AssertionError("the subscription was served")
 
-    error, counts = run_scenario(scenario)
+
+def test_a_nonzero_start_is_out_of_range(tmp_path: Path) -> None:
+    request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=5)
+    error, counts = run_scenario(lambda: _refused(tmp_path, _settings(), request))
     assert error.code() is grpc.StatusCode.OUT_OF_RANGE
     assert error.details() == REPLAY_REFUSED
     assert counts["subscriptions_opened"] == 0
@@ -212,17 +216,9 @@ def test_a_nonzero_start_is_out_of_range(tmp_path: Path) -> None:
 def test_without_kv_events_the_subscription_is_unimplemented(
     tmp_path: Path, cache_tokens: int
 ) -> None:
-    async def scenario() -> tuple[grpc.aio.AioRpcError, object]:
-        settings = FakeWorkerSettings(model="m", cache_tokens=cache_tokens)
-        async with serving(tmp_path, settings) as served:
-            try:
-                async for _ in served.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()):
-                    pass
-            except grpc.aio.AioRpcError as exc:
-                return exc, served.engine.routing_json()["kv_events"]
-            raise AssertionError("the subscription was served")
-
-    error, counts = run_scenario(scenario)
+    settings = FakeWorkerSettings(model="m", cache_tokens=cache_tokens)
+    request = common_pb2.SubscribeKvEventsRequest()
+    error, counts = run_scenario(lambda: _refused(tmp_path, settings, request))
     assert error.code() is grpc.StatusCode.UNIMPLEMENTED
     assert error.details() == KV_EVENTS_OFF
     assert counts is None
