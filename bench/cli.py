@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), ownload (kv_aware counting its own requests only, not reading the engines' load), restart (a router restart mid-run)",
     )
     parser.add_argument(
+        "--kv-block",
+        help="with --kv-engines: write the figures to a block of this name (and "
+        "docs/policies-kv-engines-NAME.json) placed after the main table, which is kept",
+    )
+    parser.add_argument(
         "--kv-repeat",
         type=int,
         default=1,
@@ -216,6 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.kv_engines:
         from bench import kv_engines
+        from bench.kv_engines_report import markers
+
+        try:
+            markers(args.kv_block)  # a bad name refused now, not after an hour of engines
+        except ValueError as exc:
+            parser.error(f"--kv-block: {exc}")
 
         started = time.monotonic()
         return kv_engines.run(
@@ -229,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scenarios=_names(args.kv_scenarios, ("evicting", "roomy"), "scenario"),
             groups=_names(args.kv_groups, kv_engines.ALL_GROUPS, "group"),
             repeat=max(1, args.kv_repeat),
+            block=args.kv_block,
         )
     if args.lora_engines:
         from bench import lora_engines

@@ -25,7 +25,6 @@ import orjson
 import trio
 
 from bench import kv_engines_report as kv_report
-from bench import report
 from bench.cache import TUNED
 from bench.cache_workload import CHAT_PATH, ClientStats, Workload, converse, play
 from bench.kv_engines_report import FleetCounters, FleetShape, KvRun, RestartRun, Window
@@ -130,10 +129,13 @@ def run(
     scenarios: Sequence[str] = ("evicting", "roomy"),
     groups: Sequence[str] = ALL_GROUPS,
     repeat: int = 1,
+    block: str | None = None,
 ) -> int:
     """The fleets of `scenarios`, the contenders of `groups` (`repeat` times over, in
     turn, so the runs of one contender interleave with the others'); the exit status (2
-    without the engine environment)."""
+    without the engine environment). The figures replace the main block of `out` and its
+    JSON, or with `block` a block and JSON of that name, the main one kept."""
+    start_marker, end_marker = kv_report.markers(block)
     try:
         environment = EngineEnvironment.from_env()
     except engines.EngineUnavailable as exc:
@@ -174,9 +176,10 @@ def run(
     model = environment.model_dir.name
     shape = FleetShape(ENGINES, BLOCK_SIZE, MAX_MODEL_LEN, EVICTING_BLOCKS, TUNED, model)
     header |= kv_report.describe(shape, workload, facts, wall)
-    block = kv_report.markdown(runs, restarts, header, "evicting", "roomy")
-    report.write_doc(out, block, start=kv_report.START, end=kv_report.END)
-    json_path = out.with_name(out.stem + "-kv-engines.json")
+    text = kv_report.markdown(runs, restarts, header, "evicting", "roomy", block=block)
+    page = out.read_text() if out.exists() else ""
+    out.write_text(kv_report.place_block(page, text, start_marker, end_marker))
+    json_path = out.with_name(out.stem + "-kv-engines" + (f"-{block}" if block else "") + ".json")
     raw: dict[str, object] = {"header": header, "workload": asdict(workload), "facts": facts}
     raw |= {"runs": [asdict(one) for one in runs], "restarts": [asdict(r) for r in restarts]}
     dump_json(json_path, raw)

@@ -10,6 +10,7 @@ read as a miss the router caused.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,6 +21,7 @@ from bench.cache_workload import ClientStats, Workload, percentile
 
 START = "<!-- bench:kv-engines:start -->"
 END = "<!-- bench:kv-engines:end -->"
+BLOCK_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 SUCCESSES = "vllm:request_success_total"
@@ -31,6 +33,30 @@ NO_WORSE_POINTS = 1.0
 
 class MetricsError(RuntimeError):
     """An engine's /metrics lacks a counter the figures need."""
+
+
+def markers(block: str | None) -> tuple[str, str]:
+    """The start and end markers of the results block: the main one, or the one named
+    `block` (`--kv-block`, a run kept beside the main table rather than over it)."""
+    if block is None:
+        return START, END
+    if not BLOCK_NAME.fullmatch(block):
+        raise ValueError(f"{block!r}: lower-case letters, digits and dashes, at most 40")
+    return f"<!-- bench:kv-engines-{block}:start -->", f"<!-- bench:kv-engines-{block}:end -->"
+
+
+def place_block(text: str, block: str, start: str, end: str) -> str:
+    """`text` with `block` between `start` and `end`: over the old one if there is one,
+    else right after the main block (so a named run sits beside the table it adds to),
+    else at the end."""
+    if start in text and end in text:
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
+        return head + block.rstrip("\n") + tail
+    if END in text:
+        head, _, tail = text.partition(END)
+        return head + END + "\n\n" + block.rstrip("\n") + tail
+    return text.rstrip("\n") + "\n\n" + block
 
 
 def samples(text: str) -> dict[str, float]:
@@ -398,10 +424,14 @@ def markdown(
     header: Mapping[str, str],
     evicting: str,
     roomy: str,
+    *,
+    block: str | None = None,
 ) -> str:
-    """The results block: the runs, the restart windows, the target, the router's view."""
+    """The results block (the main one, or the one named `block`): the runs, the restart
+    windows, the target, the router's view."""
+    start, end = markers(block)
     lines = [
-        START,
+        start,
         "",
         f"Measured {header['date']} with `{header['command']}` on {header['cpus']} cores "
         f"({header['cpu_model']}, load {header['load_at_start']} at the start), "
@@ -454,5 +484,5 @@ def markdown(
     if any(view for _, _, view in views):
         lines += ["", "The router's own view after each kv_aware run (one process's /metrics):", ""]
         lines += [f"- {scenario}, {name}: {view}" for scenario, name, view in views if view]
-    lines += ["", END, ""]
+    lines += ["", end, ""]
     return "\n".join(lines)

@@ -19,6 +19,8 @@ from bench.kv_engines_report import (
     RestartRun,
     Window,
     markdown,
+    markers,
+    place_block,
     prompt_facts,
     replica_verdicts,
 )
@@ -213,3 +215,29 @@ def test_reading_the_engines_load_is_judged_against_the_same_contender_counting_
         "ours kv_aware (--processes 2, own count) 79.0%, -3.0 points; "
         "target no more than 2 points under its own count: **not met**"
     ) in lines
+
+
+def test_a_named_block_goes_after_the_main_table_and_a_second_run_replaces_only_itself() -> None:
+    start, end = markers("repeat3")
+    page = "# Policies\n\n" + START + "\nmain\n" + END + "\n\nprose below\n"
+    first = place_block(page, start + "\nrun one\n" + end + "\n", start, end)
+    assert first == (
+        "# Policies\n\n"
+        + START
+        + "\nmain\n"
+        + END
+        + "\n\n"
+        + start
+        + "\nrun one\n"
+        + end
+        + "\n\nprose below\n"
+    )
+    second = place_block(first, start + "\nrun two\n" + end + "\n", start, end)
+    assert "run one" not in second and "run two" in second and "main" in second
+    assert second.count(start) == 1 and second.endswith("\n\nprose below\n")
+    # The main block itself, as before.
+    assert "new" in place_block(page, START + "\nnew\n" + END, START, END)
+    assert markers(None) == (START, END)
+    for bad in ("", "Upper", "a b", "../x", "x" * 41):
+        with pytest.raises(ValueError):
+            markers(bad)
