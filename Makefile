@@ -19,6 +19,7 @@ setup: $(VENV)/.installed
 system-deps:
 	@command -v etcd >/dev/null 2>&1 || { apt-get update && apt-get install -y etcd-server; }
 	@command -v wrk >/dev/null 2>&1 || { apt-get update && apt-get install -y wrk; }
+	@command -v strace >/dev/null 2>&1 || { apt-get update && apt-get install -y strace; }
 
 demo: setup
 	$(BIN)/router demo

@@ -14,10 +14,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import grpc_row, report
+from bench.baseline import extract
 from bench.plan import (
     CASES,
     CONTENDERS,
     DEFAULT_CONTENDERS,
+    PROFILED_CASES,
     QUICK_CASES,
     RESUME_CASES,
     RESUME_CONTENDERS,
@@ -86,9 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, of ours, ours-grpc, smg, smg-grpc (default: all four; smg's left out where smg is not installed)",
     )
     parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also run ours-base, the router as of git REF (its tree extracted into the work directory), beside ours in the same interleaved rounds: the A/B of a change (bench/baseline.py)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
-        help="also run py-spy on `ours` under unary c=32 and report the top functions",
+        help="also profile `ours` under unary c=32 and stream c=32: py-spy's self and inclusive time by package, module and function, and strace's system calls per request",
     )
     parser.add_argument(
         "--out",
@@ -308,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if duration < 1 or args.rounds < 1:
         raise SystemExit("python -m bench: --duration and --rounds must be at least 1")
     notes: list[str] = []
+    if args.baseline and "ours-base" not in contenders:
+        contenders.append("ours-base")
+    if "ours-base" in contenders and not args.baseline:
+        parser.error("ours-base runs the --baseline commit: give one")
     if "smg" in contenders and importlib.util.find_spec("smg") is None:
         contenders.remove("smg")
         notes.append("smg is not installed, so it was left out (pip install smg).")
@@ -338,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-") as work:
         bench = Bench(Path(work), wrk, duration, log, nofile)
         try:
+            if args.baseline:
+                bench.baseline = extract(args.baseline, Path(work))
+                log(f"ours-base: {bench.baseline.label()} in {bench.baseline.tree}")
             _run(bench, session, contenders, cases, args, idle_count, log)
         except BenchError as exc:
             print(f"python -m bench: {exc}", file=sys.stderr)
@@ -355,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration": str(duration),
         "fleet": f"{FLEET_SIZE} ({args.fleet_engine})",
     }
+    if bench.baseline is not None:
+        header["baseline"] = bench.baseline.label()
     header["command"] = header["command"].rstrip()
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -484,8 +500,9 @@ def _run(
                     f"  c=1 p50 {burst.before.p50_ms:.3f} ms before, {burst.after.p50_ms:.3f} ms after"
                 )
     if args.profile and "ours" in bench.targets:
-        log("profiling ours under unary c=32 (py-spy)")
-        session.profile = bench.profile(bench.targets["ours"], CASES["unary-c32"])
+        for name in PROFILED_CASES:
+            log(f"profiling ours under {name} (py-spy, then strace -c)")
+            session.profiles.append(bench.profile(bench.targets["ours"], CASES[name]))
     if idle_count and "ours" in bench.targets:
         # A stream holds two sockets in the router: the client's and the worker's.
         per_process = (bench.nofile - FD_SPARE) // 2

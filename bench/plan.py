@@ -66,6 +66,8 @@ CASES: dict[str, Case] = {
     )
 }
 QUICK_CASES = ("unary-c1", "unary-c32", "paced-c64")
+PROFILED_CASES = ("unary-c32", "stream-c32")
+"""What `--profile` records in `ours`: the request path, and the relay loop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,8 @@ CONTENDERS: dict[str, Contender] = {
             ("--kv-tokenizer", VOCABULARY),
         ),
         Contender("ours-noresume", "router serve --resume-limit 0", ("--resume-limit", "0")),
+        # `--baseline REF`: the same as `ours`, run from REF's tree (bench/baseline.py).
+        Contender("ours-base", "router serve as of the --baseline commit", ()),
         Contender(
             "ours-hypercorn",
             "router serve --server hypercorn (ASGI adapter)",
@@ -123,6 +127,6 @@ RESUME_CONTENDERS = ("ours-noresume", "ours-resume", "smg")
 the Rust gateway."""
 RESUME_CASES = ("stream-c32", "paced-c64")
 DEFAULT_CONTENDERS = tuple(
-    name for name in CONTENDERS if name not in ("ours-resume", "ours-noresume")
+    name for name in CONTENDERS if name not in ("ours-resume", "ours-noresume", "ours-base")
 )
 """What a run on the default fleet plays: the resume pair relays as `ours` does there."""

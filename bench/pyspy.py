@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.procs import BenchError
@@ -42,6 +42,8 @@ class Profile:
     top_self: list[Entry]
     top_router: list[Entry]
     by_package: dict[str, float]
+    by_module: list[Entry] = field(default_factory=list)
+    """Our own modules (file paths), self and inclusive time, by self time."""
 
 
 def summarize(raw: str, count: int = 15, own_package: str = "router") -> Profile:
@@ -63,6 +65,29 @@ def summarize(raw: str, count: int = 15, own_package: str = "router") -> Profile
             total_samples[frame] = total_samples.get(frame, 0) + n
     if not samples:
         return Profile(0, [], [], {})
+    module_self: dict[str, int] = {}
+    module_total: dict[str, int] = {}
+    for line in raw.splitlines():
+        stack, _, number = line.rpartition(" ")
+        if not stack or not number.isdigit():
+            continue
+        frames = stack.split(";")
+        innermost = frames[-1]
+        if package_of(innermost) == own_package:
+            module = where_of(innermost)
+            module_self[module] = module_self.get(module, 0) + int(number)
+        for module in {where_of(f) for f in frames if package_of(f) == own_package}:
+            module_total[module] = module_total.get(module, 0) + int(number)
+    modules = sorted(module_total, key=lambda m: (module_self.get(m, 0), module_total[m]))
+    by_module = [
+        Entry(
+            function="",
+            where=module,
+            self_pct=100.0 * module_self.get(module, 0) / samples,
+            total_pct=100.0 * module_total[module] / samples,
+        )
+        for module in reversed(modules)
+    ]
 
     def entry(frame: str) -> Entry:
         function, _, where = frame.partition(" (")
@@ -81,7 +106,14 @@ def summarize(raw: str, count: int = 15, own_package: str = "router") -> Profile
         name = package_of(frame)
         packages[name] = packages.get(name, 0.0) + 100.0 * n / samples
     by_package = dict(sorted(packages.items(), key=lambda item: item[1], reverse=True))
-    return Profile(samples, [entry(f) for f in ranked], [entry(f) for f in own[:10]], by_package)
+    return Profile(
+        samples, [entry(f) for f in ranked], [entry(f) for f in own[:10]], by_package, by_module
+    )
+
+
+def where_of(frame: str) -> str:
+    """The file of a frame `function (file)`."""
+    return frame.partition(" (")[2].rstrip(")")
 
 
 def package_of(frame: str) -> str:
@@ -93,3 +125,31 @@ def package_of(frame: str) -> str:
     if "/" in where:
         return where.split("/", 1)[0]
     return "stdlib"
+
+
+@dataclass(frozen=True, slots=True)
+class Syscall:
+    """One system call's count over a traced window, per request served in it."""
+
+    name: str
+    calls: int
+    errors: int
+    per_request: float
+
+
+def syscalls(strace_summary: str, requests: int) -> list[Syscall]:
+    """`strace -c`'s table (`% time seconds usecs/call calls [errors] syscall`), by calls,
+    each per request of the `requests` the window served; the total row left out."""
+    found: list[Syscall] = []
+    for line in strace_summary.splitlines():
+        fields = line.split()
+        if len(fields) < 5 or not fields[3].isdigit() or fields[-1] == "total":
+            continue
+        try:
+            float(fields[0])
+        except ValueError:
+            continue
+        errors = int(fields[4]) if len(fields) == 6 and fields[4].isdigit() else 0
+        calls = int(fields[3])
+        found.append(Syscall(fields[-1], calls, errors, calls / requests if requests else 0.0))
+    return sorted(found, key=lambda call: call.calls, reverse=True)

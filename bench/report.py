@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.plan import CASES, CONTENDERS, STREAM_EVENTS
-from bench.pyspy import Profile
-from bench.run import BurstResult, IdleStreams, Measurement, Session
+from bench.pyspy import Entry
+from bench.run import BurstResult, CaseProfile, IdleStreams, Measurement, Session
 
 START = "<!-- bench:results:start -->"
 END = "<!-- bench:results:end -->"
@@ -242,6 +242,10 @@ def results_markdown(
         f"and case (wrk, 1 thread, keep-alive); fleet: {header['fleet']} fake workers, zero "
         "token latency except where paced."
     )
+    if "baseline" in header:
+        out.append(
+            f"`ours-base`: the router as of `{header['baseline']}`, the same flags as `ours`."
+        )
     out.append("")
     if png_name:
         out += [f"![requests per router CPU-second and p99 latency per case]({png_name})", ""]
@@ -307,48 +311,70 @@ def results_markdown(
                 f"{i.rss_before_kb / 1024:,.0f} MB before, {i.rss_held_kb / 1024:,.0f} MB with them open "
                 f"({per_stream:.1f} kB per stream), peak {i.peak_rss_kb / 1024:,.0f} MB."
             )
-    if session.profile is not None:
-        out += _profile(session.profile)
+    for profiled in session.profiles:
+        out += _profile(profiled)
     if session.notes:
         out += ["", "Notes: " + " ".join(session.notes)]
     out += ["", end]
     return "\n".join(out) + "\n"
 
 
-def _profile(profile: Profile) -> list[str]:
+MODULES_SHOWN = 15
+"""Our modules listed per profile, the most self time first."""
+
+
+def _entries(entries: Sequence[Entry], function: bool = True) -> list[str]:
+    if function:
+        head = ["| self % | total % | function | where |", "|--:|--:|---|---|"]
+        return head + [
+            f"| {e.self_pct:.1f} | {e.total_pct:.1f} | `{e.function}` | {e.where} |"
+            for e in entries
+        ]
+    head = ["| self % | total % | module |", "|--:|--:|---|"]
+    return head + [f"| {e.self_pct:.1f} | {e.total_pct:.1f} | {e.where} |" for e in entries]
+
+
+def _profile(profiled: CaseProfile) -> list[str]:
+    profile = profiled.profile
     packages = ", ".join(
         f"{name} {pct:.0f}%" for name, pct in profile.by_package.items() if pct >= 0.5
     )
     out = [
         "",
-        f"### Profile: `ours`, unary c=32 (py-spy, {profile.samples:,} samples)",
+        f"### Profile: `ours`, {profiled.case} (py-spy, {profile.samples:,} samples)",
         "",
         f"Self time by package: {packages}.",
         "",
-        "| self % | total % | function | where |",
-        "|--:|--:|---|---|",
-    ]
-    out += [
-        f"| {e.self_pct:.1f} | {e.total_pct:.1f} | `{e.function}` | {e.where} |"
-        for e in profile.top_self
-    ]
-    out += [
+        *_entries(profile.top_self),
+        "",
+        "Our own modules, by self time (total: anywhere on the stack):",
+        "",
+        *_entries(profile.by_module[:MODULES_SHOWN], function=False),
         "",
         "Our own functions by self time:",
         "",
-        "| self % | total % | function | where |",
-        "|--:|--:|---|---|",
+        *_entries(profile.top_router),
+        "",
     ]
-    out += [
-        f"| {e.self_pct:.1f} | {e.total_pct:.1f} | `{e.function}` | {e.where} |"
-        for e in profile.top_router
+    if profiled.syscalls is None:
+        return [*out, "System calls: not counted (strace is not installed)."]
+    calls = ", ".join(
+        f"{c.name} {c.per_request:.2f}"
+        + (f" ({c.errors / c.calls:.0%} failed)" if c.errors else "")
+        for c in profiled.syscalls
+        if c.per_request >= 0.01
+    )
+    return [
+        *out,
+        f"System calls per request (strace -c -f over {profiled.traced_requests:,} requests, "
+        f"a window of its own): {calls}.",
     ]
-    return out
 
 
 def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list[str]) -> list[str]:
     pairs = [
         ("ours / smg", "ours", "smg"),
+        ("ours / ours-base", "ours", "ours-base"),
         ("ours-resume / ours-noresume", "ours-resume", "ours-noresume"),
         ("ours-resume / smg", "ours-resume", "smg"),
         ("ours-noresume / smg", "ours-noresume", "smg"),

@@ -8,6 +8,8 @@ them instead of landing on one.
 from __future__ import annotations
 
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ import orjson
 import yaml
 
 from bench import idle, pyspy
+from bench.baseline import Baseline
 from bench.plan import CONTENDERS, MODEL, VOCABULARY, Case, Contender, chat_body
 from bench.procs import BenchError, Proc, free_port, python_module, smg_launch, start
 from bench.wrk import WrkResult, run_wrk, write_script
@@ -94,7 +97,7 @@ class Session:
     measurements: list[Measurement] = field(default_factory=list)
     bursts: list[BurstResult] = field(default_factory=list)
     idle: list[IdleStreams] = field(default_factory=list)
-    profile: pyspy.Profile | None = None
+    profiles: list[CaseProfile] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -108,7 +111,7 @@ class Session:
                 for b in self.bursts
             ],
             "idle": [asdict(i) for i in self.idle],
-            "profile": asdict(self.profile) if self.profile else None,
+            "profiles": [asdict(one) for one in self.profiles],
             "notes": self.notes,
         }
 
@@ -130,6 +133,8 @@ class Bench:
         self.targets: dict[str, Target] = {}
         self._procs: list[Proc] = []
         self._scripts: dict[bytes, Path] = {}
+        self.baseline: Baseline | None = None
+        """What `ours-base` runs (`--baseline`); it cannot start without one."""
 
     def close(self) -> None:
         for proc in reversed(self._procs):
@@ -166,6 +171,10 @@ class Bench:
                 command = self.litellm_command(port)
                 env = dict(LITELLM_ENV)
             elif contender.router_flags is not None:
+                if name == "ours-base":
+                    if self.baseline is None:
+                        raise BenchError("ours-base runs the --baseline commit: give one")
+                    env = self.baseline.env
                 command = python_module(
                     "router.cli",
                     "serve",
@@ -340,10 +349,11 @@ class Bench:
             peak_rss_kb=target.proc.peak_rss_kb(),
         )
 
-    def profile(self, target: Target, case: Case) -> pyspy.Profile:
-        """py-spy on the target's (first) router process while `case` runs."""
+    def profile(self, target: Target, case: Case) -> CaseProfile:
+        """py-spy on the target's (first) router process while `case` runs, then strace's
+        system-call counts over a second window of the same load."""
         pid = target.proc.pids[-1] if target.contender.processes > 1 else target.proc.pid
-        output = self.work_dir / f"profile-{target.name}.txt"
+        output = self.work_dir / f"profile-{target.name}-{case.name}.txt"
         window = max(self.duration_s, PROFILE_MIN_S)
         spy = subprocess.Popen(
             [
@@ -370,7 +380,43 @@ class Bench:
         _, stderr = spy.communicate(timeout=30)
         if spy.returncode != 0 or not output.exists():
             raise BenchError(f"py-spy failed: {stderr.decode(errors='replace')[-500:]}")
-        return pyspy.summarize(output.read_text())
+        profile = pyspy.summarize(output.read_text())
+        calls, requests = self._strace(pid, target, case, window)
+        return CaseProfile(case.name, profile, calls, requests)
+
+    def _strace(
+        self, pid: int, target: Target, case: Case, window: int
+    ) -> tuple[list[pyspy.Syscall] | None, int]:
+        """`strace -c -f` on `pid` over one wrk run of `case`: the calls per request (None
+        without strace), and the requests that run served."""
+        strace = shutil.which("strace")
+        if strace is None:
+            return None, 0
+        summary = self.work_dir / f"strace-{target.name}-{case.name}.txt"
+        tracer = subprocess.Popen(
+            [strace, "-c", "-f", "-p", str(pid), "-o", str(summary)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        time.sleep(0.5)  # attached to every thread before the first request
+        result = self.wrk(target, case.body, case.connections, window)
+        time.sleep(0.2)  # the last responses' writes inside the window
+        tracer.send_signal(signal.SIGINT)
+        _, stderr = tracer.communicate(timeout=30)
+        if not summary.exists():
+            raise BenchError(f"strace failed: {stderr.decode(errors='replace')[-500:]}")
+        return pyspy.syscalls(summary.read_text(), result.requests), result.requests
+
+
+@dataclass(frozen=True, slots=True)
+class CaseProfile:
+    """Where one case's CPU went in our router: py-spy's samples, and the system calls per
+    request (None where strace is not installed) over `traced_requests`."""
+
+    case: str
+    profile: pyspy.Profile
+    syscalls: list[pyspy.Syscall] | None
+    traced_requests: int
 
 
 def versions() -> dict[str, str]:
