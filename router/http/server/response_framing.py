@@ -21,11 +21,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from router.http.field_names import lowered_field_name
 from router.http.server.messages import Headers
 
 __all__ = ["CHUNKED", "LENGTH", "UNTIL_CLOSE", "ResponseError", "ResponseHead", "encode_head"]
 
-_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 _FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
 _DIGITS = re.compile(rb"[0-9]+")
 _MAX_LENGTH_DIGITS = 20
@@ -73,11 +73,11 @@ def encode_head(
     for raw_name, raw_value in headers:
         name_bytes = _bytes(raw_name)
         value = _bytes(raw_value)
-        if _FIELD_NAME.fullmatch(name_bytes) is None:
+        name = lowered_field_name(name_bytes)
+        if name is None:
             raise ResponseError(f"illegal header name {name_bytes!r}")
         if _FIELD_VALUE.fullmatch(value) is None:
             raise ResponseError(f"illegal header value {value!r}")
-        name = name_bytes.lower()
         if name == b"content-length":
             lengths = {part.strip() for part in value.split(b",")}
             if len(lengths) != 1:

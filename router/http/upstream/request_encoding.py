@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 
+from router.http.field_names import lowered_field_name
+
 __all__ = ["encode_request"]
 
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
-_FIELD_VALUE = re.compile(rb"[^\x00\r\n]*")
 
 
 def encode_request(
@@ -34,7 +35,7 @@ def encode_request(
         b"\r\n",
     ]
     for name, value in headers:
-        if _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+        if lowered_field_name(name) is None or b"\r" in value or b"\n" in value or b"\x00" in value:
             raise ValueError(f"cannot send header {name!r}: {value!r}")
         parts += (name, b": ", value, b"\r\n")
     parts += (b"\r\n", body)
