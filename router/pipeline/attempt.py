@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,14 +96,29 @@ class StreamCut(Exception):
         self.broken = broken
 
 
+_NONE_TRIED: frozenset[str] = frozenset()
+
+
 @dataclass(slots=True)
 class AttemptLog:
     """What the request's attempts have done so far: the workers tried per role, the last
     worker answer worth returning, and why each failed attempt failed."""
 
-    tried: dict[Role, set[str]] = field(default_factory=lambda: {role: set() for role in Role})
+    tried_by_role: dict[Role, set[str]] = field(default_factory=dict)
     last_answer: tuple[Answer, str] | None = None
     reasons: list[str] = field(default_factory=list)
+
+    def tried(self, role: Role) -> AbstractSet[str]:
+        """The ids of the workers of `role` this request has tried."""
+        return self.tried_by_role.get(role, _NONE_TRIED)
+
+    def mark_tried(self, role: Role, worker_ids: Iterable[str]) -> None:
+        """Count `worker_ids` as tried for `role` (a role's set is made on its first
+        failure: a healthy request never makes one)."""
+        tried = self.tried_by_role.get(role)
+        if tried is None:
+            tried = self.tried_by_role[role] = set()
+        tried.update(worker_ids)
 
     def untried_left(self, plan: Plan) -> bool:
         """Whether every leg of `plan` still has a candidate the request has not tried.
@@ -110,7 +126,7 @@ class AttemptLog:
         Only asked before a retry, so its scan is not on the path of a healthy request.
         """
         return all(
-            any(worker.id not in self.tried[role] for worker in leg.candidates)
+            any(worker.id not in self.tried(role) for worker in leg.candidates)
             for role, leg in plan.legs.items()
         )
 
@@ -240,8 +256,7 @@ class AttemptRunner:
         gap = grpc_gap(ctx.generation)
         if gap is None:
             return picked
-        tried = ctx.log.tried[role]
-        tried.update(w.id for w in plan.legs[role].candidates if w.record.is_grpc)
+        ctx.log.mark_tried(role, [w.id for w in plan.legs[role].candidates if w.record.is_grpc])
         picked = self._pick(plan, role, ctx)
         if picked is None:
             raise NotOverGrpc(
@@ -269,10 +284,10 @@ class AttemptRunner:
         ranked: RankedPick | None = getattr(self.policies[role], "pick_ranked", None)
         if ranked is None:
             worker = pick_excluding(
-                self.policies[role], key, plan.legs[role].candidates, ctx.log.tried[role]
+                self.policies[role], key, plan.legs[role].candidates, ctx.log.tried(role)
             )
             return None if worker is None else (worker, self.ranks.choose(worker))
-        tried = ctx.log.tried[role]
+        tried = ctx.log.tried(role)
         candidates = plan.legs[role].candidates
         remaining = [w for w in candidates if w.id not in tried] if tried else candidates
         if not remaining:
@@ -335,7 +350,7 @@ class AttemptRunner:
     def _failed(self, lease: Lease, failure: AttemptFailed, ctx: RequestContext) -> WorkerFailed:
         lease.settle(failure)
         worker = lease.worker
-        ctx.log.tried[worker.role].add(worker.id)
+        ctx.log.mark_tried(worker.role, (worker.id,))
         return WorkerFailed(worker, failure)
 
     def _hold_adapter(self, lease: Lease, model: str) -> None:
@@ -420,7 +435,7 @@ class AttemptRunner:
                             events,
                         )
                     except StreamBroken as broken:
-                        ctx.log.tried[worker.role].add(worker.id)
+                        ctx.log.mark_tried(worker.role, (worker.id,))
                         raise StreamCut(worker, broken) from None
                     if ended is not None and resume is not None:
                         resume.ended_broken = True

@@ -108,7 +108,7 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
             if not isinstance(message.get("role"), str):
                 raise BadRequest(f"'messages[{index}].role' must be a string")
             content = message.get("content")
-            if content is not None and not isinstance(content, str | list):
+            if content is not None and not isinstance(content, (str, list)):
                 raise BadRequest(
                     f"'messages[{index}].content' must be a string, a list of content parts or null, "
                     f"got {_json_type(content)}"
@@ -154,7 +154,7 @@ def _check_route_fields(route: str, body: dict[str, Any]) -> None:
         raise BadRequest("'n' must be at least 1")
     for name in ("temperature", "top_p"):
         value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise BadRequest(f"'{name}' must be a number, got {_json_type(value)}")
 
 
@@ -190,7 +190,7 @@ def _json_type(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
-    if isinstance(value, int | float):
+    if isinstance(value, (int, float)):
         return "a number"
     if isinstance(value, str):
         return "a string"

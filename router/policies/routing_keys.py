@@ -139,7 +139,7 @@ def _chat_prefix(messages: list[Any]) -> str:
 
 def _input_prefix(value: Any) -> str:
     """A prompt as a string, a token-id list, or a batch of either (its first member)."""
-    if isinstance(value, list) and value and isinstance(value[0], str | list):
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
         return value[:_PREFIX_CHARS]

@@ -48,7 +48,7 @@ class EncodeThenPair:
         self.pair = pair
 
     def _pick_encoder(self, ctx: RequestContext) -> Worker | None:
-        tried = ctx.log.tried[Role.MIXED]  # encoders register as plain workers
+        tried = ctx.log.tried(Role.MIXED)  # encoders register as plain workers
         return next((worker for worker in self.encoders.workers() if worker.id not in tried), None)
 
     async def attempt(self, plan: Plan, ctx: RequestContext) -> int | None:
