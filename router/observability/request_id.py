@@ -97,14 +97,14 @@ class IdentifiedWriter:
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         await self._writer.respond(status, self._with_id(headers), body)
 
-    async def start(self, status: int, headers: Headers) -> None:
-        await self._writer.start(status, self._with_id(headers))
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
+        await self._writer.start(status, self._with_id(headers), first)
 
     async def write(self, data: bytes) -> None:
         await self._writer.write(data)
 
-    async def finish(self) -> None:
-        await self._writer.finish()
+    async def finish(self, last: bytes = b"") -> None:
+        await self._writer.finish(last)
 
     async def abort(self, *, reset: bool = False) -> None:
         await self._writer.abort(reset=reset)

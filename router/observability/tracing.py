@@ -94,15 +94,15 @@ class StatusWriter:
         self.status = status
         await self._writer.respond(status, headers, body)
 
-    async def start(self, status: int, headers: Headers) -> None:
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
         self.status = status
-        await self._writer.start(status, headers)
+        await self._writer.start(status, headers, first)
 
     async def write(self, data: bytes) -> None:
         await self._writer.write(data)
 
-    async def finish(self) -> None:
-        await self._writer.finish()
+    async def finish(self, last: bytes = b"") -> None:
+        await self._writer.finish(last)
 
     async def abort(self, *, reset: bool = False) -> None:
         await self._writer.abort(reset=reset)

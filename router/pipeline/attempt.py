@@ -416,14 +416,14 @@ class AttemptRunner:
                 lease.trace.answered(response.status)
                 if generation.stream and response.status == 200:
                     first = await first_stream_chunk(response, worker.url, idle_s)
+                    head: list[tuple[bytes, bytes]] | None = None
                     if continuing:
                         lease.settle(status=200)
                         await lease.commit()
                     else:
                         await self._begin_answer(lease, 200, ctx)
-                        await ctx.writer.start(
-                            200, [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
-                        )
+                        # Sent by the relay, with the first events in the same send.
+                        head = [*STREAM_HEADERS, (b"x-router-worker", worker.id.encode())]
                     try:
                         ended = await relay_stream(
                             response,
@@ -433,6 +433,7 @@ class AttemptRunner:
                             self.stalls,
                             STREAM_ERROR_EVENTS[generation.spec.dialect],
                             events,
+                            head,
                         )
                     except StreamBroken as broken:
                         ctx.log.mark_tried(worker.role, (worker.id,))

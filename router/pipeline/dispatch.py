@@ -328,19 +328,25 @@ async def relay_stream(
     stalls: StallWatch,
     error_event: Callable[[str, str], bytes] = stream_error_event,
     events: EventFilter | None = None,
+    head: Headers | None = None,
 ) -> str | None:
     """Relay SSE bytes as they arrive; returns the code of the error event the stream
     ended with (`stream_interrupted`, `stream_idle_timeout`), None when it ended whole.
 
+    `head`: the answer's 200 headers when the client's answer has not started yet; they
+    go out at once, in one send with the events of `first` (None: a stream already
+    started, which this goes on with).
+
     Everything up to the last complete event of what arrived goes out at once (an event
     ends at LF LF, CRLF CRLF or CR CR: `EventCutter`); bytes of an unfinished event are
-    held until it completes, or until more than 64 KiB are held. When the worker breaks
-    or stays silent for `stalls.idle_s` mid-stream, the complete events already received
-    have gone out and the held remainder is dropped, so the stream ends with a well-formed
-    error event (`error_event(message, code)`: the route's dialect) (after a blank line if
-    a 64 KiB flush left the client inside an event). Time spent writing to the client does
-    not count as the worker's silence. `ClientDisconnected` from the writer propagates (the
-    caller's scope closes the upstream connection).
+    held until it completes, or until more than 64 KiB are held. Events that arrived with
+    the worker's end of the body leave in one send with the answer's end. When the worker
+    breaks or stays silent for `stalls.idle_s` mid-stream, the complete events already
+    received have gone out and the held remainder is dropped, so the stream ends with a
+    well-formed error event (`error_event(message, code)`: the route's dialect) (after a
+    blank line if a 64 KiB flush left the client inside an event). Time spent writing to
+    the client does not count as the worker's silence. `ClientDisconnected` from the
+    writer propagates (the caller's scope closes the upstream connection).
 
     With `events` (a stream that may resume: `router.pipeline.resume_request`), whole
     events go through `events.feed` and the client gets what it returns; the stream must
@@ -348,10 +354,10 @@ async def relay_stream(
     a stall, an event the filter cannot read or an end before the marker raises
     `StreamBroken` with nothing written for it and the stream left open.
     """
-    relayed = 0
     cutter = EventCutter() if events is None else EventCutter(events.max_event_bytes)
     chunk = first
     error: tuple[str, str] | None = None
+    tail = b""  # what the worker's end of the body left to write, with the answer's end
     # The reads run in one scope that `stalls` cancels when the worker is silent too long
     # (no trio deadline moved per event: see `router.pipeline.stall_watch`).
     with trio.CancelScope() as reads:
@@ -359,20 +365,26 @@ async def relay_stream(
         try:
             while True:
                 ready = cutter.feed(chunk)
-                if ready:
-                    if events is not None:
-                        try:
-                            ready = events.feed(ready)
-                        except GarbledEvent as exc:
-                            error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
-                            break
-                    if ready:
-                        watched.waiting_since = math.inf
-                        await writer.write(ready)
-                        relayed += len(ready)
-                        watched.waiting_since = trio.current_time()
-                    if events is not None and events.complete:
+                if events is None and response.body_ended():
+                    # The body's end came with these bytes: they and the end leave together.
+                    tail = ready + cutter.flush()
+                    break
+                if ready and events is not None:
+                    try:
+                        ready = events.feed(ready)
+                    except GarbledEvent as exc:
+                        error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
                         break
+                if ready or head is not None:
+                    watched.waiting_since = math.inf
+                    if head is not None:
+                        await writer.start(200, head, ready)
+                        head = None
+                    else:
+                        await writer.write(ready)
+                    watched.waiting_since = trio.current_time()
+                if events is not None and events.complete:
+                    break
                 try:
                     chunk = await response.receive_some()
                 except UpstreamError:
@@ -380,28 +392,37 @@ async def relay_stream(
                     break
                 if not chunk:
                     watched.waiting_since = math.inf
-                    rest = cutter.flush()
+                    tail = cutter.flush()
                     if events is not None:
                         try:
-                            rest = events.feed(rest) if rest else b""
+                            tail = events.feed(tail) if tail else b""
                         except GarbledEvent as exc:
+                            tail = b""
                             error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
                             break
                         if not events.complete:
                             error = (f"worker {url} ended the stream early", "stream_interrupted")
-                    if rest:
-                        await writer.write(rest)
-                        relayed += len(rest)
                     break
         finally:
             stalls.forget(watched)
     if watched.stalled:
         error = (f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout")
-    if error is not None:
-        message, code = error
-        if events is not None:
-            raise StreamBroken(code, message, cutter.mid_event)
-        event = error_event(message, code)
-        await writer.write(b"\n\n" + event if cutter.mid_event else event)
+    if error is None:
+        if head is not None:
+            await writer.start(200, head, tail)
+            await writer.finish()
+        else:
+            await writer.finish(tail)
+        return None
+    if head is not None:
+        # Broken before any event went out: the answer still starts, then ends in error.
+        await writer.start(200, head, tail)
+    elif tail:
+        await writer.write(tail)
+    message, code = error
+    if events is not None:
+        raise StreamBroken(code, message, cutter.mid_event)
+    event = error_event(message, code)
+    await writer.write(b"\n\n" + event if cutter.mid_event else event)
     await writer.finish()
-    return None if error is None else error[1]
+    return error[1]

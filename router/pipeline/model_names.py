@@ -275,14 +275,14 @@ class ModelNameWriter:
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         await self._writer.respond(status, self._head(headers), self._renamed(body))
 
-    async def start(self, status: int, headers: Headers) -> None:
-        await self._writer.start(status, self._head(headers))
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
+        await self._writer.start(status, self._head(headers), self._renamed(first))
 
     async def write(self, data: bytes) -> None:
         await self._writer.write(self._renamed(data))
 
-    async def finish(self) -> None:
-        await self._writer.finish()
+    async def finish(self, last: bytes = b"") -> None:
+        await self._writer.finish(self._renamed(last))
 
     async def abort(self, *, reset: bool = False) -> None:
         await self._writer.abort(reset=reset)

@@ -29,7 +29,7 @@ def test_modules_carry_self_and_inclusive_time() -> None:
         modules["router/cli/__main__.py"].self_pct,
         modules["router/cli/__main__.py"].total_pct,
     ) == (0.0, 100.0)
-    assert [entry.where for entry in profile.by_module][0] == "router/server/socket.py"
+    assert next(entry.where for entry in profile.by_module) == "router/server/socket.py"
     assert "trio/_core/_run.py" not in modules  # our own modules only
     assert profile.by_package == {"router": 80.0, "trio": 20.0}
 
@@ -50,5 +50,5 @@ def test_system_calls_per_request_with_the_failed_ones() -> None:
     assert set(calls) == {"sendto", "recvfrom", "epoll_ctl"}  # no header, rule or total
     assert calls["recvfrom"].per_request == 3.0 and calls["recvfrom"].errors == 1500
     assert calls["sendto"].per_request == 2.0 and calls["sendto"].errors == 0
-    assert [call.name for call in syscalls(SUMMARY, 1500)][0] == "recvfrom"
+    assert next(call.name for call in syscalls(SUMMARY, 1500)) == "recvfrom"
     assert all(call.per_request == 0.0 for call in syscalls(SUMMARY, requests=0))

@@ -94,17 +94,18 @@ class Writer:
         await self.start(status, headers)
         self.body = body
 
-    async def start(self, status: int, headers: Headers) -> None:
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
         await trio.lowlevel.checkpoint()
         if self.fail_with is not None:
             raise self.fail_with
         self.status, self.started = status, True
+        self.body += first
 
     async def write(self, data: bytes) -> None:
         self.body += data
 
-    async def finish(self) -> None:
-        pass
+    async def finish(self, last: bytes = b"") -> None:
+        self.body += last
 
     async def abort(self, *, reset: bool = False) -> None:
         pass

@@ -84,14 +84,14 @@ class Writer:
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         self.status, self.headers, self.body, self.started = status, list(headers), body, True
 
-    async def start(self, status: int, headers: Headers) -> None:
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
         raise AssertionError("nothing streams here")
 
     async def write(self, data: bytes) -> None:
         raise AssertionError("nothing streams here")
 
-    async def finish(self) -> None:
-        pass
+    async def finish(self, last: bytes = b"") -> None:
+        assert not last, "nothing streams here"
 
     async def abort(self, *, reset: bool = False) -> None:
         pass

@@ -117,14 +117,17 @@ class RecordingWriter:
         self.head = (status, list(headers))
         self.chunks.append(body)
 
-    async def start(self, status: int, headers: Headers) -> None:
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
         self.head = (status, list(headers))
+        if first:
+            self.chunks.append(first)
 
     async def write(self, data: bytes) -> None:
         self.chunks.append(data)
 
-    async def finish(self) -> None:
-        pass
+    async def finish(self, last: bytes = b"") -> None:
+        if last:
+            self.chunks.append(last)
 
     async def abort(self, *, reset: bool = False) -> None:
         pass

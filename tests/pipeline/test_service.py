@@ -89,14 +89,15 @@ class Answer:
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         self.status, self.headers, self.body, self.started = status, list(headers), body, True
 
-    async def start(self, status: int, headers: Headers) -> None:
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
         self.status, self.headers, self.started = status, list(headers), True
+        self.body += first
 
     async def write(self, data: bytes) -> None:
         self.body += data
 
-    async def finish(self) -> None:
-        pass
+    async def finish(self, last: bytes = b"") -> None:
+        self.body += last
 
     async def abort(self, *, reset: bool = False) -> None:
         raise AssertionError("the router never drops a client's connection")

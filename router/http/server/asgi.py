@@ -223,8 +223,9 @@ class _AsgiWriter:
         self.finished = True
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def start(self, status: int, headers: Headers) -> None:
-        """Send the status and headers; without a content-length the server chunks the body."""
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
+        """Send the status and headers (and `first`, a message of its own: ASGI has no
+        head with body); without a content-length the server chunks the body."""
         if self._started:
             raise RuntimeError("the response was already started")
         self._check_client()
@@ -232,6 +233,8 @@ class _AsgiWriter:
         await self._send(
             {"type": "http.response.start", "status": status, "headers": list(headers)}
         )
+        if first:
+            await self.write(first)
 
     async def write(self, data: bytes) -> None:
         """Send one body chunk. Raises ClientDisconnected once the client is known gone."""
@@ -241,12 +244,12 @@ class _AsgiWriter:
         if data:
             await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def finish(self) -> None:
+    async def finish(self, last: bytes = b"") -> None:
         if not self._started or self.finished:
             raise RuntimeError("finish() needs start() first and no finish() yet")
         self._check_client()
         self.finished = True
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._send({"type": "http.response.body", "body": last, "more_body": False})
 
     def _check_client(self) -> None:
         if self._request.client_gone:

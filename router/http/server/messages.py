@@ -50,7 +50,9 @@ class ResponseWriter(Protocol):
     """Where a handler writes its answer.
 
     Either `respond()` once, or `start()`, any number of `write()`, then `finish()`.
-    `write()` raises `ClientDisconnected` when the client is gone.
+    `write()` raises `ClientDisconnected` when the client is gone. `start(..., first)` and
+    `finish(last)` carry body bytes in the same send as the head or the end: bytes that
+    are at hand then leave in one system call instead of two.
     """
 
     @property
@@ -60,11 +62,11 @@ class ResponseWriter(Protocol):
 
     async def respond(self, status: int, headers: Headers, body: bytes) -> None: ...
 
-    async def start(self, status: int, headers: Headers) -> None: ...
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None: ...
 
     async def write(self, data: bytes) -> None: ...
 
-    async def finish(self) -> None: ...
+    async def finish(self, last: bytes = b"") -> None: ...
 
     async def abort(self, *, reset: bool = False) -> None:
         """Drop the connection without finishing the answer (a TCP RST when `reset`)."""

@@ -124,35 +124,46 @@ class ResponseWriter:
         await self._send(data)
         self.finished = True
 
-    async def start(self, status: int, headers: Headers) -> None:
-        """Send the status line and headers; the body follows chunked unless a
-        content-length header was given.
+    async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
+        """Send the status line and headers, and the body's `first` bytes in the same
+        send; the body follows chunked unless a content-length header was given.
         """
-        await self._send(self._head(status, list(headers)))
+        head = self._head(status, list(headers))
+        await self._send(head + self._framed(first) if first else head)
 
     async def write(self, data: bytes) -> None:
         """Send one body chunk now. Raises ClientDisconnected when the send fails."""
         if not self._started or self.finished:
             raise RuntimeError("write() needs start() first and no finish() yet")
-        if not data or self._bodyless:
-            return
-        if self._framing == CHUNKED:
-            await self._send(b"%x\r\n%s\r\n" % (len(data), data))
-            return
-        if self._framing == LENGTH:
-            self._count(len(data))
-        await self._send(data)
+        if data:
+            framed = self._framed(data)
+            if framed:
+                await self._send(framed)
 
-    async def finish(self) -> None:
+    async def finish(self, last: bytes = b"") -> None:
+        """End the body, its `last` bytes and the end in one send."""
         if not self._started or self.finished:
             raise RuntimeError("finish() needs start() first and no finish() yet")
+        data = self._framed(last) if last else b""
         self._end_check()
         self.ending = True
         if self._framing == CHUNKED:
-            await self._send(b"0\r\n\r\n")
+            data += b"0\r\n\r\n"
+        if data:
+            await self._send(data)
         else:
             await trio.lowlevel.checkpoint()
         self.finished = True
+
+    def _framed(self, data: bytes) -> bytes:
+        """`data` as the body's framing carries it (b"" when the answer has no body)."""
+        if self._bodyless:
+            return b""
+        if self._framing == CHUNKED:
+            return b"%x\r\n%s\r\n" % (len(data), data)
+        if self._framing == LENGTH:
+            self._count(len(data))
+        return data
 
     def _head(self, status: int, head: list[tuple[bytes, bytes]]) -> bytes:
         if self._started:

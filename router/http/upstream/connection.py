@@ -278,6 +278,10 @@ class UpstreamConnection:
                 _describe(exc, "during the response body"), response_started=True
             ) from exc
 
+    def body_ended(self) -> bool:
+        """Whether the body's end has been received (and every byte of it handed out)."""
+        return self._framing == _ENDED
+
     def take_whole_body(self) -> bytes | None:
         """The whole body when the bytes already received hold all of it, without waiting:
         b"" for a body already ended, None (nothing taken) when more must arrive or the
@@ -417,6 +421,11 @@ class UpstreamResponse:
         Cancellation: the request's context manager closes the connection.
         """
         return await self._connection.receive_data()
+
+    def body_ended(self) -> bool:
+        """Whether the body has ended with the bytes handed out so far: the next
+        `receive_some` returns b"" without waiting."""
+        return self._connection.body_ended()
 
     def take_whole_body(self) -> bytes | None:
         """The whole body when it has already arrived (no wait, so no timeout to set);
