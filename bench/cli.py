@@ -477,7 +477,10 @@ def _run(
         case = CASES[case_name]
         bench.set_pace(case.token_latency_ms)
         for round_ in range(args.rounds):
-            for name in contenders:
+            # Each round starts with the next contender: whoever goes first in a round
+            # measured 3-4% below itself going second (an A/A run), so no one always does.
+            shift = round_ % len(contenders)
+            for name in contenders[shift:] + contenders[:shift]:
                 m = bench.measure(bench.targets[name], case, round_)
                 session.measurements.append(m)
                 rate = f"{m.requests / m.cpu_s:,.0f}" if m.cpu_s else "n/a"
