@@ -171,7 +171,10 @@ def run(
         failure = failure.exceptions[0]
     if failure is not None:
         log(f"python -m bench --kv-engines: {failure!r}")
-        return 1
+        if not runs and not restarts:
+            return 1
+        # What was measured before the failure is kept, said to be partial.
+        header["partial"] = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
     wall = time.monotonic() - started
     model = environment.model_dir.name
     shape = FleetShape(ENGINES, BLOCK_SIZE, MAX_MODEL_LEN, EVICTING_BLOCKS, TUNED, model)
@@ -184,7 +187,7 @@ def run(
     raw |= {"runs": [asdict(one) for one in runs], "restarts": [asdict(r) for r in restarts]}
     dump_json(json_path, raw)
     log(f"wrote {out} and {json_path.name} ({wall / 60:.1f} min)")
-    return 0
+    return 0 if failure is None else 1
 
 
 def free_ports(count: int) -> list[int]:

@@ -473,6 +473,12 @@ def markdown(
                 f"| {hit_cell(restart.after.hit_rate, restart.errors_after)} "
                 f"| {' / '.join(map(str, restart.after.per_engine))} | {restart.restart_s:.1f} |"
             )
+    if "partial" in header:
+        lines += [
+            "",
+            f"**Partial run**: it stopped at `{header['partial']}`; the runs above are "
+            "all it measured.",
+        ]
     lines += ["", "Target (kv_aware against ours cache_aware, one process each):", ""]
     lines += verdicts(runs, evicting, roomy)
     several = replica_verdicts(runs, evicting, roomy)

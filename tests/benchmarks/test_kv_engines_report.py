@@ -241,3 +241,11 @@ def test_a_named_block_goes_after_the_main_table_and_a_second_run_replaces_only_
     for bad in ("", "Upper", "a b", "../x", "x" * 41):
         with pytest.raises(ValueError):
             markers(bad)
+
+
+def test_a_run_that_stopped_part_way_keeps_what_it_measured_and_says_so() -> None:
+    header = {**HEADER, "partial": "BenchError: engine0-roomy exited with status 1"}
+    block = markdown([_run("ours kv_aware", 0.78)], [], header, "evicting", "roomy")
+    assert "| evicting | ours kv_aware | 144 | 0 | 78.0% |" in block
+    assert "**Partial run**: it stopped at `BenchError: engine0-roomy exited" in block
+    assert "Partial" not in markdown([_run("ours kv_aware", 0.78)], [], HEADER, "e", "r")
