@@ -431,7 +431,8 @@ class GrpcDispatch:
     ) -> int:
         message = await self._first(url, call)
         await begin(200)
-        await writer.start(200, [*STREAM_HEADERS, worker_header])
+        # The head leaves with the first events, in one send.
+        head: list[tuple[bytes, bytes]] | None = [*STREAM_HEADERS, worker_header]
         first = message.chunk if message.WhichOneof("response") == "chunk" else message.complete
         out = shapes.opening(built.n, first.prompt_tokens)
         prompt_tokens = cached_tokens = 0
@@ -475,7 +476,10 @@ class GrpcDispatch:
                     )
                     out += shapes.finish(done)
                     choices.finished[complete.index] = done
-                if out:
+                if head is not None:
+                    await writer.start(200, head, out)
+                    head, out = None, b""
+                elif out:
                     await writer.write(out)
                     out = b""
                 idle.deadline = trio.current_time() + idle_s
@@ -503,17 +507,15 @@ class GrpcDispatch:
                 "stream_interrupted",
                 dialect,
             )
+        if head is not None:  # broken before the first message was written
+            await writer.start(200, head)
         if error is not None:
             if idle.cancelled_caught:
                 await self._abort(url, built.request_id)
-            if out:
-                await writer.write(out)
-            await writer.write(error)
-            await writer.finish()
+            await writer.finish(out + error)
             return 200
         usage = Usage(prompt_tokens, choices.completion_tokens, cached_tokens)
-        await writer.write(out + shapes.closing(usage, built.include_usage))
-        await writer.finish()
+        await writer.finish(out + shapes.closing(usage, built.include_usage))
         return 200
 
     async def _unary(
