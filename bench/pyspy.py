@@ -52,6 +52,8 @@ def summarize(raw: str, count: int = 15, own_package: str = "router") -> Profile
     """
     self_samples: dict[str, int] = {}
     total_samples: dict[str, int] = {}
+    module_self: dict[str, int] = {}
+    module_total: dict[str, int] = {}
     samples = 0
     for line in raw.splitlines():
         stack, _, number = line.rpartition(" ")
@@ -60,25 +62,20 @@ def summarize(raw: str, count: int = 15, own_package: str = "router") -> Profile
         n = int(number)
         samples += n
         frames = stack.split(";")
-        self_samples[frames[-1]] = self_samples.get(frames[-1], 0) + n
+        innermost = frames[-1]
+        self_samples[innermost] = self_samples.get(innermost, 0) + n
         for frame in set(frames):
             total_samples[frame] = total_samples.get(frame, 0) + n
-    if not samples:
-        return Profile(0, [], [], {})
-    module_self: dict[str, int] = {}
-    module_total: dict[str, int] = {}
-    for line in raw.splitlines():
-        stack, _, number = line.rpartition(" ")
-        if not stack or not number.isdigit():
-            continue
-        frames = stack.split(";")
-        innermost = frames[-1]
         if package_of(innermost) == own_package:
             module = where_of(innermost)
-            module_self[module] = module_self.get(module, 0) + int(number)
+            module_self[module] = module_self.get(module, 0) + n
         for module in {where_of(f) for f in frames if package_of(f) == own_package}:
-            module_total[module] = module_total.get(module, 0) + int(number)
-    modules = sorted(module_total, key=lambda m: (module_self.get(m, 0), module_total[m]))
+            module_total[module] = module_total.get(module, 0) + n
+    if not samples:
+        return Profile(0, [], [], {})
+    modules = sorted(
+        module_total, key=lambda m: (module_self.get(m, 0), module_total[m]), reverse=True
+    )
     by_module = [
         Entry(
             function="",
@@ -86,7 +83,7 @@ def summarize(raw: str, count: int = 15, own_package: str = "router") -> Profile
             self_pct=100.0 * module_self.get(module, 0) / samples,
             total_pct=100.0 * module_total[module] / samples,
         )
-        for module in reversed(modules)
+        for module in modules
     ]
 
     def entry(frame: str) -> Entry:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["KNOWN_NAMES", "known_name_count", "lowered_field_name"]
+__all__ = ["KNOWN_NAMES", "TOKEN", "known_name_count", "lowered_field_name"]
 
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+"""HTTP's token (RFC 9110 section 5.6.2): a field name, a method."""
 KNOWN_NAMES = 512
 KNOWN_NAME_BYTES = 64
 _known: dict[bytes, bytes] = {}
@@ -24,7 +25,7 @@ def lowered_field_name(name: bytes) -> bytes | None:
     lowered = _known.get(name)
     if lowered is not None:
         return lowered
-    if _TOKEN.fullmatch(name) is None:
+    if TOKEN.fullmatch(name) is None:
         return None
     lowered = name.lower()
     if len(_known) < KNOWN_NAMES and len(name) <= KNOWN_NAME_BYTES:

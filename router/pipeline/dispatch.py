@@ -407,17 +407,15 @@ async def relay_stream(
             stalls.forget(watched)
     if watched.stalled:
         error = (f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout")
-    if error is None:
-        if head is not None:
-            await writer.start(200, head, tail)
-            await writer.finish()
-        else:
-            await writer.finish(tail)
-        return None
     if head is not None:
-        # Broken before any event went out: the answer still starts, then ends in error.
+        # Nothing went out yet (a stream that arrived whole, or broke at once): the answer
+        # starts now, with what there is.
         await writer.start(200, head, tail)
-    elif tail:
+        tail = b""
+    if error is None:
+        await writer.finish(tail)
+        return None
+    if tail:
         await writer.write(tail)
     message, code = error
     if events is not None:

@@ -135,10 +135,9 @@ class ResponseWriter:
         """Send one body chunk now. Raises ClientDisconnected when the send fails."""
         if not self._started or self.finished:
             raise RuntimeError("write() needs start() first and no finish() yet")
-        if data:
-            framed = self._framed(data)
-            if framed:
-                await self._send(framed)
+        framed = self._framed(data) if data else b""
+        if framed:
+            await self._send(framed)
 
     async def finish(self, last: bytes = b"") -> None:
         """End the body, its `last` bytes and the end in one send."""

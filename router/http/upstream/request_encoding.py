@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 
-from router.http.field_names import lowered_field_name
+from router.http.field_names import TOKEN, lowered_field_name
 
 __all__ = ["encode_request"]
 
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
 
 
@@ -22,7 +21,7 @@ def encode_request(
     """
     method_bytes = method.encode("ascii")
     target_bytes = target.encode("ascii")
-    if _TOKEN.fullmatch(method_bytes) is None or _TARGET.fullmatch(target_bytes) is None:
+    if TOKEN.fullmatch(method_bytes) is None or _TARGET.fullmatch(target_bytes) is None:
         raise ValueError(f"cannot send request line {method!r} {target!r}")
     parts = [
         method_bytes,
