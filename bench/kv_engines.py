@@ -103,6 +103,18 @@ OWN_LOAD = (
 )
 """Each process counting only its own requests, not reading the engines' load: beside
 `side` and `two`, what reading the load changes."""
+MARGINS = (
+    KvContender("ours kv_aware", "kv_aware"),
+    KvContender("ours kv_aware (2 routers)", "kv_aware", replicas=2),
+    KvContender(
+        "ours kv_aware (2 routers, margin 1)", "kv_aware", ("--spread-margin", "1"), replicas=2
+    ),
+    KvContender(
+        "ours kv_aware (2 routers, margin 2)", "kv_aware", ("--spread-margin", "2"), replicas=2
+    ),
+)
+"""`kv_aware` alone, one process against two independent routers at the default spread
+margin (0.5) and wider ones: the replicas' figure with less of the machine's time."""
 RESTARTED = SIDE_BY_SIDE[:2]
 GROUPS = {
     "side": SIDE_BY_SIDE,
@@ -110,8 +122,10 @@ GROUPS = {
     "replicas": REPLICAS,
     "noflag": NO_FLAG,
     "ownload": OWN_LOAD,
+    "margins": MARGINS,
 }
 ALL_GROUPS = ("side", "two", "replicas", "noflag", "ownload", "restart")
+"""What runs by default; `margins` only when named."""
 
 
 def log_name(contender: str) -> str:
