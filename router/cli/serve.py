@@ -448,6 +448,7 @@ async def run_router(
                     or (TokenSource.TOKENIZER,),
                     operator_path=settings.kv_tokenizer,
                     worker_api_key=settings.worker_api_key,
+                    for_resume_only=True,
                 ),
                 kv_tokenizer(settings),
             )

@@ -18,7 +18,8 @@ The first two are the local fast path; the engine is asked only for what they ca
 The chain for each model is decided when the fleet changes (a model's workers, their
 engine kinds and directories), logged once at start and on every change
 (`kv_aware for tiny: token ids from the engine's /tokenize`), with a warning for a model
-left with none; `/metrics` labels each model with its first source.
+left with none; `/metrics` labels each model with its first source. Chains kept only for
+resumed streams (`for_resume_only`: no `kv_aware` leg) say so, at INFO whatever they hold.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class TokenSourceSettings:
     changed) to decide the chains again."""
     probe_timeout_s: float = 5.0
     worker_api_key: str = field(default="", repr=False)
+    for_resume_only: bool = False
+    """The chains serve only a broken stream's continuation (the text after its seam), not
+    `kv_aware`: the log lines say so, and a model with no tokenizer is said at INFO (its
+    streams end with the error event when they break, as without resume)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +105,17 @@ class ModelChain:
             return self.local_source
         return TokenSource.ENGINE if self.engine else TokenSource.NONE
 
-    def describe(self) -> str:
-        parts = []
+    def describe_local(self) -> str | None:
+        """The local tokenizer's origin, for a log line; None without one."""
         if self.local_source is TokenSource.TOKENIZER:
-            parts.append(f"--kv-tokenizer {self.local_detail}")
-        elif self.local_source is TokenSource.MODEL_DIR:
-            parts.append(f"the engine's model directory {self.local_detail}, read here")
+            return f"--kv-tokenizer {self.local_detail}"
+        if self.local_source is TokenSource.MODEL_DIR:
+            return f"the engine's model directory {self.local_detail}, read here"
+        return None
+
+    def describe(self) -> str:
+        local = self.describe_local()
+        parts = [] if local is None else [local]
         if self.engine:
             parts.append("the engine's /tokenize" + (" for the rest" if parts else ""))
         return "token ids from " + ", then ".join(parts) if parts else "no source of token ids"
@@ -166,17 +176,31 @@ class TokenSources:
             before = self._chains.get(model)
             self._chains[model] = chain
             if before is None or before.describe() != chain.describe():
-                if chain.first is TokenSource.NONE:
-                    log.warning(
-                        "kv_aware for %s: no source of token ids (no --kv-tokenizer, no model "
-                        "directory readable here, no engine that answers /tokenize): its "
-                        "requests are placed by load alone",
-                        model,
-                    )
-                else:
-                    log.info("kv_aware for %s: %s", model, chain.describe())
+                self._say(model, chain)
         for model in [m for m in self._chains if m not in models]:
             del self._chains[model]
+
+    def _say(self, model: str, chain: ModelChain) -> None:
+        if not self.settings.for_resume_only:
+            if chain.first is TokenSource.NONE:
+                log.warning(
+                    "kv_aware for %s: no source of token ids (no --kv-tokenizer, no model "
+                    "directory readable here, no engine that answers /tokenize): its "
+                    "requests are placed by load alone",
+                    model,
+                )
+            else:
+                log.info("kv_aware for %s: %s", model, chain.describe())
+        else:
+            local = chain.describe_local()
+            if local is None:
+                log.info(
+                    "resume for %s: no tokenizer here (no --kv-tokenizer, no model directory "
+                    "readable here): a stream that breaks ends with the error event",
+                    model,
+                )
+            else:
+                log.info("resume for %s: the text after a seam made with %s", model, local)
 
     async def _decide(
         self, model: str, workers: Sequence[Worker], http: httpx.AsyncClient

@@ -131,6 +131,39 @@ async def test_an_unreadable_root_leaves_the_engine_and_an_engine_of_no_known_ki
                 )
 
 
+async def test_chains_kept_for_resume_only_speak_of_resume_not_kv_aware(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A default `router serve` (round robin, resume on) in front of engines whose model
+    directory is not here: no warning about kv_aware, which does not run; one INFO line
+    saying what a broken stream then does."""
+    with trio.fail_after(GUARD_S):
+        async with open_fake_fleet(1, engine="sglang") as (fake,):
+            async with fleet_of([fake.url], engine="sglang") as fleet:
+                with caplog.at_level(logging.INFO, "router.token_sources"):
+                    sources = await decide(
+                        fleet,
+                        order=(TokenSource.TOKENIZER, TokenSource.MODEL_DIR),
+                        for_resume_only=True,
+                    )
+                assert sources.chain("fake-model").local is None
+                records = [r for r in caplog.records if r.name == "router.token_sources"]
+                assert [r.levelno for r in records] == [logging.INFO]
+                assert "resume for fake-model: no tokenizer here" in records[0].message
+                assert "kv_aware" not in records[0].message
+    operator = HfTokenizer(str(write_model(tmp_path / "model")))
+    fleet = Fleet()
+    fleet.upsert(WorkerRecord(id="w", url="http://w:1", models=("a",), engine="sglang"))
+    caplog.clear()
+    sources = TokenSources(
+        fleet, TokenSourceSettings(operator_path="DIR", for_resume_only=True), operator
+    )
+    with caplog.at_level(logging.INFO, "router.token_sources"):
+        async with httpx.AsyncClient() as http:
+            await sources.reconcile(http)
+    assert caplog.messages == ["resume for a: the text after a seam made with --kv-tokenizer DIR"]
+
+
 async def test_the_operators_tokenizer_comes_first_for_every_model(tmp_path: Path) -> None:
     operator = HfTokenizer(str(write_model(tmp_path / "model")))
     fleet = Fleet()
