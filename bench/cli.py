@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-groups",
         default="side,two,replicas,noflag,ownload,restart",
-        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), ownload (kv_aware counting its own requests only, not reading the engines' load), restart (a router restart mid-run); margins (kv_aware alone: one process, then two routers at spread margins 0.5, 1 and 2) runs only when named",
+        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), ownload (kv_aware counting its own requests only, not reading the engines' load), restart (a router restart mid-run); margins (kv_aware alone: one process, then two routers at spread margins 0.5 and 0) runs only when named",
     )
     parser.add_argument(
         "--kv-block",

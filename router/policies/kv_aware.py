@@ -23,9 +23,11 @@ computes itself). Per request:
    that it cannot have counted yet, or this process's own count while the engine's is
    unknown; for a rank-multiplexed worker its best rank's run with that rank's load); the
    lowest cost wins, ties to the lower load, then in turn (the scan starts one candidate
-   further on each pick, as `least_load`'s does). With a spread margin, a candidate within
-   it of the lowest cost is drawn at random instead (`router.policies.spread`), so
-   replicas reading the same events and loads do not all choose the same engine. The typical prompt is a moving average of the predicted
+   further on each pick, as `least_load`'s does). With a spread margin, a candidate that
+   holds as many blocks as the best and costs within the margin of it is drawn at random
+   instead (`router.policies.spread`), so replicas reading the same events and loads do
+   not all choose the same engine, and none leaves a prompt's cache for a near-tie of
+   cost. The typical prompt is a moving average of the predicted
    requests' blocks, so the weight reads the same whatever the block size and prompt
    length: recomputing a typical prompt from scratch costs `overlap_weight` requests in
    flight. A candidate whose views are all unknown (a gap the replay could not repair, a
@@ -298,7 +300,18 @@ class KvAware:
             if offset == 0 or score < best_score:
                 best, best_score = offset, score
             scored.append((score[0], (worker, held, view)))
-        best_worker, best_held, best_view = self.ties.choose(scored, best)
+        # Near-ties are broken only among candidates holding as many blocks as the best:
+        # every replica reads the same events, so it is the load alone they would herd on;
+        # a margin that also weighed blocks would send a conversation away from its cache.
+        most_held = scored[best][1][1]
+        equals: list[tuple[float, _Scored]] = []
+        best_among_equals = 0
+        for position, item in enumerate(scored):
+            if item[1][1] == most_held:
+                if position == best:
+                    best_among_equals = len(equals)
+                equals.append(item)
+        best_worker, best_held, best_view = self.ties.choose(equals, best_among_equals)
         self.picks["match" if best_held > 0 else "load"] += 1
         self.predicted_prompt_tokens += len(tokens)
         # What the engine's prefix cache will count as hits: whole blocks, and never the

@@ -4,6 +4,8 @@ placed by load and counted."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from router.policies.by_name import POLICY_NAMES, make_policy
 from router.policies.kv_aware import KvAware, KvAwareSettings, request_tokens
 from router.policies.kv_aware_metrics import KvAwareCollector
 from router.policies.policy import PolicyKey
+from router.policies.spread import NearTies
 from router.prompts.tokenizer import HfTokenizer
 
 BS = 4
@@ -114,6 +117,38 @@ def test_a_prefix_shared_by_every_conversation_does_not_herd_them_onto_its_holde
     loads = sorted(worker.inflight for worker in fleet)
     assert loads[-1] <= 3, loads
     assert loads[-2] >= 2, loads  # spread over a second engine at least
+
+
+def test_the_spread_draws_among_equal_holders_and_never_leaves_a_cache_for_a_near_tie() -> None:
+    """A conversation's second turn: w0 holds 9 of its 10 blocks, w1 and w2 the shared 7
+    (the system prompt). Two blocks are worth 0.4 requests here, inside a 0.5 margin: a
+    margin on the whole cost would draw w1 or w2 two times in three and send the
+    conversation away from its cache. Among w1 and w2, equal holders, it still draws."""
+    indexes = KvIndexes()
+    index = indexes.for_model(MODEL)
+    fleet = [
+        Worker(record=WorkerRecord(id=f"w{i}", url=f"http://w{i}.test:8000", models=(MODEL,)))
+        for i in range(3)
+    ]
+    for worker in fleet:
+        index.apply_cleared((worker.id, None))
+    system = tokens(0, 7)
+    conversation = [*system, *tokens(10_000, 3)]
+    store(indexes, "w0", conversation[: 9 * BS])
+    store(indexes, "w1", system)
+    store(indexes, "w2", system)
+    ties = NearTies(0.5, random.Random(11))
+    policy = KvAware(KvAwareSettings(overlap_weight=2.0), indexes, Clock(), ties=ties)
+    policy.typical_blocks = 10.0
+    assert {policy.pick(ids_key(conversation), fleet).id for _ in range(200)} == {"w0"}
+    # New conversations: all three hold their system prompt alone (each pick's own blocks
+    # are noted as routed, so every conversation is another): the draw spreads them over
+    # every equal holder.
+    picks = Counter(
+        policy.pick(ids_key([*system, *tokens(100_000 * (n + 1), 3)]), fleet).id
+        for n in range(300)
+    )
+    assert set(picks) == {"w0", "w1", "w2"} and min(picks.values()) > 60, picks
 
 
 def test_ties_go_to_the_lower_load() -> None:
