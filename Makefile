@@ -20,6 +20,7 @@ system-deps:
 	@command -v etcd >/dev/null 2>&1 || { apt-get update && apt-get install -y etcd-server; }
 	@command -v wrk >/dev/null 2>&1 || { apt-get update && apt-get install -y wrk; }
 	@command -v strace >/dev/null 2>&1 || { apt-get update && apt-get install -y strace; }
+	@command -v valgrind >/dev/null 2>&1 || { apt-get update && apt-get install -y valgrind; }
 
 demo: setup
 	$(BIN)/router demo

@@ -104,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="Markdown file; its results block is replaced (default docs/performance.md)",
     )
     parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="print the instructions per request of ours (and ours-base with --baseline), unary and stream, counted under valgrind's callgrind one request at a time, idle work taken off (bench/instructions.py): an A/B without the wall clock's noise",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=500,
+        help="with --instructions: requests counted per case (default 500)",
+    )
+    parser.add_argument(
         "--stages",
         action="store_true",
         help="print the router's CPU per request stage by stage (bench/stages.py): micro-benchmarks, and the rest of one short unary c=32 run through ours",
@@ -292,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = args.duration if args.duration is not None else (1 if args.quick else 2)
     if args.stages:
         return _stages(duration)
+    if args.instructions:
+        return _instructions(args.requests, args.baseline)
     resume = args.fleet_engine == "vllm"
     default_cases = RESUME_CASES if resume else QUICK_CASES if args.quick else tuple(CASES)
     cases = _names(args.cases or ",".join(default_cases), list(CASES), "case")
@@ -421,6 +434,24 @@ def _grpc_rows(
     dump_json(figures, {"header": header, "rows": [dataclasses.asdict(row) for row in rows]})
     log(f"wrote the gRPC rows into {out} and {figures.name}")
     return 0
+
+
+def _instructions(requests: int, ref: str | None) -> int:
+    """The instruction counts on stdout (bench/instructions.py)."""
+    from bench import instructions
+
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-") as work:
+        try:
+            baseline = extract(ref, Path(work)) if ref else None
+        except BenchError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 1
+        return instructions.main_entry(Path(work), requests, baseline, log)
 
 
 def _stages(duration: int) -> int:
