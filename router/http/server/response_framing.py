@@ -30,6 +30,16 @@ _FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
 _DIGITS = re.compile(rb"[0-9]+")
 _MAX_LENGTH_DIGITS = 20
 _NO_BODY_STATUSES = frozenset({204, 304})
+_FRAMING_NAMES = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
+"""Names whose value decides the framing or the order of the head: never taken as a line
+checked before, always read."""
+_LENGTH_NAMES = frozenset({b"content-length", b"transfer-encoding"})
+KNOWN_LINES = 1024
+KNOWN_LINE_BYTES = 256
+_known_lines: dict[tuple[bytes, bytes], tuple[bytes, bytes]] = {}
+"""Header lines already checked, by their name and value as given: an answer carries
+mostly the lines the last one did (its content type, the worker, the server, the date).
+At most `KNOWN_LINES` of at most `KNOWN_LINE_BYTES` bytes; cleared when full."""
 
 # How a body is framed on the wire.
 LENGTH, CHUNKED, UNTIL_CLOSE = range(3)
@@ -66,40 +76,50 @@ def encode_head(
     server, closing) already ended the connection's reuse."""
     if not 200 <= status < 1000:
         raise ResponseError(f"a final response needs a status from 200 to 999, not {status}")
-    lines: list[tuple[bytes, bytes, bytes]] = []
+    # (lowered name, the line's bytes) per header, in order.
+    lines: list[tuple[bytes, bytes]] = []
     length: bytes | None = None
     chunked = False
+    has_host = False
     connection: list[bytes] = []
+    known = _known_lines
     for raw_name, raw_value in headers:
-        name_bytes = _bytes(raw_name)
-        value = _bytes(raw_value)
-        name = lowered_field_name(name_bytes)
-        if name is None:
-            raise ResponseError(f"illegal header name {name_bytes!r}")
-        if _FIELD_VALUE.fullmatch(value) is None:
-            raise ResponseError(f"illegal header value {value!r}")
-        if name == b"content-length":
-            lengths = {part.strip() for part in value.split(b",")}
-            if len(lengths) != 1:
-                raise ResponseError("conflicting content-length headers")
-            value = lengths.pop()
-            if _DIGITS.fullmatch(value) is None or len(value) > _MAX_LENGTH_DIGITS:
-                raise ResponseError(f"bad content-length {value!r}")
-            if length is not None:
-                if length != value:
+        line = (
+            known.get((raw_name, raw_value))
+            if type(raw_name) is bytes and type(raw_value) is bytes
+            else None
+        )
+        if line is None:
+            line = _checked_line(raw_name, raw_value)
+        name = line[0]
+        if name in _FRAMING_NAMES:
+            value = _bytes(raw_value)
+            if name == b"content-length":
+                lengths = {part.strip() for part in value.split(b",")}
+                if len(lengths) != 1:
                     raise ResponseError("conflicting content-length headers")
-                continue
-            length = value
-        elif name == b"transfer-encoding":
-            if chunked:
-                raise ResponseError("more than one transfer-encoding header")
-            value = value.lower()
-            if value != b"chunked":
-                raise ResponseError("transfer-encoding other than chunked")
-            chunked = True
-        elif name == b"connection":
-            connection.extend(_comma_values(value))
-        lines.append((name_bytes, name, value))
+                value = lengths.pop()
+                if _DIGITS.fullmatch(value) is None or len(value) > _MAX_LENGTH_DIGITS:
+                    raise ResponseError(f"bad content-length {value!r}")
+                if length is not None:
+                    if length != value:
+                        raise ResponseError("conflicting content-length headers")
+                    continue
+                length = value
+                line = (name, b"%s: %s\r\n" % (_bytes(raw_name), value))
+            elif name == b"transfer-encoding":
+                if chunked:
+                    raise ResponseError("more than one transfer-encoding header")
+                value = value.lower()
+                if value != b"chunked":
+                    raise ResponseError("transfer-encoding other than chunked")
+                chunked = True
+                line = (name, b"%s: %s\r\n" % (_bytes(raw_name), value))
+            elif name == b"connection":
+                connection.extend(_comma_values(value))
+            else:
+                has_host = True
+        lines.append(line)
 
     # A 2xx to CONNECT turns the connection into a tunnel: no body, and no HTTP after it.
     tunnel = method == "CONNECT" and 200 <= status < 300
@@ -107,11 +127,10 @@ def encode_head(
     need_close = False
     if not fixed_empty and (chunked or length is None):
         # A body of unknown length: chunked to an HTTP/1.1 client, else ended by the close.
-        lines = [line for line in lines if line[1] != b"content-length"]
+        lines = [line for line in lines if line[0] not in _LENGTH_NAMES]
         length = None
-        lines = [line for line in lines if line[1] != b"transfer-encoding"]
         if http_version == b"1.1":
-            lines.append((b"Transfer-Encoding", b"transfer-encoding", b"chunked"))
+            lines.append((b"transfer-encoding", b"Transfer-Encoding: chunked\r\n"))
             chunked = True
         else:
             chunked = False
@@ -120,9 +139,9 @@ def encode_head(
         tokens = set(connection)
         tokens.discard(b"keep-alive")
         tokens.add(b"close")
-        lines = [line for line in lines if line[1] != b"connection"]
-        lines.extend((b"Connection", b"connection", token) for token in sorted(tokens))
+        lines = [line for line in lines if line[0] != b"connection"]
         connection = sorted(tokens)
+        lines.extend((b"connection", b"Connection: %s\r\n" % token) for token in connection)
 
     if fixed_empty or method == "HEAD":
         framing, body_length = LENGTH, 0
@@ -139,12 +158,35 @@ def encode_head(
         and framing != UNTIL_CLOSE
         and b"close" not in connection
     )
+    if has_host:
+        # Host first, as h11 writes it (an answer rarely has one).
+        lines = [line for line in lines if line[0] == b"host"] + [
+            line for line in lines if line[0] != b"host"
+        ]
     parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
-    # Host first, as h11 writes it (an answer rarely has one).
-    parts.extend(b"%s: %s\r\n" % (raw, value) for raw, name, value in lines if name == b"host")
-    parts.extend(b"%s: %s\r\n" % (raw, value) for raw, name, value in lines if name != b"host")
+    parts += [line for _, line in lines]
     parts.append(b"\r\n")
     return ResponseHead(b"".join(parts), framing, body_length, keep_alive)
+
+
+def _checked_line(raw_name: bytes | str, raw_value: bytes | str) -> tuple[bytes, bytes]:
+    """The lowered name and the line's bytes of one header, its name and value checked;
+    remembered when both came as bytes (`_known_lines`)."""
+    name_bytes = _bytes(raw_name)
+    value = _bytes(raw_value)
+    name = lowered_field_name(name_bytes)
+    if name is None:
+        raise ResponseError(f"illegal header name {name_bytes!r}")
+    if _FIELD_VALUE.fullmatch(value) is None:
+        raise ResponseError(f"illegal header value {value!r}")
+    line = (name, b"%s: %s\r\n" % (name_bytes, value))
+    if type(raw_name) is bytes and type(raw_value) is bytes and len(line[1]) <= KNOWN_LINE_BYTES:
+        if len(_known_lines) >= KNOWN_LINES:
+            # Ever new values (request ids) fill it: start again, and the lines every answer
+            # carries are learnt again by the next answers.
+            _known_lines.clear()
+        _known_lines[(raw_name, raw_value)] = line
+    return line
 
 
 def request_keeps_alive(http_version: bytes, headers: Headers) -> bool:

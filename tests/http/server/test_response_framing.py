@@ -8,6 +8,7 @@ import itertools
 import h11
 import pytest
 
+from router.http.server import response_framing
 from router.http.server.messages import Headers
 from router.http.server.response_framing import (
     CHUNKED,
@@ -125,3 +126,44 @@ def test_heads_h11_refuses_are_refused(headers: Headers) -> None:
 def test_a_status_outside_final_responses_is_refused(status: int) -> None:
     with pytest.raises(ResponseError):
         encode_head(status, [], b"", method="GET", http_version=b"1.1", request_keep_alive=True)
+
+
+def _head(headers: Headers) -> bytes:
+    return encode_head(
+        200, headers, b"OK", method="POST", http_version=b"1.1", request_keep_alive=True
+    ).data
+
+
+def test_lines_checked_before_are_written_alike_and_framing_is_read_every_time() -> None:
+    first = [(b"content-type", b"application/json"), (b"content-length", b"5")]
+    assert _head(first) == _head(first)  # the second from the remembered lines
+    # A length seen before still conflicts with another one, and a connection token seen
+    # before still ends the connection.
+    with pytest.raises(ResponseError):
+        _head([(b"content-length", b"5"), (b"content-length", b"6")])
+    head = encode_head(
+        200,
+        [(b"connection", b"close"), (b"content-length", b"0")],
+        b"OK",
+        method="POST",
+        http_version=b"1.1",
+        request_keep_alive=True,
+    )
+    assert not head.keep_alive
+
+
+def test_a_refused_line_is_refused_every_time_and_never_remembered() -> None:
+    for _ in range(3):
+        with pytest.raises(ResponseError):
+            _head([(b"x-bad", b"a\r\nInjected: 1")])
+    assert all(b"Injected" not in line for _, line in response_framing._known_lines.values())
+
+
+def test_the_remembered_lines_stay_bounded_under_ever_new_values() -> None:
+    for number in range(response_framing.KNOWN_LINES * 3):
+        _head([(b"x-request-id", b"%032x" % number)])
+        assert len(response_framing._known_lines) <= response_framing.KNOWN_LINES
+    # A line over the size bound is checked and written, never kept.
+    long_value = b"v" * response_framing.KNOWN_LINE_BYTES
+    assert long_value in _head([(b"x-long", long_value)])
+    assert (b"x-long", long_value) not in response_framing._known_lines
