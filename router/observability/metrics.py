@@ -9,10 +9,12 @@ worker), `DiscoveryMetrics` (the discovery source). `RouterMetrics` builds the g
 one registry and exports them, with the figures read from the fleet and the upstream pool
 at scrape time (`router.observability.collectors`): the request path never touches those.
 
-Per-request series are typed label children bound once per label value, the first time
-it is used (a series appears with its first event), so the hot path pays one dict lookup
-and one increment, never a `labels()` call, which takes a lock and builds a tuple each
-time. A departed worker's children are dropped with it.
+The families every request counts in (requests answered, their durations and times to
+the first byte, the dispatch mode) are tallies: plain numbers exported at scrape time
+(`router.observability.tallies`), with no lock per increment. The rarer series are
+prometheus-client's, their label children bound once per label value the first time it
+is used (a series appears with its first event), never a `labels()` call per event. A
+departed worker's children are dropped with it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from router.fleet.registry import Fleet
 from router.http.grpc import GrpcPool
 from router.http.upstream.pool import UpstreamPool
 from router.observability.collectors import FleetCollector, GrpcPoolCollector, PoolCollector
+from router.observability.tallies import CounterTally, HistogramTally
 
 _Family = TypeVar("_Family", Counter, Histogram)
 
@@ -62,48 +65,44 @@ def _bound(children: dict[str, _Family], family: _Family, value: str) -> _Family
 class RequestMetrics:
     """What the client got: requests answered by model, route and status (and client key),
     the time to the end of the answer and to its first byte, by route. Counted by the
-    pipeline for what it serves and by the edge for what it refuses first."""
+    pipeline for what it serves and by the edge for what it refuses first; tallies, as
+    every request counts in them (`router.observability.tallies`)."""
 
     def __init__(self, *, key_label: bool = False) -> None:
         # The `key` label exists only with named client keys; its values are those names.
         self.key_label = key_label
         labels = ["model", "route", "status", "key"] if key_label else ["model", "route", "status"]
-        self.answered = Counter("router_requests", "Requests answered", labels, registry=None)
-        self.duration = Histogram(
+
+        def labels_of(key: tuple[str, str, int, str]) -> tuple[str, ...]:
+            model, route, status, name = key
+            return (model, route, str(status), name) if key_label else (model, route, str(status))
+
+        self.answered: CounterTally[tuple[str, str, int, str]] = CounterTally(
+            "router_requests", "Requests answered", labels, labels_of
+        )
+        self.duration = HistogramTally(
             "router_request_duration_seconds",
             "Time from request to the end of the answer",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=None,
+            "route",
+            _LATENCY_BUCKETS,
         )
-        self.ttfb = Histogram(
+        self.ttfb = HistogramTally(
             "router_time_to_first_byte_seconds",
             "Time from request to the first answer byte sent",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=None,
+            "route",
+            _LATENCY_BUCKETS,
         )
-        self._answered: dict[tuple[str, str, int, str], Counter] = {}
-        self._duration: dict[str, Histogram] = {}
-        self._ttfb: dict[str, Histogram] = {}
 
     def count_request(self, model: str, route: str, status: int, key: str | None = None) -> None:
         """Count one answered request; `key` is the client key's name (`-`: none), used only
         when the counter has the `key` label."""
-        name = key or "-"
-        child = self._answered.get((model, route, status, name))
-        if child is None:
-            values = (
-                (model, route, str(status), name) if self.key_label else (model, route, str(status))
-            )
-            child = self._answered[(model, route, status, name)] = self.answered.labels(*values)
-        child.inc()
+        self.answered.inc((model, route, status, key or "-"))
 
     def observe_duration(self, route: str, seconds: float) -> None:
-        _bound(self._duration, self.duration, route).observe(seconds)
+        self.duration.observe(route, seconds)
 
     def observe_ttfb(self, route: str, seconds: float) -> None:
-        _bound(self._ttfb, self.ttfb, route).observe(seconds)
+        self.ttfb.observe(route, seconds)
 
 
 class PipelineMetrics:
@@ -119,8 +118,9 @@ class PipelineMetrics:
             ["reason"],
             registry=None,
         )
-        self.modes = Counter(
-            "router_pd_requests", "Generation requests by dispatch mode", ["mode"], registry=None
+        # Every generation request counts here: a tally.
+        self.modes: CounterTally[tuple[str]] = CounterTally(
+            "router_pd_requests", "Generation requests by dispatch mode", ["mode"]
         )
         self.leg_failures = Counter(
             "router_leg_failures", "Pre-first-byte failures by leg role", ["role"], registry=None
@@ -159,7 +159,6 @@ class PipelineMetrics:
         self._rewrites: dict[tuple[str, str], Counter] = {}
         self._fallbacks: dict[tuple[str, str], Counter] = {}
         self._retries: dict[str, Counter] = {}
-        self._modes: dict[str, Counter] = {}
         self._leg_failures: dict[str, Counter] = {}
         self._local_errors: dict[str, Counter] = {}
 
@@ -168,7 +167,7 @@ class PipelineMetrics:
 
     def count_mode(self, mode: Mode) -> None:
         """Count a generation request under the mode it was first planned in."""
-        _bound(self._modes, self.modes, mode.value).inc()
+        self.modes.inc((mode.value,))
 
     def count_leg_failure(self, role: Role) -> None:
         _bound(self._leg_failures, self.leg_failures, role.value).inc()

@@ -145,8 +145,7 @@ def test_the_spread_draws_among_equal_holders_and_never_leaves_a_cache_for_a_nea
     # are noted as routed, so every conversation is another): the draw spreads them over
     # every equal holder.
     picks = Counter(
-        policy.pick(ids_key([*system, *tokens(100_000 * (n + 1), 3)]), fleet).id
-        for n in range(300)
+        policy.pick(ids_key([*system, *tokens(100_000 * (n + 1), 3)]), fleet).id for n in range(300)
     )
     assert set(picks) == {"w0", "w1", "w2"} and min(picks.values()) > 60, picks
 
