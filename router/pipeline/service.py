@@ -67,6 +67,7 @@ from router.pipeline.wait import WorkerWait, WorkerWaitSettings
 from router.policies.adapter_affinity import AdapterAffinitySettings
 from router.policies.by_name import make_policy
 from router.policies.cache_aware import CacheAware, CacheAwareSettings
+from router.policies.consistent_hash import ConsistentHash
 from router.policies.kv_aware import KvAware, KvPolicyInputs
 from router.policies.policy import Policy
 from router.policies.routing_keys import routing_key, routing_text
@@ -170,6 +171,8 @@ class GenerationService:
             role: policy for role, policy in self.policies.items() if isinstance(policy, CacheAware)
         }
         self.reads_text = bool(cache_aware)
+        # Only consistent_hash hashes a routing key: nobody else pays for finding it.
+        self.reads_key = any(isinstance(p, ConsistentHash) for p in self.policies.values())
         # The legs whose policy predicts from token ids, and how those ids are found.
         self.kv_roles = frozenset(
             role for role, policy in self.policies.items() if isinstance(policy, KvAware)
@@ -310,7 +313,11 @@ class GenerationService:
         started: float,
         route: ModelRoute | None = None,
     ) -> int:
-        key_bytes = routing_key(request.header(b"x-session-id"), generation.body)
+        key_bytes = (
+            routing_key(request.header(b"x-session-id"), generation.body)
+            if self.reads_key
+            else None
+        )
         if self.reads_text:
             generation.routing_text = routing_text(generation.body)
         ctx = RequestContext(generation, request, writer, key_bytes, started)
