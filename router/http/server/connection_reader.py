@@ -12,12 +12,14 @@ next cycle, and the reader then waits to be armed again. No task is started per 
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import trio
 
 from router.http.direct_socket import DirectSocket
 from router.http.server.messages import Request
+from router.http.server.read_deadlines import ReadDeadlines
 from router.http.server.request_parser import RequestParser
 
 __all__ = ["ConnectionReader", "Watch"]
@@ -47,25 +49,38 @@ class Watch:
 class ConnectionReader:
     """Feeds the request parser from the socket; `receive()` waits for the next bytes.
 
-    `watch`: the handler running, while one runs.
+    `watch`: the handler running, while one runs. `idle`: set by the caller while it waits
+    for the first byte of a next request (a closing server ends such a wait at once).
+    `deadlines`: where each wait's deadline is kept (the server's; None: no deadline is
+    ever due).
     """
 
     __slots__ = (
         "_armed",
         "_broken",
+        "_deadlines",
         "_ended",
         "_main_waiter",
         "_parked",
         "_scope",
         "_socket",
         "_task",
-        "idle_scope",
+        "_timed_out",
+        "idle",
         "parser",
+        "wait_deadline",
+        "wait_number",
         "watch",
     )
 
-    def __init__(self, socket: DirectSocket, parser: RequestParser) -> None:
+    def __init__(
+        self,
+        socket: DirectSocket,
+        parser: RequestParser,
+        deadlines: ReadDeadlines | None = None,
+    ) -> None:
         self._socket = socket
+        self._deadlines = deadlines
         # The parser of the request being read; the connection swaps in a new one per request.
         self.parser = parser
         self._task: trio.lowlevel.Task | None = None
@@ -75,8 +90,11 @@ class ConnectionReader:
         self._broken: trio.BrokenResourceError | None = None
         self._ended = False
         self._main_waiter: trio.lowlevel.Task | None = None
-        # Set while waiting for the first byte of a request: shutdown cancels it.
-        self.idle_scope: trio.CancelScope | None = None
+        self._timed_out = False
+        self.idle = False
+        self.wait_deadline = math.inf
+        """When the pending `receive` times out (`math.inf`: no wait pending, or none)."""
+        self.wait_number = 0
         self.watch: Watch | None = None
 
     def stop(self) -> None:
@@ -145,20 +163,46 @@ class ConnectionReader:
             assert self._task is not None
             trio.lowlevel.reschedule(self._task)
 
-    async def receive(self) -> None:
-        """Wait until the reader gave the parser more bytes, or end-of-stream.
+    async def receive(self, deadline: float = math.inf) -> bool:
+        """Wait until the reader gave the parser more bytes, or end-of-stream: True; False
+        when `deadline` passed first, or `expire()` ended the wait.
 
-        Raises BrokenResourceError when the client reset the connection. Cancellation
-        (timeouts, shutdown): the reader's read stays pending; what it brings still goes
-        to the parser.
+        The deadline is kept by the server's `ReadDeadlines`, not in a cancel scope (one
+        per wait cost a twentieth of a request). Raises BrokenResourceError when the client
+        reset the connection. Cancellation (the connection's scope, the shutdown grace
+        over) and time-outs: the reader's read stays pending; what it brings still goes to
+        the parser.
         """
         if self._broken is not None:
             raise trio.BrokenResourceError("the client reset the connection")
         self.arm()
         self._main_waiter = trio.lowlevel.current_task()
-        await trio.lowlevel.wait_task_rescheduled(self._abort_main_wait)
+        self._timed_out = False
+        self.wait_number += 1
+        self.wait_deadline = deadline
+        deadlines = self._deadlines
+        if deadlines is not None:
+            deadlines.waiting(self)
+        try:
+            await trio.lowlevel.wait_task_rescheduled(self._abort_main_wait)
+        finally:
+            self.wait_deadline = math.inf
+            if deadlines is not None:
+                deadlines.done(self)
+        if self._timed_out:
+            return False
         if self._broken is not None:
             raise trio.BrokenResourceError("the client reset the connection")
+        return True
+
+    def expire(self) -> None:
+        """End the pending `receive` (its deadline passed, or the server closes idle
+        connections); nothing when none is pending or bytes already ended it."""
+        waiter = self._main_waiter
+        if waiter is not None:
+            self._main_waiter = None
+            self._timed_out = True
+            trio.lowlevel.reschedule(waiter)
 
     def _abort_main_wait(self, _: object) -> trio.lowlevel.Abort:
         self._main_waiter = None

@@ -32,6 +32,7 @@ from router.http.server.exceptions import (
 from router.http.server.listen import open_tcp_sockets
 from router.http.server.load import ServerLoad
 from router.http.server.messages import ClientDisconnected, Handler, Request
+from router.http.server.read_deadlines import ReadDeadlines
 from router.http.server.request_parser import RequestParser
 from router.http.server.request_reader import RequestReader
 from router.http.server.response_writer import ResponseWriter
@@ -85,6 +86,7 @@ async def serve_http(
     server = _Server(handler, settings, load, answer_refusal)
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(server.deadlines.serve)
             for listener in listeners:
                 nursery.start_soon(server.accept_loop, listener, nursery)
             task_status.started(listeners[0].port)
@@ -125,6 +127,8 @@ class _Server:
         self._drained = trio.Event()
         self._next_capacity_warning = float("-inf")
         self.date = HttpDate()
+        # The time-outs of every connection's waits for its client (run by `serve_http`).
+        self.deadlines = ReadDeadlines()
 
     async def accept_loop(self, listener: BatchListener, nursery: trio.Nursery) -> None:
         """Accept until the listener closes; each connection becomes a task in `nursery`.
@@ -200,9 +204,8 @@ class _Server:
         """Close every connection that waits for a request; busy ones close after it."""
         self.shutting_down = True
         for connection in self.connections:
-            idle_scope = connection.reader.idle_scope
-            if idle_scope is not None:
-                idle_scope.cancel()
+            if connection.reader.idle:
+                connection.reader.expire()
         self._maybe_drained()
 
     async def wait_drained(self) -> None:
@@ -236,7 +239,7 @@ class _Connection:
         self.socket = DirectSocket(sock)
         settings = server.settings
         self.client = _peer(self.socket.sock)
-        self.reader = ConnectionReader(self.socket, _new_parser(settings))
+        self.reader = ConnectionReader(self.socket, _new_parser(settings), server.deadlines)
         self.requests = RequestReader(self.reader, self.socket, settings, self.client)
         self.write_timeout_s = settings.client_write_timeout_s
         # Cancelled when the client leaves while a handler runs. One per connection, not

@@ -90,14 +90,12 @@ class RequestReader:
                 timeout = settings.idle_timeout_s if waiting else settings.header_timeout_s
                 deadline = trio.current_time() + timeout
             while event is NEED_DATA:
-                with trio.CancelScope(deadline=deadline) as scope:
-                    if waiting:
-                        reader.idle_scope = scope
-                    try:
-                        await reader.receive()
-                    finally:
-                        reader.idle_scope = None
-                if scope.cancelled_caught:
+                reader.idle = waiting
+                try:
+                    arrived = await reader.receive(deadline)
+                finally:
+                    reader.idle = False
+                if not arrived:
                     if not waiting:
                         raise ClientTooSlow("request headers took too long")
                     return None
@@ -142,13 +140,10 @@ class RequestReader:
                 # to hold the budget.
                 reservation.take(len(event))
                 chunks.append(event)
-            else:
-                with trio.CancelScope(deadline=deadline) as scope:
-                    await self._reader.receive()
-                if scope.cancelled_caught:
-                    raise ClientTooSlow(
-                        f"request body not received within {settings.body_timeout_s:g}s"
-                    )
+            elif not await self._reader.receive(deadline):
+                raise ClientTooSlow(
+                    f"request body not received within {settings.body_timeout_s:g}s"
+                )
             event = parser.next_event()
         return Request(
             method=head.method.decode("latin-1"),
