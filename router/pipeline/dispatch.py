@@ -20,7 +20,12 @@ import trio
 from router.api.errors import RouterOverloaded, WorkerUnreachable
 from router.http.server.messages import Headers, ResponseWriter
 from router.http.upstream.connection import UpstreamConnectTimeout, UpstreamResponse
-from router.http.upstream.exceptions import LocalShortage, UpstreamConnectError, UpstreamError
+from router.http.upstream.exceptions import (
+    LocalShortage,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamHeadTimeout,
+)
 from router.http.upstream.pool import PooledRequest, UpstreamPool
 from router.pipeline.relay import EventCutter
 from router.pipeline.stall_watch import StallWatch
@@ -131,7 +136,15 @@ def open_upstream_response(
     Cancellation: the upstream connection is closed, never returned to the pool.
     """
     return UpstreamAttempt(
-        pool.request(url, "POST", path, headers, body, connect_timeout_s=timeouts.connect_s),
+        pool.request(
+            url,
+            "POST",
+            path,
+            headers,
+            body,
+            connect_timeout_s=timeouts.connect_s,
+            head_deadline=trio.current_time() + timeouts.first_byte_s,
+        ),
         url,
         timeouts,
     )
@@ -153,31 +166,29 @@ class UpstreamAttempt:
 
     async def __aenter__(self) -> UpstreamResponse:
         url = self._url
-        first_byte_s = self._timeouts.first_byte_s
-        with trio.CancelScope(deadline=trio.current_time() + first_byte_s) as deadline:
-            try:
-                return await self._request.__aenter__()
-            except UpstreamConnectTimeout as exc:
-                raise AttemptFailed("connect_timeout", str(exc), fault=True) from None
-            except UpstreamConnectError as exc:
-                # The pool's message already names the URL.
-                raise AttemptFailed("connect_error", str(exc), fault=True) from None
-            except UpstreamError as exc:
-                raise AttemptFailed(
-                    "transport_error", f"{url} broke the connection: {exc}", fault=True
-                ) from None
-            except LocalShortage as exc:
-                # The router's own trouble: no verdict on the worker, no other worker tried
-                # (it would meet the same shortage).
-                raise RouterOverloaded(str(exc), exc.kind) from None
-            except Exception as exc:
-                raise unexpected_failure(url, exc) from exc
-        assert deadline.cancelled_caught
-        raise AttemptFailed(
-            "first_byte_timeout",
-            f"{url} sent no response headers within {first_byte_s:g}s",
-            fault=True,
-        )
+        try:
+            return await self._request.__aenter__()
+        except UpstreamHeadTimeout:
+            raise AttemptFailed(
+                "first_byte_timeout",
+                f"{url} sent no response headers within {self._timeouts.first_byte_s:g}s",
+                fault=True,
+            ) from None
+        except UpstreamConnectTimeout as exc:
+            raise AttemptFailed("connect_timeout", str(exc), fault=True) from None
+        except UpstreamConnectError as exc:
+            # The pool's message already names the URL.
+            raise AttemptFailed("connect_error", str(exc), fault=True) from None
+        except UpstreamError as exc:
+            raise AttemptFailed(
+                "transport_error", f"{url} broke the connection: {exc}", fault=True
+            ) from None
+        except LocalShortage as exc:
+            # The router's own trouble: no verdict on the worker, no other worker tried (it
+            # would meet the same shortage).
+            raise RouterOverloaded(str(exc), exc.kind) from None
+        except Exception as exc:
+            raise unexpected_failure(url, exc) from exc
 
     async def __aexit__(
         self,

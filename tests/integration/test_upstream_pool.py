@@ -19,6 +19,7 @@ from router.http.upstream.connection import UpstreamConnectTimeout
 from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
+    UpstreamHeadTimeout,
     UpstreamProtocolError,
 )
 from router.http.upstream.pool import PoolSettings, UpstreamPool, open_upstream_pool
@@ -658,3 +659,44 @@ async def test_a_head_over_the_bound_in_many_reads_is_refused() -> None:
                 async with pool.request(upstream.url, "GET", "/", [], b""):
                     pytest.fail("no response expected")
             assert pool.statistics().closed == 1
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+async def test_a_head_not_there_by_its_deadline_times_out_and_closes_the_connection(
+    pooled: bool,
+) -> None:
+    """The response head's deadline, on a pooled connection (the pool's timer closes it)
+    and on a fresh one (a cancel scope around connect and exchange): UpstreamHeadTimeout at
+    the deadline, the connection closed, its slot free, the worker asked once."""
+    answered = 0
+
+    async def first_then_silence(exchange: Exchange) -> None:
+        nonlocal answered
+        if answered == 0 and pooled:
+            answered += 1
+            await ok(exchange)
+            return
+        await trio.sleep_forever()
+
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_raw_upstream(first_then_silence) as upstream,
+            open_upstream_pool(PoolSettings(max_connections_per_worker=1)) as pool,
+        ):
+            if pooled:
+                await get(pool, upstream)
+            started = trio.current_time()
+            with pytest.raises(UpstreamHeadTimeout):
+                async with pool.request(
+                    upstream.url, "POST", "/", [], b"{}", head_deadline=started + 0.2
+                ):
+                    pytest.fail("no head came")
+            waited = trio.current_time() - started
+            assert 0.2 <= waited < 2.0, waited
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.in_use, stats.idle_total) == (1, 1, 0, 0)
+            assert pool.deadlines.pending <= 1
+            # Its slot is free: the next request connects at once (the cap is 1).
+            answered = 0
+            pooled = True
+            assert await get(pool, upstream) == b"2"

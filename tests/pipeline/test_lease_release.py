@@ -10,6 +10,7 @@ needs one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from router.fleet.breaker import (
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Fleet
 from router.http.server.messages import ClientDisconnected, Headers, Request
-from router.http.upstream.exceptions import UpstreamConnectError
+from router.http.upstream.exceptions import UpstreamConnectError, UpstreamHeadTimeout
 from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.attempt import Lease
@@ -72,9 +73,14 @@ class Pool:
         body: bytes,
         *,
         connect_timeout_s: float | None = None,
+        head_deadline: float = math.inf,
     ) -> AsyncIterator[ScriptedResponse]:
         self.bodies.append((base_url, body))
-        await trio.sleep(1.0)  # the worker's simulated work, in virtual time (autojump clock)
+        # The head is due by its deadline, as the real pool keeps it.
+        with trio.move_on_after(max(0.0, head_deadline - trio.current_time())) as head:
+            await trio.sleep(1.0)  # the worker's simulated work, in virtual time (autojump clock)
+        if head.cancelled_caught:
+            raise UpstreamHeadTimeout("no response head by the deadline")
         status = self.behaviour[base_url]
         if status == "refuse":
             raise UpstreamConnectError(f"cannot connect to {base_url}: refused")

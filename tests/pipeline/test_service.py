@@ -9,6 +9,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,7 @@ from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Fleet, Worker
 from router.http.server.messages import Headers, Request
-from router.http.upstream.exceptions import UpstreamConnectError
+from router.http.upstream.exceptions import UpstreamConnectError, UpstreamHeadTimeout
 from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.service import GenerationService
@@ -64,11 +65,16 @@ class ScriptedPool:
         body: bytes,
         *,
         connect_timeout_s: float | None = None,
+        head_deadline: float = math.inf,
     ) -> AsyncIterator[ScriptedResponse]:
         self.dispatched.append((base_url, trio.current_time()))
         self.headers.append(headers)
         script = self.scripts[base_url]
-        await trio.sleep(script.latency_s)
+        # The head is due by its deadline, as the real pool keeps it.
+        with trio.move_on_after(max(0.0, head_deadline - trio.current_time())) as head:
+            await trio.sleep(script.latency_s)
+        if head.cancelled_caught:
+            raise UpstreamHeadTimeout("no response head by the deadline")
         if script.status == "refuse":
             raise UpstreamConnectError(f"cannot connect to {base_url}: refused")
         status = int(script.status)

@@ -19,8 +19,8 @@ import trio
 
 from router.http.direct_socket import DirectSocket
 from router.http.server.messages import Request
-from router.http.server.read_deadlines import ReadDeadlines
 from router.http.server.request_parser import RequestParser
+from router.http.wait_deadlines import WaitDeadlines
 
 __all__ = ["ConnectionReader", "Watch"]
 
@@ -77,7 +77,7 @@ class ConnectionReader:
         self,
         socket: DirectSocket,
         parser: RequestParser,
-        deadlines: ReadDeadlines | None = None,
+        deadlines: WaitDeadlines | None = None,
     ) -> None:
         self._socket = socket
         self._deadlines = deadlines
@@ -167,7 +167,7 @@ class ConnectionReader:
         """Wait until the reader gave the parser more bytes, or end-of-stream: True; False
         when `deadline` passed first, or `expire()` ended the wait.
 
-        The deadline is kept by the server's `ReadDeadlines`, not in a cancel scope (one
+        The deadline is kept by the server's `WaitDeadlines`, not in a cancel scope (one
         per wait cost a twentieth of a request). Raises BrokenResourceError when the client
         reset the connection. Cancellation (the connection's scope, the shutdown grace
         over) and time-outs: the reader's read stays pending; what it brings still goes to

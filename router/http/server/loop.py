@@ -32,11 +32,11 @@ from router.http.server.exceptions import (
 from router.http.server.listen import open_tcp_sockets
 from router.http.server.load import ServerLoad
 from router.http.server.messages import ClientDisconnected, Handler, Request
-from router.http.server.read_deadlines import ReadDeadlines
 from router.http.server.request_parser import RequestParser
 from router.http.server.request_reader import RequestReader
 from router.http.server.response_writer import ResponseWriter
 from router.http.server.settings import HttpDate, ServerSettings, encode_refusal
+from router.http.wait_deadlines import WaitDeadlines
 
 __all__ = ["ServerLoad", "ServerSettings", "serve_http"]
 
@@ -128,7 +128,7 @@ class _Server:
         self._next_capacity_warning = float("-inf")
         self.date = HttpDate()
         # The time-outs of every connection's waits for its client (run by `serve_http`).
-        self.deadlines = ReadDeadlines()
+        self.deadlines = WaitDeadlines()
 
     async def accept_loop(self, listener: BatchListener, nursery: trio.Nursery) -> None:
         """Accept until the listener closes; each connection becomes a task in `nursery`.

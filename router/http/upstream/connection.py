@@ -23,11 +23,13 @@ from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamHeadTimeout,
     UpstreamProtocolError,
     local_errno_kind,
 )
 from router.http.upstream.parser import UpstreamParser, header_tokens
 from router.http.upstream.request_encoding import encode_request
+from router.http.wait_deadlines import WaitDeadlines
 
 __all__ = [
     "UpstreamConnectError",
@@ -75,6 +77,9 @@ class UpstreamConnection:
         "_socket",
         "idle_since",
         "response_started",
+        "timed_out",
+        "wait_deadline",
+        "wait_number",
     )
 
     def __init__(self, stream: trio.SocketStream) -> None:
@@ -92,59 +97,97 @@ class UpstreamConnection:
         self._keep_alive = False
         self.idle_since = 0.0
         self.response_started = False
+        # The head's deadline, as `WaitDeadlines` reads it: `expire` closes the connection.
+        self.timed_out = False
+        self.wait_deadline = math.inf
+        self.wait_number = 0
 
     async def exchange(
-        self, request: bytes, *, bodyless: bool = False
+        self,
+        request: bytes,
+        *,
+        bodyless: bool = False,
+        deadline: float = math.inf,
+        deadlines: WaitDeadlines | None = None,
     ) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Sends one encoded request and waits for the final response head (1xx are skipped).
 
         Returns the status and the headers (names lower-case). `bodyless` says the request
-        was HEAD: its response has no body whatever the head says.
+        was HEAD: its response has no body whatever the head says. With `deadlines`, the
+        head is due by `deadline`: past it the timer closes the connection and this raises
+        `UpstreamHeadTimeout` (a time-out with no cancel scope: see
+        `router.http.wait_deadlines`).
         Raises `UpstreamProtocolError` with `response_started` telling whether any response
         byte arrived. Cancellation: the connection is left mid-exchange; the caller must
         close it.
         """
         self.response_started = False
         self._framing = _BROKEN
+        timed = deadlines is not None and deadline != math.inf
+        if timed:
+            assert deadlines is not None
+            self.wait_number += 1
+            self.wait_deadline = deadline
+            deadlines.waiting(self)
         try:
-            # One write: with TCP_NODELAY, separate writes would be separate packets.
-            await self._socket.send_all(request)
-            interim = 0
-            while True:
-                end = self._buffer.find(b"\r\n\r\n", self._position)
-                if end < 0 and self._position == len(self._buffer):
-                    # The common case: the whole head arrives in the first read.
-                    if not await self._receive():
-                        raise self._closed_before_head()
-                    end = self._buffer.find(b"\r\n\r\n", self._position)
-                if end < 0:
-                    end = await self._receive_split_head()
-                if end - self._position > _MAX_HEAD_BYTES:
-                    raise UpstreamProtocolError(
-                        f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
-                        response_started=True,
-                    )
-                head = self._buffer[self._position : end + 4]
-                self._position = end + 4
-                parser = UpstreamParser()
-                status, headers, keep_alive = parser.parse_head(head)
-                if status >= 200:
-                    break
-                if status == 101:
-                    raise UpstreamProtocolError(
-                        "upstream switched protocols unasked", response_started=True
-                    )
-                interim += 1
-                if interim > _MAX_INTERIM_RESPONSES:
-                    raise UpstreamProtocolError(
-                        f"upstream sent more than {_MAX_INTERIM_RESPONSES} interim (1xx) responses",
-                        response_started=True,
-                    )
+            return await self._exchange(request, bodyless)
         except _TRANSPORT_ERRORS as exc:
+            if self.timed_out:
+                raise UpstreamHeadTimeout(
+                    "no response head by the deadline", response_started=self.response_started
+                ) from None
             raise UpstreamProtocolError(
                 _describe(exc, "before the response head"),
                 response_started=self.response_started,
             ) from exc
+        finally:
+            if timed:
+                assert deadlines is not None
+                self.wait_deadline = math.inf
+                deadlines.done(self)
+
+    def expire(self) -> None:
+        """The head's deadline passed: close the connection, waking the exchange."""
+        self.timed_out = True
+        self._socket.close()
+
+    async def _exchange(
+        self, request: bytes, bodyless: bool
+    ) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """`exchange` without its error translation and deadline."""
+        # One write: with TCP_NODELAY, separate writes would be separate packets.
+        await self._socket.send_all(request)
+        interim = 0
+        while True:
+            end = self._buffer.find(b"\r\n\r\n", self._position)
+            if end < 0 and self._position == len(self._buffer):
+                # The common case: the whole head arrives in the first read.
+                if not await self._receive():
+                    raise self._closed_before_head()
+                end = self._buffer.find(b"\r\n\r\n", self._position)
+            if end < 0:
+                end = await self._receive_split_head()
+            if end - self._position > _MAX_HEAD_BYTES:
+                raise UpstreamProtocolError(
+                    f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
+                    response_started=True,
+                )
+            head = self._buffer[self._position : end + 4]
+            self._position = end + 4
+            parser = UpstreamParser()
+            status, headers, keep_alive = parser.parse_head(head)
+            if status >= 200:
+                break
+            if status == 101:
+                raise UpstreamProtocolError(
+                    "upstream switched protocols unasked", response_started=True
+                )
+            interim += 1
+            if interim > _MAX_INTERIM_RESPONSES:
+                raise UpstreamProtocolError(
+                    f"upstream sent more than {_MAX_INTERIM_RESPONSES} interim (1xx) responses",
+                    response_started=True,
+                )
         self._keep_alive = keep_alive
         self._start_body(status, headers, bodyless, parser)
         return status, headers

@@ -10,6 +10,7 @@ __all__ = [
     "LocalShortage",
     "UpstreamConnectError",
     "UpstreamError",
+    "UpstreamHeadTimeout",
     "UpstreamProtocolError",
     "local_errno_kind",
 ]
@@ -33,6 +34,10 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     """The connection broke or the answer was not valid HTTP/1.1: reset, early EOF, garbage."""
+
+
+class UpstreamHeadTimeout(UpstreamError):
+    """No response head by the caller's deadline; the connection was closed."""
 
 
 LOCAL_ERRNO_KINDS: dict[int, str] = {

@@ -46,10 +46,12 @@ from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamHeadTimeout,
     UpstreamProtocolError,
 )
 from router.http.upstream.request_encoding import encode_request
 from router.http.upstream.worker_url import parse_worker_url
+from router.http.wait_deadlines import WaitDeadlines
 
 __all__ = [
     "LocalShortage",
@@ -59,6 +61,7 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamConnectTimeout",
     "UpstreamError",
+    "UpstreamHeadTimeout",
     "UpstreamPool",
     "UpstreamProtocolError",
     "UpstreamResponse",
@@ -135,6 +138,7 @@ class PooledRequest:
         "connect_timeout_s",
         "connection",
         "endpoint",
+        "head_deadline",
         "headers",
         "method",
         "target",
@@ -149,6 +153,7 @@ class PooledRequest:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         connect_timeout_s: float | None,
+        head_deadline: float,
     ) -> None:
         self._pool = pool
         self.base_url = base_url
@@ -157,6 +162,7 @@ class PooledRequest:
         self.headers = headers
         self.body = body
         self.connect_timeout_s = connect_timeout_s
+        self.head_deadline = head_deadline
         self.endpoint: _Endpoint | None = None
         self.connection: UpstreamConnection | None = None
 
@@ -178,8 +184,9 @@ class PooledRequest:
 class UpstreamPool:
     """Idle HTTP/1.1 connections per worker, checked out and returned in O(1).
 
-    The pool sets no timeouts: callers wrap requests in `trio.move_on_after` /
-    `fail_after`, and a cancellation anywhere closes the connection it hit.
+    The pool keeps one deadline, the response head's, when a request gives one (its own
+    timer's on pooled connections); any other timeout is the caller's (`trio.move_on_after`
+    / `fail_after`), and a cancellation anywhere closes the connection it hit.
     """
 
     def __init__(self, settings: PoolSettings = DEFAULT_POOL_SETTINGS) -> None:
@@ -196,6 +203,8 @@ class UpstreamPool:
         self._reused = 0
         self._stale_discarded = 0
         self._local_errors: dict[str, int] = {}
+        # The head deadlines of exchanges on pooled connections (run by `open_upstream_pool`).
+        self.deadlines = WaitDeadlines()
 
     def request(
         self,
@@ -206,6 +215,7 @@ class UpstreamPool:
         body: bytes,
         *,
         connect_timeout_s: float | None = None,
+        head_deadline: float = math.inf,
     ) -> PooledRequest:
         """An async context manager that sends one request to `base_url` and gives the
         response once its head arrived.
@@ -219,13 +229,19 @@ class UpstreamPool:
         `connect_timeout_s` bounds opening a new connection (past it,
         `UpstreamConnectTimeout`), and separately the wait for a connection when the worker
         is at its connection cap (past it, `LocalShortage`). Any deadline on the whole
-        exchange stays the caller's.
+        exchange stays the caller's, but for `head_deadline`, by which the response head
+        must have arrived (connecting or waiting at the cap included): past it,
+        `UpstreamHeadTimeout`, the connection closed. On a pooled connection the deadline is
+        the pool's timer's (`router.http.wait_deadlines`: no cancel scope per request);
+        when the request must wait or connect first, or no timer runs, a cancel scope's.
         Raises `UpstreamConnectError` / `UpstreamProtocolError`, `LocalShortage` (the
         router's own trouble, not the worker's), and ValueError for a URL or request
         HTTP/1.1 cannot carry (before any connection is touched).
         Cancellation: the connection in use is closed, the pool stays consistent.
         """
-        return PooledRequest(self, base_url, method, target, headers, body, connect_timeout_s)
+        return PooledRequest(
+            self, base_url, method, target, headers, body, connect_timeout_s, head_deadline
+        )
 
     async def _open(self, request: PooledRequest) -> UpstreamResponse:
         """`PooledRequest.__aenter__`: checkout (or connect) and the exchange up to the head."""
@@ -245,7 +261,11 @@ class UpstreamPool:
             request.body,
         )
         connection, status, response_headers = await self._start(
-            endpoint, data, request.method == "HEAD", request.connect_timeout_s
+            endpoint,
+            data,
+            request.method == "HEAD",
+            request.connect_timeout_s,
+            request.head_deadline,
         )
         self._in_use += 1
         request.endpoint = endpoint
@@ -267,28 +287,57 @@ class UpstreamPool:
             self._close(endpoint, connection)
 
     async def _start(
-        self, endpoint: _Endpoint, data: bytes, bodyless: bool, connect_timeout_s: float | None
+        self,
+        endpoint: _Endpoint,
+        data: bytes,
+        bodyless: bool,
+        connect_timeout_s: float | None,
+        head_deadline: float,
     ) -> tuple[UpstreamConnection, int, list[tuple[bytes, bytes]]]:
         """Runs the exchange up to the response head on a pooled or a fresh connection.
 
         The request is written once. Cancellation: the connection in use is closed.
         """
-        connection = await self._checkout(endpoint, connect_timeout_s)
+        connection = self._take_idle(endpoint)
+        if connection is not None and (head_deadline == math.inf or self.deadlines.serving):
+            # The common case: a pooled connection, its deadline kept by the pool's timer.
+            return await self._exchange(endpoint, connection, data, bodyless, head_deadline)
+        with trio.CancelScope(deadline=head_deadline) as scope:
+            if connection is None:
+                connection = await self._checkout_new(endpoint, connect_timeout_s)
+            return await self._exchange(endpoint, connection, data, bodyless, math.inf)
+        assert scope.cancelled_caught
+        raise UpstreamHeadTimeout(
+            f"no response head from {endpoint.base_url} by the deadline (connecting or waiting "
+            "for a connection)"
+        )
+
+    async def _exchange(
+        self,
+        endpoint: _Endpoint,
+        connection: UpstreamConnection,
+        data: bytes,
+        bodyless: bool,
+        head_deadline: float,
+    ) -> tuple[UpstreamConnection, int, list[tuple[bytes, bytes]]]:
         try:
-            return connection, *await connection.exchange(data, bodyless=bodyless)
+            status, headers = await connection.exchange(
+                data, bodyless=bodyless, deadline=head_deadline, deadlines=self.deadlines
+            )
         except BaseException:
             self._close(endpoint, connection)
             raise
+        return connection, status, headers
 
-    async def _checkout(self, endpoint: _Endpoint, timeout_s: float | None) -> UpstreamConnection:
-        """A live idle connection, else a new one, else (at the cap) one handed over in turn.
+    async def _checkout_new(
+        self, endpoint: _Endpoint, timeout_s: float | None
+    ) -> UpstreamConnection:
+        """With no live idle connection: a new one, else (at the cap) one handed over in
+        turn.
 
         Cancellation: nothing is left taken; a slot or connection handed over meanwhile
         goes to the next in line.
         """
-        connection = self._take_idle(endpoint)
-        if connection is not None:
-            return connection
         slots = endpoint.slots
         if not slots.try_take():
             wait_s = math.inf if timeout_s is None else timeout_s
@@ -439,6 +488,7 @@ async def open_upstream_pool(
     pool = UpstreamPool(settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.serve_sweeper)
+        await nursery.start(pool.deadlines.serve)
         try:
             yield pool
         finally:

@@ -9,7 +9,7 @@ import math
 import trio
 import trio.testing
 
-from router.http.server.read_deadlines import ReadDeadlines
+from router.http.wait_deadlines import WaitDeadlines
 
 
 class FakeWaiter:
@@ -20,12 +20,12 @@ class FakeWaiter:
         self.wait_number = 0
         self.expired: list[float] = []
 
-    def begin(self, deadlines: ReadDeadlines, deadline: float) -> None:
+    def begin(self, deadlines: WaitDeadlines, deadline: float) -> None:
         self.wait_number += 1
         self.wait_deadline = deadline
         deadlines.waiting(self)
 
-    def end(self, deadlines: ReadDeadlines) -> None:
+    def end(self, deadlines: WaitDeadlines) -> None:
         self.wait_deadline = math.inf
         deadlines.done(self)
 
@@ -37,7 +37,7 @@ class FakeWaiter:
 async def test_each_wait_ends_exactly_at_its_deadline_an_earlier_one_too(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    deadlines = ReadDeadlines()
+    deadlines = WaitDeadlines()
     late, early = FakeWaiter(), FakeWaiter()
     async with trio.open_nursery() as nursery:
         await nursery.start(deadlines.serve)
@@ -55,7 +55,7 @@ async def test_each_wait_ends_exactly_at_its_deadline_an_earlier_one_too(
 async def test_a_wait_that_ended_is_never_expired_and_its_next_wait_counts_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    deadlines = ReadDeadlines()
+    deadlines = WaitDeadlines()
     waiter = FakeWaiter()
     async with trio.open_nursery() as nursery:
         await nursery.start(deadlines.serve)
@@ -70,7 +70,7 @@ async def test_a_wait_that_ended_is_never_expired_and_its_next_wait_counts_alone
 
 
 async def test_entries_stay_bounded_by_the_waits_pending() -> None:
-    deadlines = ReadDeadlines()
+    deadlines = WaitDeadlines()
     idle = [FakeWaiter() for _ in range(10)]
     for waiter in idle:
         waiter.begin(deadlines, 1000.0)  # pending throughout
@@ -83,6 +83,6 @@ async def test_entries_stay_bounded_by_the_waits_pending() -> None:
 
 
 def test_a_wait_without_a_deadline_takes_no_entry() -> None:
-    deadlines = ReadDeadlines()
+    deadlines = WaitDeadlines()
     FakeWaiter().begin(deadlines, math.inf)
     assert deadlines.pending == 0

@@ -1,13 +1,14 @@
-"""One timer for every connection's wait for a client's bytes.
+"""One timer for many waits on sockets: each wait registers its deadline, one task ends
+the waits whose deadline passed.
 
-A connection waits for its client between requests (the keep-alive idle timeout, then the
-header timeout once a first byte came), and for a body that did not come with its head (the
-body timeout). Each wait in a trio cancel scope of its own cost about a twentieth of a
-proxied request's instructions (docs/performance.md, "The lean path (issue 43), second
-round"). The wait is the connection's own (`ConnectionReader.receive`, a task parked until
-its reader task brings bytes), so a deadline needs no scope: each wait registers its
-deadline here, and one task per server wakes at the earliest one and tells every reader
-whose deadline passed that it did (`ConnectionReader.expire`).
+A trio cancel scope per wait cost about a sixteenth of a proxied request's instructions
+(docs/performance.md, "The lean path (issue 43), second round"), and a request waited in
+two: for its client's next bytes (the keep-alive idle, header and body time-outs), and for
+its worker's response head (the first-byte deadline). Neither wait needs a scope: the
+client's is the connection's own parked task (`ConnectionReader`, which `expire` wakes
+with a time-out), and a worker's is given up with its connection (`UpstreamConnection`,
+which `expire` closes, waking whatever waits on its socket). The server runs one timer for
+its connections, the upstream pool one for its own.
 
 Registrations are kept in a heap; a wait that ends before its deadline leaves its entry to
 be dropped when it reaches the top, and the heap is rebuilt from the waits still pending
@@ -23,13 +24,13 @@ from typing import Protocol
 
 import trio
 
-__all__ = ["ReadDeadlines"]
+__all__ = ["WaitDeadlines", "Waiter"]
 
 _SLACK_ENTRIES = 64
 
 
 class Waiter(Protocol):
-    """A connection's reader as the timer sees it."""
+    """A wait as the timer sees it."""
 
     @property
     def wait_deadline(self) -> float:
@@ -46,10 +47,10 @@ class Waiter(Protocol):
         ...
 
 
-class ReadDeadlines:
-    """The deadlines of every pending wait of one server's connections."""
+class WaitDeadlines:
+    """The deadlines of every pending wait of one owner (a server, a pool)."""
 
-    __slots__ = ("_entries", "_live", "_serial", "_sleep")
+    __slots__ = ("_entries", "_live", "_serial", "_serving", "_sleep")
 
     def __init__(self) -> None:
         # (deadline, serial, waiter, its wait number): the serial keeps ties off the waiters.
@@ -58,6 +59,7 @@ class ReadDeadlines:
         self._live: set[Waiter] = set()
         """Waiters with a wait pending now (what a rebuild keeps)."""
         self._sleep: trio.CancelScope | None = None
+        self._serving = False
 
     def waiting(self, waiter: Waiter) -> None:
         """`waiter` began a wait until its `wait_deadline`."""
@@ -79,15 +81,21 @@ class ReadDeadlines:
         self._live.discard(waiter)
 
     @property
+    def serving(self) -> bool:
+        """Whether `serve` runs: only then does a deadline end a wait."""
+        return self._serving
+
+    @property
     def pending(self) -> int:
         """Entries held (for tests: the bound holds)."""
         return len(self._entries)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Expire every wait at its deadline, for as long as this runs (the server's life).
+        """Expire every wait at its deadline, for as long as this runs (its owner's life).
 
         Cancellation: stops at once; pending waits keep waiting, without a deadline.
         """
+        self._serving = True
         task_status.started()
         try:
             while True:
@@ -95,6 +103,7 @@ class ReadDeadlines:
                     self._sleep = sleep
                     await trio.sleep_forever()
         finally:
+            self._serving = False
             self._sleep = None
 
     def _expire_due(self, now: float) -> float:
