@@ -24,7 +24,7 @@ from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
     UpstreamError,
-    UpstreamHeadTimeout,
+    UpstreamTimeout,
 )
 from router.http.upstream.pool import PooledRequest, UpstreamPool
 from router.pipeline.relay import EventCutter
@@ -168,7 +168,7 @@ class UpstreamAttempt:
         url = self._url
         try:
             return await self._request.__aenter__()
-        except UpstreamHeadTimeout:
+        except UpstreamTimeout:
             raise AttemptFailed(
                 "first_byte_timeout",
                 f"{url} sent no response headers within {self._timeouts.first_byte_s:g}s",
@@ -269,18 +269,18 @@ def adapter_missing(answer: Answer, url: str, adapter: str) -> AttemptFailed:
 async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float) -> bytes:
     """The first body bytes of a 200 stream; nothing has reached the client yet."""
     try:
-        with trio.move_on_after(idle_s) as idle:
-            chunk = await response.receive_some()
+        # The deadline is the pool's timer's: no cancel scope per stream.
+        chunk = await response.receive_some(trio.current_time() + idle_s)
+    except UpstreamTimeout:
+        raise AttemptFailed(
+            "first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True
+        ) from None
     except UpstreamError as exc:
         raise AttemptFailed(
             "transport_error", f"{url} broke the stream before its first event: {exc}", fault=True
         ) from None
     except Exception as exc:
         raise unexpected_failure(url, exc) from exc
-    if idle.cancelled_caught:
-        raise AttemptFailed(
-            "first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True
-        )
     if not chunk:
         raise AttemptFailed(
             "empty_stream", f"{url} ended a 200 stream without any event", fault=True

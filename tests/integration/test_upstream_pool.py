@@ -19,8 +19,8 @@ from router.http.upstream.connection import UpstreamConnectTimeout
 from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
-    UpstreamHeadTimeout,
     UpstreamProtocolError,
+    UpstreamTimeout,
 )
 from router.http.upstream.pool import PoolSettings, UpstreamPool, open_upstream_pool
 from router.http.upstream.worker_url import InvalidWorkerUrl
@@ -666,7 +666,7 @@ async def test_a_head_not_there_by_its_deadline_times_out_and_closes_the_connect
     pooled: bool,
 ) -> None:
     """The response head's deadline, on a pooled connection (the pool's timer closes it)
-    and on a fresh one (a cancel scope around connect and exchange): UpstreamHeadTimeout at
+    and on a fresh one (a cancel scope around connect and exchange): UpstreamTimeout at
     the deadline, the connection closed, its slot free, the worker asked once."""
     answered = 0
 
@@ -686,7 +686,7 @@ async def test_a_head_not_there_by_its_deadline_times_out_and_closes_the_connect
             if pooled:
                 await get(pool, upstream)
             started = trio.current_time()
-            with pytest.raises(UpstreamHeadTimeout):
+            with pytest.raises(UpstreamTimeout):
                 async with pool.request(
                     upstream.url, "POST", "/", [], b"{}", head_deadline=started + 0.2
                 ):
@@ -700,3 +700,31 @@ async def test_a_head_not_there_by_its_deadline_times_out_and_closes_the_connect
             answered = 0
             pooled = True
             assert await get(pool, upstream) == b"2"
+
+
+@pytest.mark.parametrize("timer", [True, False])
+async def test_body_bytes_not_there_by_their_deadline_time_out_and_close_the_connection(
+    timer: bool,
+) -> None:
+    """A stream's head came, then nothing: the read's deadline, kept by the pool's timer
+    (a pool opened with its tasks) or by a cancel scope (a bare pool), ends it with
+    UpstreamTimeout at the deadline and the connection is not reused."""
+
+    async def head_then_silence(exchange: Exchange) -> None:
+        await exchange.start(200, [(b"transfer-encoding", b"chunked")])
+        await trio.sleep_forever()
+
+    with trio.fail_after(GUARD_S):
+        async with open_raw_upstream(head_then_silence) as upstream, AsyncExitStack() as stack:
+            if timer:
+                pool = await stack.enter_async_context(open_upstream_pool())
+            else:
+                pool = UpstreamPool()
+            async with pool.request(upstream.url, "POST", "/", [], b"{}") as response:
+                started = trio.current_time()
+                with pytest.raises(UpstreamTimeout):
+                    await response.receive_some(started + 0.2)
+                waited = trio.current_time() - started
+            assert 0.2 <= waited < 2.0, waited
+            stats = pool.statistics()
+            assert (stats.opened, stats.closed, stats.in_use, stats.idle_total) == (1, 1, 0, 0)

@@ -34,7 +34,7 @@ from router.fleet.breaker import (
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Fleet
 from router.http.server.messages import ClientDisconnected, Headers, Request
-from router.http.upstream.exceptions import UpstreamConnectError, UpstreamHeadTimeout
+from router.http.upstream.exceptions import UpstreamConnectError, UpstreamTimeout
 from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.attempt import Lease
@@ -80,7 +80,7 @@ class Pool:
         with trio.move_on_after(max(0.0, head_deadline - trio.current_time())) as head:
             await trio.sleep(1.0)  # the worker's simulated work, in virtual time (autojump clock)
         if head.cancelled_caught:
-            raise UpstreamHeadTimeout("no response head by the deadline")
+            raise UpstreamTimeout("no response head by the deadline")
         status = self.behaviour[base_url]
         if status == "refuse":
             raise UpstreamConnectError(f"cannot connect to {base_url}: refused")

@@ -26,7 +26,7 @@ from router.fleet.breaker import BreakerSettings, BreakerState, make_breaker
 from router.fleet.records import Role, WorkerRecord
 from router.fleet.registry import Fleet, Worker
 from router.http.server.messages import Headers, Request
-from router.http.upstream.exceptions import UpstreamConnectError, UpstreamHeadTimeout
+from router.http.upstream.exceptions import UpstreamConnectError, UpstreamTimeout
 from router.http.upstream.pool import UpstreamPool
 from router.observability.metrics import RouterMetrics
 from router.pipeline.service import GenerationService
@@ -74,7 +74,7 @@ class ScriptedPool:
         with trio.move_on_after(max(0.0, head_deadline - trio.current_time())) as head:
             await trio.sleep(script.latency_s)
         if head.cancelled_caught:
-            raise UpstreamHeadTimeout("no response head by the deadline")
+            raise UpstreamTimeout("no response head by the deadline")
         if script.status == "refuse":
             raise UpstreamConnectError(f"cannot connect to {base_url}: refused")
         status = int(script.status)

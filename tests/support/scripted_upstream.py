@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import trio
 
 
@@ -17,7 +19,7 @@ class ScriptedResponse:
         """The body never came with the head here: it is read with `receive_some`."""
         return None
 
-    async def receive_some(self) -> bytes:
+    async def receive_some(self, deadline: float = math.inf) -> bytes:
         await trio.lowlevel.checkpoint()
         body, self._body = self._body, b""
         return body

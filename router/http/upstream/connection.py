@@ -23,8 +23,8 @@ from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
     UpstreamError,
-    UpstreamHeadTimeout,
     UpstreamProtocolError,
+    UpstreamTimeout,
     local_errno_kind,
 )
 from router.http.upstream.parser import UpstreamParser, header_tokens
@@ -69,6 +69,7 @@ class UpstreamConnection:
 
     __slots__ = (
         "_buffer",
+        "_deadlines",
         "_framing",
         "_keep_alive",
         "_left",
@@ -101,6 +102,7 @@ class UpstreamConnection:
         self.timed_out = False
         self.wait_deadline = math.inf
         self.wait_number = 0
+        self._deadlines: WaitDeadlines | None = None
 
     async def exchange(
         self,
@@ -115,7 +117,7 @@ class UpstreamConnection:
         Returns the status and the headers (names lower-case). `bodyless` says the request
         was HEAD: its response has no body whatever the head says. With `deadlines`, the
         head is due by `deadline`: past it the timer closes the connection and this raises
-        `UpstreamHeadTimeout` (a time-out with no cancel scope: see
+        `UpstreamTimeout` (a time-out with no cancel scope: see
         `router.http.wait_deadlines`).
         Raises `UpstreamProtocolError` with `response_started` telling whether any response
         byte arrived. Cancellation: the connection is left mid-exchange; the caller must
@@ -123,6 +125,7 @@ class UpstreamConnection:
         """
         self.response_started = False
         self._framing = _BROKEN
+        self._deadlines = deadlines
         timed = deadlines is not None and deadline != math.inf
         if timed:
             assert deadlines is not None
@@ -133,7 +136,7 @@ class UpstreamConnection:
             return await self._exchange(request, bodyless)
         except _TRANSPORT_ERRORS as exc:
             if self.timed_out:
-                raise UpstreamHeadTimeout(
+                raise UpstreamTimeout(
                     "no response head by the deadline", response_started=self.response_started
                 ) from None
             raise UpstreamProtocolError(
@@ -279,14 +282,39 @@ class UpstreamConnection:
             self._keep_alive = False
             self._framing = _UNTIL_EOF
 
-    async def receive_data(self) -> bytes:
+    async def receive_data(self, deadline: float = math.inf) -> bytes:
         """Returns the next body bytes as they arrive, b"" once the body has ended.
 
         Bytes of several chunks already received come back together. Raises
         `UpstreamProtocolError` (response_started=True) on reset, early EOF or a malformed
-        body, and again on every later call. Cancellation: the connection is left
-        mid-body; the caller must close it.
+        body, and again on every later call; `UpstreamTimeout` when no byte came by
+        `deadline` (kept by the timer the head's was, else by a cancel scope).
+        Cancellation: the connection is left mid-body; the caller must close it.
         """
+        if deadline == math.inf:
+            return await self._receive_data()
+        deadlines = self._deadlines
+        if deadlines is None or not deadlines.serving:
+            with trio.CancelScope(deadline=deadline):
+                return await self._receive_data()
+            self._framing = _BROKEN
+            raise UpstreamTimeout("no body bytes by the deadline", response_started=True)
+        self.wait_number += 1
+        self.wait_deadline = deadline
+        deadlines.waiting(self)
+        try:
+            return await self._receive_data()
+        except UpstreamProtocolError:
+            if self.timed_out:
+                raise UpstreamTimeout(
+                    "no body bytes by the deadline", response_started=True
+                ) from None
+            raise
+        finally:
+            self.wait_deadline = math.inf
+            deadlines.done(self)
+
+    async def _receive_data(self) -> bytes:
         framing = self._framing
         if framing == _ENDED:
             return b""
@@ -457,13 +485,14 @@ class UpstreamResponse:
         self.status = status
         self.headers = headers
 
-    async def receive_some(self) -> bytes:
+    async def receive_some(self, deadline: float = math.inf) -> bytes:
         """The next body bytes as they arrive; b"" once the body has ended.
 
-        Raises `UpstreamProtocolError` (response_started=True) when the body breaks off.
-        Cancellation: the request's context manager closes the connection.
+        Raises `UpstreamProtocolError` (response_started=True) when the body breaks off,
+        `UpstreamTimeout` when nothing came by `deadline`. Cancellation: the request's
+        context manager closes the connection.
         """
-        return await self._connection.receive_data()
+        return await self._connection.receive_data(deadline)
 
     def body_ended(self) -> bool:
         """Whether the body has ended with the bytes handed out so far: the next

@@ -10,8 +10,8 @@ __all__ = [
     "LocalShortage",
     "UpstreamConnectError",
     "UpstreamError",
-    "UpstreamHeadTimeout",
     "UpstreamProtocolError",
+    "UpstreamTimeout",
     "local_errno_kind",
 ]
 
@@ -36,8 +36,9 @@ class UpstreamProtocolError(UpstreamError):
     """The connection broke or the answer was not valid HTTP/1.1: reset, early EOF, garbage."""
 
 
-class UpstreamHeadTimeout(UpstreamError):
-    """No response head by the caller's deadline; the connection was closed."""
+class UpstreamTimeout(UpstreamError):
+    """What the caller waited for (the response head, body bytes) did not come by its
+    deadline; the connection was closed."""
 
 
 LOCAL_ERRNO_KINDS: dict[int, str] = {

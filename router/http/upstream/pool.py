@@ -46,8 +46,8 @@ from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
     UpstreamError,
-    UpstreamHeadTimeout,
     UpstreamProtocolError,
+    UpstreamTimeout,
 )
 from router.http.upstream.request_encoding import encode_request
 from router.http.upstream.worker_url import parse_worker_url
@@ -61,10 +61,10 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamConnectTimeout",
     "UpstreamError",
-    "UpstreamHeadTimeout",
     "UpstreamPool",
     "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamTimeout",
     "open_upstream_pool",
 ]
 
@@ -231,7 +231,7 @@ class UpstreamPool:
         is at its connection cap (past it, `LocalShortage`). Any deadline on the whole
         exchange stays the caller's, but for `head_deadline`, by which the response head
         must have arrived (connecting or waiting at the cap included): past it,
-        `UpstreamHeadTimeout`, the connection closed. On a pooled connection the deadline is
+        `UpstreamTimeout`, the connection closed. On a pooled connection the deadline is
         the pool's timer's (`router.http.wait_deadlines`: no cancel scope per request);
         when the request must wait or connect first, or no timer runs, a cancel scope's.
         Raises `UpstreamConnectError` / `UpstreamProtocolError`, `LocalShortage` (the
@@ -307,7 +307,7 @@ class UpstreamPool:
                 connection = await self._checkout_new(endpoint, connect_timeout_s)
             return await self._exchange(endpoint, connection, data, bodyless, math.inf)
         assert scope.cancelled_caught
-        raise UpstreamHeadTimeout(
+        raise UpstreamTimeout(
             f"no response head from {endpoint.base_url} by the deadline (connecting or waiting "
             "for a connection)"
         )
