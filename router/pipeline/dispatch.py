@@ -369,53 +369,52 @@ async def relay_stream(
     chunk = first
     error: tuple[str, str] | None = None
     tail = b""  # what the worker's end of the body left to write, with the answer's end
-    # The reads run in one scope that `stalls` cancels when the worker is silent too long
-    # (no trio deadline moved per event: see `router.pipeline.stall_watch`).
-    with trio.CancelScope() as reads:
-        watched = stalls.watch(reads)
-        try:
-            while True:
-                ready = cutter.feed(chunk)
-                if events is None and response.body_ended():
-                    # The body's end came with these bytes: they and the end leave together.
-                    tail = ready + cutter.flush()
+    # A worker silent too long: `stalls` closes its connection, which ends the read in
+    # progress (no deadline moved per event, no scope per stream: `router.pipeline.stall_watch`).
+    watched = stalls.watch(response.abandon)
+    try:
+        while True:
+            ready = cutter.feed(chunk)
+            if events is None and response.body_ended():
+                # The body's end came with these bytes: they and the end leave together.
+                tail = ready + cutter.flush()
+                break
+            if ready and events is not None:
+                try:
+                    ready = events.feed(ready)
+                except GarbledEvent as exc:
+                    error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
                     break
-                if ready and events is not None:
+            if ready or head is not None:
+                watched.waiting_since = math.inf
+                if head is not None:
+                    await writer.start(200, head, ready)
+                    head = None
+                else:
+                    await writer.write(ready)
+                watched.waiting_since = trio.current_time()
+            if events is not None and events.complete:
+                break
+            try:
+                chunk = await response.receive_some()
+            except UpstreamError:
+                error = (f"worker {url} broke the stream", "stream_interrupted")
+                break
+            if not chunk:
+                watched.waiting_since = math.inf
+                tail = cutter.flush()
+                if events is not None:
                     try:
-                        ready = events.feed(ready)
+                        tail = events.feed(tail) if tail else b""
                     except GarbledEvent as exc:
+                        tail = b""
                         error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
                         break
-                if ready or head is not None:
-                    watched.waiting_since = math.inf
-                    if head is not None:
-                        await writer.start(200, head, ready)
-                        head = None
-                    else:
-                        await writer.write(ready)
-                    watched.waiting_since = trio.current_time()
-                if events is not None and events.complete:
-                    break
-                try:
-                    chunk = await response.receive_some()
-                except UpstreamError:
-                    error = (f"worker {url} broke the stream", "stream_interrupted")
-                    break
-                if not chunk:
-                    watched.waiting_since = math.inf
-                    tail = cutter.flush()
-                    if events is not None:
-                        try:
-                            tail = events.feed(tail) if tail else b""
-                        except GarbledEvent as exc:
-                            tail = b""
-                            error = (f"worker {url} broke the stream: {exc}", "stream_interrupted")
-                            break
-                        if not events.complete:
-                            error = (f"worker {url} ended the stream early", "stream_interrupted")
-                    break
-        finally:
-            stalls.forget(watched)
+                    if not events.complete:
+                        error = (f"worker {url} ended the stream early", "stream_interrupted")
+                break
+    finally:
+        stalls.forget(watched)
     if watched.stalled:
         error = (f"worker {url} stalled for {stalls.idle_s:g}s mid-stream", "stream_idle_timeout")
     if head is not None:

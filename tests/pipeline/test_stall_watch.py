@@ -26,7 +26,7 @@ def test_a_relay_silent_for_idle_s_is_cancelled_at_that_moment() -> None:
         stalls = StallWatch(IDLE_S)
         start = trio.current_time()
         with trio.CancelScope() as scope:
-            watched = stalls.watch(scope)
+            watched = stalls.watch(scope.cancel)
             await trio.sleep_forever()
         assert scope.cancelled_caught and watched.stalled
         assert trio.current_time() - start == IDLE_S
@@ -39,7 +39,7 @@ def test_writing_to_the_client_is_never_silence() -> None:
     async def main() -> None:
         stalls = StallWatch(IDLE_S)
         with trio.CancelScope() as scope:
-            watched = stalls.watch(scope)
+            watched = stalls.watch(scope.cancel)
             watched.waiting_since = math.inf
             await trio.sleep(10 * IDLE_S)  # a slow client
             resumed = trio.current_time()
@@ -55,7 +55,7 @@ def test_events_closer_than_idle_s_keep_the_stream_alive() -> None:
     async def main() -> None:
         stalls = StallWatch(IDLE_S)
         with trio.CancelScope() as scope:
-            watched = stalls.watch(scope)
+            watched = stalls.watch(scope.cancel)
             for _ in range(50):
                 await trio.sleep(IDLE_S * 0.9)
                 watched.waiting_since = trio.current_time()
@@ -74,7 +74,7 @@ def test_each_stream_is_due_on_its_own_time() -> None:
         async def relay(index: int) -> None:
             await trio.sleep(index)
             with trio.CancelScope() as scope:
-                stalls.watch(scope)
+                stalls.watch(scope.cancel)
                 await trio.sleep_forever()
             ended[index] = trio.current_time() - start
 
@@ -91,8 +91,8 @@ def test_the_timer_task_lives_only_while_streams_are_watched() -> None:
         stalls = StallWatch(IDLE_S)
         before = living_tasks()
         with trio.CancelScope() as scope:
-            first = stalls.watch(scope)
-            second = stalls.watch(scope)
+            first = stalls.watch(scope.cancel)
+            second = stalls.watch(scope.cancel)
             await trio.testing.wait_all_tasks_blocked()
             assert living_tasks() == before + 1
             stalls.forget(first)
@@ -103,7 +103,7 @@ def test_the_timer_task_lives_only_while_streams_are_watched() -> None:
         assert living_tasks() == before
         # And it starts again with the next stream.
         with trio.CancelScope() as scope:
-            stalls.watch(scope)
+            stalls.watch(scope.cancel)
             await trio.sleep_forever()
         assert scope.cancelled_caught
         await trio.testing.wait_all_tasks_blocked()
@@ -120,14 +120,14 @@ def test_served_for_the_router_lifetime_no_task_starts_per_stream() -> None:
             before = living_tasks()
             for _ in range(3):
                 with trio.CancelScope() as scope:
-                    entry = stalls.watch(scope)
+                    entry = stalls.watch(scope.cancel)
                     await trio.testing.wait_all_tasks_blocked()
                     assert living_tasks() == before
                     stalls.forget(entry)
             # Still the one timer for stalls: a silent stream ends at idle_s.
             start = trio.current_time()
             with trio.CancelScope() as scope:
-                watched = stalls.watch(scope)
+                watched = stalls.watch(scope.cancel)
                 await trio.sleep_forever()
             assert watched.stalled and trio.current_time() - start == IDLE_S
             assert living_tasks() == before

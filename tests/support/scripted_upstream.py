@@ -15,6 +15,10 @@ class ScriptedResponse:
         self.headers = [(b"content-type", b"application/json")]
         self._body = body
 
+    def abandon(self) -> None:
+        """A relay gives the answer up: nothing more comes."""
+        self._body = b""
+
     def take_whole_body(self) -> None:
         """The body never came with the head here: it is read with `receive_some`."""
         return None

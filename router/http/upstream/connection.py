@@ -499,6 +499,12 @@ class UpstreamResponse:
         `receive_some` returns b"" without waiting."""
         return self._connection.body_ended()
 
+    def abandon(self) -> None:
+        """Give the answer up now (no checkpoint): the connection closes, a
+        `receive_some` in progress or later raises `UpstreamProtocolError`, and the
+        connection never returns to the pool."""
+        self._connection.expire()
+
     def take_whole_body(self) -> bytes | None:
         """The whole body when it has already arrived (no wait, so no timeout to set);
         None when it has not, with nothing taken."""
