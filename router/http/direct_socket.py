@@ -17,6 +17,7 @@ reschedule after it, and every would-block receive in a raised and caught
 from __future__ import annotations
 
 import errno
+import select
 import socket
 
 import trio
@@ -34,7 +35,7 @@ class DirectSocket:
     not allowed (trio raises `BusyResourceError` when both would wait).
     """
 
-    __slots__ = ("_ops_without_wait", "_reads_wait", "sock")
+    __slots__ = ("_ops_without_wait", "_poll", "_reads_wait", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -44,6 +45,8 @@ class DirectSocket:
         # at its own pace (an answer being computed, events paced by token), so the next
         # receive waits for readiness first instead of trying a `recv` that would fail.
         self._reads_wait = False
+        # Made on the first `peer_is_silent` (a pooled connection's check at checkout).
+        self._poll: select.poll | None = None
 
     @classmethod
     def adopt(cls, stream: trio.SocketStream) -> DirectSocket:
@@ -113,19 +116,19 @@ class DirectSocket:
             raise _translate(exc) from exc
 
     def peer_is_silent(self) -> bool:
-        """Whether the peer has neither sent a byte nor closed: one non-blocking peek, no
-        checkpoint, nothing consumed.
+        """Whether the peer has neither sent a byte nor closed: one `poll` that does not
+        wait, no checkpoint, nothing consumed.
 
         False when it closed (EOF), reset, or has bytes waiting: an idle connection in any
         of those states must not carry a request (urllib3 and httpcore check the same).
+        A `poll`, not a peeking `recv`: the silent case, the common one, then raises no
+        `BlockingIOError` (0.26 against 0.70 us here).
         """
-        try:
-            self.sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return False
+        poll = self._poll
+        if poll is None:
+            poll = self._poll = select.poll()
+            poll.register(self.sock, select.POLLIN)
+        return not poll.poll(0)
 
     async def send_eof(self) -> None:
         """Half-closes the sending side (idempotent). A checkpoint."""
