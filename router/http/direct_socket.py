@@ -66,7 +66,14 @@ class DirectSocket:
         to wait may be cut off part-way, leaving the connection unusable.
         """
         sock = self.sock
-        await self._pass_checkpoint()
+        # The checkpoint (see the module's docstring), inline: no coroutine of its own.
+        ops = self._ops_without_wait + 1
+        if ops < _OPS_BETWEEN_YIELDS:
+            self._ops_without_wait = ops
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            self._ops_without_wait = 0
+            await trio.lowlevel.checkpoint()
         try:
             try:
                 sent = sock.send(data)
@@ -96,7 +103,13 @@ class DirectSocket:
         Cancellation: no byte is consumed.
         """
         sock = self.sock
-        await self._pass_checkpoint()
+        ops = self._ops_without_wait + 1  # the checkpoint, as in `send_all`
+        if ops < _OPS_BETWEEN_YIELDS:
+            self._ops_without_wait = ops
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            self._ops_without_wait = 0
+            await trio.lowlevel.checkpoint()
         try:
             if not self._reads_wait:
                 try:
@@ -145,14 +158,6 @@ class DirectSocket:
         if self.sock.fileno() != -1:
             trio.lowlevel.notify_closing(self.sock)
             self.sock.close()
-
-    async def _pass_checkpoint(self) -> None:
-        self._ops_without_wait += 1
-        if self._ops_without_wait >= _OPS_BETWEEN_YIELDS:
-            self._ops_without_wait = 0
-            await trio.lowlevel.checkpoint()
-        else:
-            await trio.lowlevel.checkpoint_if_cancelled()
 
 
 class SendStalled(trio.BrokenResourceError):

@@ -133,7 +133,41 @@ class UpstreamConnection:
             self.wait_deadline = deadline
             deadlines.waiting(self)
         try:
-            return await self._exchange(request, bodyless)
+            # One write: with TCP_NODELAY, separate writes would be separate packets.
+            await self._socket.send_all(request)
+            interim = 0
+            while True:
+                end = self._buffer.find(b"\r\n\r\n", self._position)
+                if end < 0 and self._position == len(self._buffer):
+                    # The common case: the whole head arrives in the first read.
+                    if not await self._receive():
+                        raise self._closed_before_head()
+                    end = self._buffer.find(b"\r\n\r\n", self._position)
+                if end < 0:
+                    end = await self._receive_split_head()
+                if end - self._position > _MAX_HEAD_BYTES:
+                    raise UpstreamProtocolError(
+                        f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
+                        response_started=True,
+                    )
+                head = self._buffer[self._position : end + 4]
+                self._position = end + 4
+                parser = UpstreamParser()
+                status, headers, keep_alive = parser.parse_head(head)
+                if status >= 200:
+                    break
+                if status == 101:
+                    raise UpstreamProtocolError(
+                        "upstream switched protocols unasked", response_started=True
+                    )
+                interim += 1
+                if interim > _MAX_INTERIM_RESPONSES:
+                    raise UpstreamProtocolError(
+                        f"upstream sent more than {_MAX_INTERIM_RESPONSES} interim (1xx) responses",
+                        response_started=True,
+                    )
+            self._keep_alive = keep_alive
+            self._start_body(status, headers, bodyless, parser)
         except _TRANSPORT_ERRORS as exc:
             if self.timed_out:
                 raise UpstreamTimeout(
@@ -148,52 +182,12 @@ class UpstreamConnection:
                 assert deadlines is not None
                 self.wait_deadline = math.inf
                 deadlines.done(self)
+        return status, headers
 
     def expire(self) -> None:
         """The head's deadline passed: close the connection, waking the exchange."""
         self.timed_out = True
         self._socket.close()
-
-    async def _exchange(
-        self, request: bytes, bodyless: bool
-    ) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """`exchange` without its error translation and deadline."""
-        # One write: with TCP_NODELAY, separate writes would be separate packets.
-        await self._socket.send_all(request)
-        interim = 0
-        while True:
-            end = self._buffer.find(b"\r\n\r\n", self._position)
-            if end < 0 and self._position == len(self._buffer):
-                # The common case: the whole head arrives in the first read.
-                if not await self._receive():
-                    raise self._closed_before_head()
-                end = self._buffer.find(b"\r\n\r\n", self._position)
-            if end < 0:
-                end = await self._receive_split_head()
-            if end - self._position > _MAX_HEAD_BYTES:
-                raise UpstreamProtocolError(
-                    f"upstream response head exceeds {_MAX_HEAD_BYTES} bytes",
-                    response_started=True,
-                )
-            head = self._buffer[self._position : end + 4]
-            self._position = end + 4
-            parser = UpstreamParser()
-            status, headers, keep_alive = parser.parse_head(head)
-            if status >= 200:
-                break
-            if status == 101:
-                raise UpstreamProtocolError(
-                    "upstream switched protocols unasked", response_started=True
-                )
-            interim += 1
-            if interim > _MAX_INTERIM_RESPONSES:
-                raise UpstreamProtocolError(
-                    f"upstream sent more than {_MAX_INTERIM_RESPONSES} interim (1xx) responses",
-                    response_started=True,
-                )
-        self._keep_alive = keep_alive
-        self._start_body(status, headers, bodyless, parser)
-        return status, headers
 
     async def _receive_split_head(self) -> int:
         """Reads until a head that spans several reads is whole; returns where it ends.

@@ -301,33 +301,45 @@ class UpstreamPool:
         connection = self._take_idle(endpoint)
         if connection is not None and (head_deadline == math.inf or self.deadlines.serving):
             # The common case: a pooled connection, its deadline kept by the pool's timer.
-            return await self._exchange(endpoint, connection, data, bodyless, head_deadline)
+            try:
+                status, headers = await connection.exchange(
+                    data, bodyless=bodyless, deadline=head_deadline, deadlines=self.deadlines
+                )
+            except BaseException:
+                self._close(endpoint, connection)
+                raise
+            return connection, status, headers
+        return await self._start_slowly(
+            endpoint, connection, data, bodyless, connect_timeout_s, head_deadline
+        )
+
+    async def _start_slowly(
+        self,
+        endpoint: _Endpoint,
+        connection: UpstreamConnection | None,
+        data: bytes,
+        bodyless: bool,
+        connect_timeout_s: float | None,
+        head_deadline: float,
+    ) -> tuple[UpstreamConnection, int, list[tuple[bytes, bytes]]]:
+        """`_start` when it must connect or wait at the cap first (or no timer runs): the
+        whole of it under one cancel scope at the head's deadline."""
         with trio.CancelScope(deadline=head_deadline) as scope:
             if connection is None:
                 connection = await self._checkout_new(endpoint, connect_timeout_s)
-            return await self._exchange(endpoint, connection, data, bodyless, math.inf)
+            try:
+                status, headers = await connection.exchange(
+                    data, bodyless=bodyless, deadlines=self.deadlines
+                )
+            except BaseException:
+                self._close(endpoint, connection)
+                raise
+            return connection, status, headers
         assert scope.cancelled_caught
         raise UpstreamTimeout(
             f"no response head from {endpoint.base_url} by the deadline (connecting or waiting "
             "for a connection)"
         )
-
-    async def _exchange(
-        self,
-        endpoint: _Endpoint,
-        connection: UpstreamConnection,
-        data: bytes,
-        bodyless: bool,
-        head_deadline: float,
-    ) -> tuple[UpstreamConnection, int, list[tuple[bytes, bytes]]]:
-        try:
-            status, headers = await connection.exchange(
-                data, bodyless=bodyless, deadline=head_deadline, deadlines=self.deadlines
-            )
-        except BaseException:
-            self._close(endpoint, connection)
-            raise
-        return connection, status, headers
 
     async def _checkout_new(
         self, endpoint: _Endpoint, timeout_s: float | None
