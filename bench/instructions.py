@@ -25,12 +25,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from bench.baseline import REPO, Baseline
-from bench.plan import STREAM_TOKENS, UNARY_TOKENS, chat_body
+from bench.plan import STREAM_EVENTS, STREAM_TOKENS, UNARY_TOKENS, chat_body
 from bench.procs import BenchError, Proc, free_port, python_module, start
 
 Log = Callable[[str], None]
@@ -48,10 +51,25 @@ WARMUP_REQUESTS = 200
 IDLE_S = 10.0
 START_S = 600.0
 """A router under valgrind takes a minute or two to import and bind on 2 cores."""
-CASES = {
-    "unary": chat_body(stream=False, tokens=UNARY_TOKENS),
-    "stream": chat_body(stream=True, tokens=STREAM_TOKENS),
-}
+PACED_TOKEN_MS = 10.0
+"""Far enough apart that each event is a read of its own through a router under valgrind."""
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    body: bytes
+    pace_ms: float = 0.0
+    """The fleet's time between tokens (`/debug/behaviour`); 0: as fast as it can."""
+    share: int = 1
+    """One request of this case for `share` of the others (a paced stream takes long)."""
+
+
+CASES = (
+    Case("unary", chat_body(stream=False, tokens=UNARY_TOKENS)),
+    Case("stream", chat_body(stream=True, tokens=STREAM_TOKENS)),
+    Case("paced", chat_body(stream=True, tokens=STREAM_TOKENS), PACED_TOKEN_MS, share=10),
+)
 _PART = re.compile(rb"^part: *(\d+)", re.MULTILINE)
 _TOTALS = re.compile(rb"^(?:summary|totals): *(\d+)", re.MULTILINE)
 
@@ -150,21 +168,25 @@ def count_router(
     try:
         client = _connect(proc, port)
         try:
-            for body in CASES.values():
-                for _ in range(WARMUP_REQUESTS):
-                    client.exchange(request_bytes(body))
-            log(f"{name}: counting {requests} requests of each case")
-            _control(proc, "-i", "on")
+            for case in CASES:
+                with paced(workers, case.pace_ms):
+                    for _ in range(max(1, WARMUP_REQUESTS // case.share)):
+                        client.exchange(request_bytes(case.body))
+            log(f"{name}: counting {requests} requests of each case (paced: 1 in 10)")
             windows: list[float] = []
+            for case in CASES:
+                wire = request_bytes(case.body)
+                with paced(workers, case.pace_ms):
+                    if not windows:
+                        _control(proc, "-i", "on")
+                    else:
+                        _control(proc, "-d")  # what came between the windows: not counted
+                    began = time.monotonic()
+                    for _ in range(max(1, requests // case.share)):
+                        client.exchange(wire)
+                    _control(proc, "-d")
+                    windows.append(time.monotonic() - began)
             began = time.monotonic()
-            for body in CASES.values():
-                wire = request_bytes(body)
-                for _ in range(requests):
-                    client.exchange(wire)
-                _control(proc, "-d")
-                now = time.monotonic()
-                windows.append(now - began)
-                began = now
             time.sleep(IDLE_S)
             _control(proc, "-d")
             idle_s = time.monotonic() - began
@@ -174,13 +196,33 @@ def count_router(
     finally:
         proc.stop()
     parts = _parts(out)
-    if sorted(parts)[: len(CASES) + 1] != list(range(1, len(CASES) + 2)):
+    # Parts: each case's window (the ones between them, of setting the pace, ignored),
+    # then the idle window.
+    numbers = [1 + 2 * position for position in range(len(CASES))]
+    idle_part = numbers[-1] + 1
+    if not all(number in parts for number in (*numbers, idle_part)):
         raise BenchError(f"{name}: callgrind wrote parts {sorted(parts)}, not one per window")
-    idle_per_s = parts[len(CASES) + 1] / idle_s
+    idle_per_s = parts[idle_part] / idle_s
     return [
-        Count(case, requests, parts[number], windows[number - 1], idle_per_s)
-        for number, case in enumerate(CASES, start=1)
+        Count(case.name, max(1, requests // case.share), parts[number], window, idle_per_s)
+        for case, number, window in zip(CASES, numbers, windows, strict=True)
     ]
+
+
+@contextmanager
+def paced(workers: Sequence[str], pace_ms: float) -> Iterator[None]:
+    """The fleet's workers at `pace_ms` between tokens while inside (nothing for 0)."""
+    if not pace_ms:
+        yield
+        return
+    with httpx.Client(timeout=10.0) as http:
+        for url in workers:
+            http.post(url + "/debug/behaviour", json={"token_latency_ms": pace_ms})
+        try:
+            yield
+        finally:
+            for url in workers:
+                http.post(url + "/debug/behaviour", json={"token_latency_ms": 0})
 
 
 def _connect(proc: Proc, port: int) -> Client:
@@ -260,12 +302,15 @@ def table(counts: Mapping[str, list[Count]], baseline: Baseline | None) -> str:
         cells = [f"{count.per_request:,.0f}" for count in row]
         if baseline is not None:
             cells.append(f"{row[0].per_request / row[1].per_request:.4f}")
-        lines.append(f"| {case}, c=1 | " + " | ".join(cells) + " |")
+        lines.append(f"| {case.name}, c=1 | " + " | ".join(cells) + " |")
     ours = counts[names[0]][0]
+    paced_count = counts[names[0]][-1]
     lines.append("")
     lines.append(
-        f"{ours.requests} requests of each case, one at a time over one keep-alive connection "
-        f"(after {WARMUP_REQUESTS} of each unmeasured); idle work taken off at "
+        f"{ours.requests} requests of each case ({paced_count.requests} paced streams, "
+        f"{STREAM_EVENTS} events {PACED_TOKEN_MS:g} ms apart: divide by {STREAM_EVENTS} for "
+        "an event), one at a time over one keep-alive connection (after "
+        f"{WARMUP_REQUESTS} of each unmeasured); idle work taken off at "
         f"{ours.idle_per_s:,.0f} instructions per second of wall time"
         + (f"; ours-base: {baseline.label()}" if baseline is not None else "")
         + "."

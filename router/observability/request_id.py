@@ -78,14 +78,18 @@ def forget(token: contextvars.Token[str]) -> None:
 class IdentifiedWriter:
     """A response writer that puts the request's id on the answer, in place of a worker's.
 
-    Everything but the response head passes through unchanged.
+    Everything but the response head passes through unchanged: `write`, `finish` and
+    `abort` are the writer's own methods (no coroutine of this one's per relayed event).
     """
 
-    __slots__ = ("_header", "_writer")
+    __slots__ = ("_header", "_writer", "abort", "finish", "write")
 
     def __init__(self, writer: ResponseWriter, request_id: bytes) -> None:
         self._writer = writer
         self._header = (REQUEST_ID, request_id)
+        self.write = writer.write
+        self.finish = writer.finish
+        self.abort = writer.abort
 
     @property
     def started(self) -> bool:
@@ -99,12 +103,3 @@ class IdentifiedWriter:
 
     async def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
         await self._writer.start(status, self._with_id(headers), first)
-
-    async def write(self, data: bytes) -> None:
-        await self._writer.write(data)
-
-    async def finish(self, last: bytes = b"") -> None:
-        await self._writer.finish(last)
-
-    async def abort(self, *, reset: bool = False) -> None:
-        await self._writer.abort(reset=reset)

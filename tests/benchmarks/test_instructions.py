@@ -39,7 +39,7 @@ def test_the_parts_are_read_by_their_number_and_the_files_removed(tmp_path: Path
 
 def test_the_table_gives_the_ratio_to_the_baseline_per_case() -> None:
     def counts(per_request: float) -> list[Count]:
-        return [Count(case, 10, int(per_request * 10), 1.0, 0.0) for case in CASES]
+        return [Count(case.name, 10, int(per_request * 10), 1.0, 0.0) for case in CASES]
 
     text = table({"ours": counts(900.0), "ours-base": counts(1000.0)}, None)
     assert "| unary, c=1 | 900 | 1,000 |" in text

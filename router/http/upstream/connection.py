@@ -276,28 +276,20 @@ class UpstreamConnection:
             self._keep_alive = False
             self._framing = _UNTIL_EOF
 
-    async def receive_data(self, deadline: float = math.inf) -> bytes:
-        """Returns the next body bytes as they arrive, b"" once the body has ended.
-
-        Bytes of several chunks already received come back together. Raises
-        `UpstreamProtocolError` (response_started=True) on reset, early EOF or a malformed
-        body, and again on every later call; `UpstreamTimeout` when no byte came by
-        `deadline` (kept by the timer the head's was, else by a cancel scope).
-        Cancellation: the connection is left mid-body; the caller must close it.
-        """
-        if deadline == math.inf:
-            return await self._receive_data()
+    async def receive_data_by(self, deadline: float) -> bytes:
+        """`receive_data`, or `UpstreamTimeout` when no byte came by `deadline` (kept by the
+        timer the head's was, else by a cancel scope)."""
         deadlines = self._deadlines
         if deadlines is None or not deadlines.serving:
             with trio.CancelScope(deadline=deadline):
-                return await self._receive_data()
+                return await self.receive_data()
             self._framing = _BROKEN
             raise UpstreamTimeout("no body bytes by the deadline", response_started=True)
         self.wait_number += 1
         self.wait_deadline = deadline
         deadlines.waiting(self)
         try:
-            return await self._receive_data()
+            return await self.receive_data()
         except UpstreamProtocolError:
             if self.timed_out:
                 raise UpstreamTimeout(
@@ -308,7 +300,14 @@ class UpstreamConnection:
             self.wait_deadline = math.inf
             deadlines.done(self)
 
-    async def _receive_data(self) -> bytes:
+    async def receive_data(self) -> bytes:
+        """Returns the next body bytes as they arrive, b"" once the body has ended.
+
+        Bytes of several chunks already received come back together. Raises
+        `UpstreamProtocolError` (response_started=True) on reset, early EOF or a malformed
+        body, and again on every later call. Cancellation: the connection is left
+        mid-body; the caller must close it.
+        """
         framing = self._framing
         if framing == _ENDED:
             return b""
@@ -486,7 +485,9 @@ class UpstreamResponse:
         `UpstreamTimeout` when nothing came by `deadline`. Cancellation: the request's
         context manager closes the connection.
         """
-        return await self._connection.receive_data(deadline)
+        if deadline == math.inf:
+            return await self._connection.receive_data()
+        return await self._connection.receive_data_by(deadline)
 
     def body_ended(self) -> bool:
         """Whether the body has ended with the bytes handed out so far: the next
