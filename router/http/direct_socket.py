@@ -66,7 +66,9 @@ class DirectSocket:
         to wait may be cut off part-way, leaving the connection unusable.
         """
         sock = self.sock
-        # The checkpoint (see the module's docstring), inline: no coroutine of its own.
+        # The checkpoint (see the module's docstring), written out here and in
+        # `receive_some`: a helper that chose it cost 0.15 % of a unary request's
+        # instructions and 0.7 % of a paced stream's (`bench --instructions`).
         ops = self._ops_without_wait + 1
         if ops < _OPS_BETWEEN_YIELDS:
             self._ops_without_wait = ops
