@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: setup system-deps demo test lint bench conformance conformance-grpc litellm-env smg-1.10-env fuzz soak engine-env engine-test engine-bench engine-kv-bench engine-lora-bench conformance-engines
+.PHONY: setup system-deps bench-deps demo test lint bench conformance conformance-grpc litellm-env smg-1.10-env fuzz soak engine-env engine-test engine-bench engine-kv-bench engine-lora-bench conformance-engines
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,6 @@ system-deps:
 	@command -v etcd >/dev/null 2>&1 || { apt-get update && apt-get install -y etcd-server; }
 	@command -v wrk >/dev/null 2>&1 || { apt-get update && apt-get install -y wrk; }
 	@command -v strace >/dev/null 2>&1 || { apt-get update && apt-get install -y strace; }
-	@command -v valgrind >/dev/null 2>&1 || { apt-get update && apt-get install -y valgrind; }
 
 demo: setup
 	$(BIN)/router demo
@@ -96,7 +95,11 @@ conformance-grpc: setup system-deps smg-1.10-env
 	$(BIN)/conformance run --fleet grpc --plane python --plane smg --plane smg-1.10 --plane vllm-router --jobs 3 --report-yaml conformance/reports
 	$(BIN)/conformance parity conformance/reports --out docs/parity.md
 
-bench: setup system-deps
+# valgrind counts instructions for `python -m bench --instructions`; the tests never need it.
+bench-deps: system-deps
+	@command -v valgrind >/dev/null 2>&1 || { apt-get update && apt-get install -y valgrind; }
+
+bench: setup bench-deps
 	$(BIN)/python -m bench
 
 # The long adversarial runs; the suite runs short versions of both. Bounded in count and time.

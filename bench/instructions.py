@@ -95,7 +95,7 @@ def find_valgrind() -> str:
     if path is None or shutil.which("callgrind_control") is None:
         raise BenchError(
             "valgrind is not installed (Debian/Ubuntu: apt-get install valgrind; or `make "
-            "system-deps`)"
+            "bench-deps`)"
         )
     return path
 
