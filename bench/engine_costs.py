@@ -7,9 +7,11 @@ on one real vLLM engine (the CPU build, `make engine-env`).
    per request (`--kv-token-sources engine`), in alternating rounds: the latency the
    ask adds (the router's own count of time spent waiting for it, and the requests' p50),
    the router's CPU per request, and the engine front end's CPU per ask.
-2. Engine load: one read of the engine's `/metrics`, its cost to the engine's front end
-   (CPU per read) and to the router (the parse of the families read), then what a router
-   reading 16 fake engines every 0.5 s costs in CPU against one that reads none.
+2. Engine load: one read of the engine's `/metrics`, and of its `/load` (the engine runs
+   with `--enable-server-load-tracking`), its cost to the engine's front end (CPU per
+   read) and to the router (the parse of the families read), then what a router reading
+   16 fake engines costs in CPU: not at all, `/metrics` every 0.5 s, and beside it `/load`
+   every 0.1 s (the defaults).
 
 Results go into their own block of docs/performance.md.
 """
@@ -69,7 +71,9 @@ def run(out: Path, quick: bool, log: Log, command: str) -> int:
         work = Path(scratch)
         port = free_port()
         engine_url = f"http://127.0.0.1:{port}"
-        settings = EngineSettings(served_model_name=MODEL)
+        settings = EngineSettings(
+            served_model_name=MODEL, extra_args=("--enable-server-load-tracking",)
+        )
         engine = start(
             "engine", engine_argv(environment, settings, port), work, ENGINE_ENV, own_group=True
         )
@@ -202,17 +206,23 @@ def _metrics_read_cost(engine_url: str, engine_pids: list[int], log: Log) -> lis
         for _ in range(METRICS_READS):
             page = client.get(engine_url + "/metrics").text
         engine_ms = (cpu_seconds(engine_pids) - before) / METRICS_READS * 1000
+        before = cpu_seconds(engine_pids)
+        for _ in range(METRICS_READS):
+            client.get(engine_url + "/load").raise_for_status()
+        load_ms = (cpu_seconds(engine_pids) - before) / METRICS_READS * 1000
     started = time.process_time()
     for _ in range(METRICS_READS):
         metrics_readings(page, "vllm")
     parse_us = (time.process_time() - started) / METRICS_READS * 1e6
     log(
-        f"/metrics: {len(page)} bytes, engine {engine_ms:.2f} ms CPU a read, parse {parse_us:.0f} us"
+        f"/metrics: {len(page)} bytes, engine {engine_ms:.2f} ms CPU a read, parse {parse_us:.0f} us;"
+        f" /load: engine {load_ms:.2f} ms CPU a read"
     )
     return [
         f"**Engine load, one read** of the engine's `/metrics` ({len(page) / 1000:.0f} kB): "
         f"{engine_ms:.1f} ms of the engine front end's CPU, {parse_us:.0f} us of the router's "
-        f"to read its running, waiting and KV-usage families ({METRICS_READS} reads).",
+        f"to read its running, waiting and KV-usage families; of its `/load`: "
+        f"{load_ms:.2f} ms of the engine front end's CPU ({METRICS_READS} reads each).",
         "",
     ]
 
@@ -225,7 +235,13 @@ def _reader_cost(work: Path, quick: bool, log: Log) -> list[str]:
         for index in range(FAKES):
             port = free_port()
             command = python_module(
-                "router.cli", "fake-worker", "--port", str(port), "--engine", "vllm"
+                "router.cli",
+                "fake-worker",
+                "--port",
+                str(port),
+                "--engine",
+                "vllm",
+                "--enable-server-load-tracking",
             )
             fakes.append(start(f"fake{index}", command, work))
             urls.append(f"http://127.0.0.1:{port}")
@@ -237,10 +253,17 @@ def _reader_cost(work: Path, quick: bool, log: Log) -> list[str]:
         rows = []
         for name, flags in (
             ("not read", ["--engine-load-interval-s", "0"]),
-            ("read every 0.5 s", ["--engine-load-interval-s", "0.5"]),
+            (
+                "/metrics every 0.5 s",
+                ["--engine-load-interval-s", "0.5", "--engine-server-load-interval-s", "0"],
+            ),
+            (
+                "/metrics every 0.5 s, /load every 0.1 s",
+                ["--engine-load-interval-s", "0.5", "--engine-server-load-interval-s", "0.1"],
+            ),
         ):
             proc, _ = _router(
-                f"reader-{name.split()[0]}",
+                f"reader-{len(rows)}",
                 [*workers, "--policy", "least_load", *flags],
                 work,
                 log,

@@ -112,6 +112,18 @@ MARGINS = (
 )
 """`kv_aware` alone, one process against two independent routers at the default spread
 margin (0.5) and at none: the replicas' figure with less of the machine's time."""
+LOAD_SOURCES = (
+    KvContender("ours kv_aware", "kv_aware"),
+    KvContender("ours kv_aware (2 routers)", "kv_aware", replicas=2),
+    KvContender(
+        "ours kv_aware (2 routers, /metrics only)",
+        "kv_aware",
+        ("--engine-server-load-interval-s", "0"),
+        replicas=2,
+    ),
+)
+"""`kv_aware` alone, one process against two independent routers reading each engine's
+`/load` (the default) and reading only its `/metrics`, as before `/load` was read."""
 RESTARTED = SIDE_BY_SIDE[:2]
 GROUPS = {
     "side": SIDE_BY_SIDE,
@@ -120,9 +132,10 @@ GROUPS = {
     "noflag": NO_FLAG,
     "ownload": OWN_LOAD,
     "margins": MARGINS,
+    "loadsource": LOAD_SOURCES,
 }
 ALL_GROUPS = ("side", "two", "replicas", "noflag", "ownload", "restart")
-"""What runs by default; `margins` only when named."""
+"""What runs by default; `margins` and `loadsource` only when named."""
 
 
 def log_name(contender: str) -> str:
@@ -219,6 +232,8 @@ def engine_settings(blocks: int | None, pub: int, replay: int) -> engines.Engine
     extra += ["--kv-events-config", orjson.dumps(events).decode()]
     # Greedy answers: every contender plays the same conversations.
     extra += ["--override-generation-config", '{"temperature": 0.0}']
+    # `/load` counts the requests the API server holds (read by the router's load reader).
+    extra += ["--enable-server-load-tracking"]
     if blocks is not None:
         extra += ["--num-gpu-blocks-override", str(blocks)]
     return engines.EngineSettings(served_model_name=MODEL, extra_args=extra)

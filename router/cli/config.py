@@ -117,6 +117,8 @@ class Settings:
     engine_load_interval_s: float = 0.5
     engine_load_timeout_s: float = 1.0
     engine_load_window_s: float = 0.25
+    engine_server_load_interval_s: float = 0.1
+    engine_server_load_window_s: float = 0.05
     adapter_list_interval_s: float = 5.0
     adapter_slot_cost: float = 1.0
     adapter_wait_cost: float = 4.0

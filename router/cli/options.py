@@ -281,6 +281,20 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "engine_server_load_interval_s",
+        float,
+        0.1,
+        "seconds between readings of a vLLM engine's /load (the requests its API server holds, counted as they arrive; vLLM answers it when started with its server load tracking flag, enable-server-load-tracking, and /load is used only once it has shown a request: until then, and whenever it fails or stops counting, the load comes from /metrics), for engines of one DP rank; 0: /metrics only",
+        minimum=0,
+    ),
+    Option(
+        "engine_server_load_window_s",
+        float,
+        0.05,
+        "as --engine-load-window-s, for readings of vLLM's /load, which counts a request as soon as the engine's handler takes it",
+        minimum=0,
+    ),
+    Option(
         "adapter_list_interval_s",
         float,
         5.0,

@@ -179,6 +179,8 @@ def engine_load_settings(settings: Settings) -> LoadReaderSettings | None:
         timeout_s=settings.engine_load_timeout_s,
         window_s=settings.engine_load_window_s,
         worker_api_key=settings.worker_api_key,
+        server_load_interval_s=settings.engine_server_load_interval_s,
+        server_load_window_s=settings.engine_server_load_window_s,
     )
 
 

@@ -11,6 +11,15 @@ Which way a worker's engine is read (`LoadSource`), decided from what it is and 
 - `metrics`: vLLM, and an engine of unknown kind: `GET /metrics` every `interval_s`,
   reading only the running, waiting and KV-usage families (`router.engines.load_readings`),
   and from the same page the engine's LoRA adapter slots (`router.engines.lora_activity`).
+- `server_load`: a vLLM engine of one DP rank, beside `metrics`: `GET /load` every
+  `server_load_interval_s`, the requests its API server holds (counted as they arrive,
+  not once its scheduler takes them in, and a tiny answer where `/metrics` renders the
+  whole page). vLLM answers 0 there when started without `--enable-server-load-tracking`,
+  which cannot be told from an idle engine, so its readings count only once one has
+  shown a request (`proven`); until then, and again whenever a read fails or three
+  readings in a row hold fewer than this process's own requests the engine must have
+  taken in (an engine restarted without the flag), the load comes from `/metrics`. The
+  metrics poll goes on meanwhile for the KV usage and the adapter slots.
 - `grpc_loads`: a `grpc://` worker: its engine service's `GetLoads` every `interval_s`
   (each DP rank's running and waiting requests, its KV usage), over the router's gRPC
   pool (router.engines.grpc_service).
@@ -53,6 +62,7 @@ from router.engines.load_readings import (
     load_message,
     loads_readings,
     metrics_readings,
+    server_load_count,
     whole_engine,
 )
 from router.engines.lora_activity import adapter_activity
@@ -72,13 +82,22 @@ class LoadSource(enum.StrEnum):
     METRICS = "metrics"
     GRPC_LOADS = "grpc_loads"
     """A `grpc://` worker's `GetLoads` (router.engines.grpc_service)."""
+    SERVER_LOAD = "server_load"
+    """A vLLM engine's `/load`, once proven (beside `metrics`)."""
 
 
-OUTCOMES = ("ok", "partial", "failed", "timeout", "bad_answer", "silent")
+OUTCOMES = ("ok", "partial", "failed", "timeout", "bad_answer", "silent", "unproven")
 """How a read ended: every view known (`ok`); some ranks read, others not (`partial`); no
 answer (`failed`: transport error or a status other than 200; `timeout`); an answer with
 no usable load in it (`bad_answer`: garbage, too large, no gauge, no usable count); a
-pushed stream that went quiet (`silent`)."""
+pushed stream that went quiet (`silent`); a `/load` answer that cannot be told from an
+engine that does not count (`unproven`: 0 before any reading showed a request)."""
+
+UNDERCOUNTS_TO_DISTRUST = 3
+"""Readings of `/load` in a row below this process's own requests the engine must hold
+that stop its use: one can be a race with an answer's end (the engine forgets a request a
+moment before this process sees its last byte); three are an engine that stopped
+counting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +116,22 @@ class LoadReaderSettings:
     """A metrics page or loads answer past this is not read (vLLM's page is ~50 kB)."""
     worker_api_key: str = field(default="", repr=False)
     """Sent to engines whose records carry no key of their own (`--worker-api-key`)."""
+    server_load_interval_s: float = 0.1
+    """Seconds between reads of a vLLM engine's `/load`; 0: not read (docs/policies.md,
+    "One load figure", says why 0.1)."""
+    server_load_window_s: float = 0.05
+    """As `window_s`, for `/load`: the engine counts a request as its handler takes it,
+    before tokenizing, so only requests still on the wire can be missing from it."""
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "timeout_s", "silence_s", "reconcile_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"engine load {name} must be above 0, not {getattr(self, name)!r}")
-        if not self.window_s >= 0:
-            raise ValueError(f"engine load window_s must be 0 or more, not {self.window_s!r}")
+        for name in ("window_s", "server_load_interval_s", "server_load_window_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(
+                    f"engine load {name} must be 0 or more, not {getattr(self, name)!r}"
+                )
 
 
 def polled_source(worker: Worker) -> LoadSource:
@@ -111,6 +139,13 @@ def polled_source(worker: Worker) -> LoadSource:
     if worker.record.is_grpc:
         return LoadSource.GRPC_LOADS
     return LoadSource.LOADS if worker.record.engine == "sglang" else LoadSource.METRICS
+
+
+def counts_server_load(worker: Worker) -> bool:
+    """Whether `worker`'s engine may be read on vLLM's `/load` too: vLLM over HTTP, the
+    whole engine and one rank (the count is the API server's, for every rank at once)."""
+    record = worker.record
+    return record.engine == "vllm" and not record.is_grpc and record.dp_size == 1
 
 
 def apply_readings(
@@ -160,6 +195,9 @@ class _Task:
     key: tuple[object, ...]
     scope: trio.CancelScope
     source: LoadSource
+    server_load: bool = False
+    """The engine's `/load` is proven and rules the load figure; the metrics poll then
+    reads only the KV usage and adapter slots."""
 
 
 class EngineLoads:
@@ -181,7 +219,9 @@ class EngineLoads:
     def source_of(self, worker_id: str) -> LoadSource | None:
         """How the worker's load is read now; None when no reader runs for it."""
         task = self._tasks.get(worker_id)
-        return None if task is None else task.source
+        if task is None:
+            return None
+        return LoadSource.SERVER_LOAD if task.server_load else task.source
 
     def readers(self) -> int:
         return len(self._tasks)
@@ -225,6 +265,10 @@ class EngineLoads:
                 if streams:
                     task.source = LoadSource.STREAM
                     await self._follow_streams(worker, streams)
+                elif self.settings.server_load_interval_s > 0 and counts_server_load(worker):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._poll, worker, task, pool)
+                        nursery.start_soon(self._poll_server_load, worker, task, pool)
                 else:
                     await self._poll(worker, task, pool)
             finally:
@@ -283,13 +327,88 @@ class EngineLoads:
                 outcome = "bad_answer"
             if outcome != "ok":
                 worker.adapters.activity = None
-            known = apply_readings(
-                worker, {rank: (got, taken_at) for rank, got in readings.items()}, settings.window_s
-            )
-            if outcome == "ok" and not known:
-                outcome = "partial" if readings else "bad_answer"
+            if not task.server_load:
+                known = apply_readings(
+                    worker,
+                    {rank: (got, taken_at) for rank, got in readings.items()},
+                    settings.window_s,
+                )
+                if outcome == "ok" and not known:
+                    outcome = "partial" if readings else "bad_answer"
             self._count(source, outcome)
             await trio.sleep_until(taken_at + settings.interval_s)
+
+    async def _poll_server_load(self, worker: Worker, task: _Task, pool: UpstreamPool) -> None:
+        """Read vLLM's `/load` until cancelled, and let it rule the load figure once a
+        reading showed a request; a route the engine does not serve ends the task, a
+        failed read or an engine that stopped counting hands the figure back to the
+        metrics poll (unknown until its next reading)."""
+        settings = self.settings
+        undercounts = 0
+        while True:
+            taken_at = trio.current_time()
+            count: float | None = None
+            try:
+                with trio.fail_after(settings.timeout_s):
+                    count = server_load_count(orjson.loads(await self._get(worker, "/load", pool)))
+            except _NotServed:
+                log.info("%s serves no /load: its load is read from /metrics", worker.id)
+                self._count(LoadSource.SERVER_LOAD, "failed")
+                self._distrust_server_load(worker, task)
+                return
+            except trio.TooSlowError:
+                outcome = "timeout"
+            except (_Refused, UpstreamError, LocalShortage, OSError):
+                outcome = "failed"
+            except (BadReading, orjson.JSONDecodeError):
+                outcome = "bad_answer"
+            if count is None:
+                self._distrust_server_load(worker, task)
+                undercounts = 0
+            elif not task.server_load and count == 0:
+                outcome = "unproven"
+            else:
+                share = worker.shares[0] if worker.shares else None
+                must_hold = (
+                    0
+                    if share is None
+                    else share.counted_own(taken_at, worker.inflight, settings.server_load_window_s)
+                )
+                undercounts = undercounts + 1 if count < must_hold else 0
+                if undercounts >= UNDERCOUNTS_TO_DISTRUST:
+                    log.warning(
+                        "%s: /load says %g while this router holds %d requests there the "
+                        "engine has taken in; not trusted until it shows a request again "
+                        "(its load is read from /metrics)",
+                        worker.id,
+                        count,
+                        must_hold,
+                    )
+                    outcome = "bad_answer"
+                    self._distrust_server_load(worker, task)
+                    undercounts = 0
+                else:
+                    if not task.server_load:
+                        log.info(
+                            "%s counts its requests on /load: its load is read there", worker.id
+                        )
+                    task.server_load = True
+                    outcome = "ok"
+                    apply_readings(
+                        worker,
+                        {0: (RankReading(count, 0.0), taken_at)},
+                        settings.server_load_window_s,
+                    )
+            self._count(LoadSource.SERVER_LOAD, outcome)
+            await trio.sleep_until(taken_at + settings.server_load_interval_s)
+
+    @staticmethod
+    def _distrust_server_load(worker: Worker, task: _Task) -> None:
+        """`/load` no longer rules: the figure is unknown until the metrics poll reads."""
+        if task.server_load:
+            task.server_load = False
+            for share in worker.shares:
+                share.lose()
 
     async def _read(
         self, worker: Worker, source: LoadSource, pool: UpstreamPool
@@ -299,6 +418,18 @@ class EngineLoads:
                 raise GrpcMessagesMissing("this router has no gRPC pool")
             return await scheduler_loads(self.grpc, worker.url, self.settings.timeout_s)
         path = "/v1/loads" if source is LoadSource.LOADS else "/metrics"
+        body = await self._get(worker, path, pool)
+        if source is LoadSource.LOADS:
+            return loads_readings(orjson.loads(body))
+        text = body.decode("utf-8", "replace")
+        # The adapter slots come with the same page (vLLM's `vllm:lora_requests_info`).
+        worker.adapters.activity = adapter_activity(text)
+        return metrics_readings(text, worker.record.engine)
+
+    async def _get(self, worker: Worker, path: str, pool: UpstreamPool) -> bytes:
+        """The body of `GET path` on the worker's engine, at most `max_answer_bytes`.
+        Raises _NotServed (404), _Refused (another status but 200), BadReading (too
+        large) or the pool's errors."""
         api_key = worker.record.api_key or self.settings.worker_api_key
         headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         limit = self.settings.max_answer_bytes
@@ -319,13 +450,7 @@ class EngineLoads:
                     raise BadReading(f"{path} is larger than {limit} bytes")
             if size > limit:
                 raise BadReading(f"{path} is larger than {limit} bytes")
-        body = b"".join(parts)
-        if source is LoadSource.LOADS:
-            return loads_readings(orjson.loads(body))
-        text = body.decode("utf-8", "replace")
-        # The adapter slots come with the same page (vLLM's `vllm:lora_requests_info`).
-        worker.adapters.activity = adapter_activity(text)
-        return metrics_readings(text, worker.record.engine)
+        return b"".join(parts)
 
     # -- pushed streams ----------------------------------------------------------------
 

@@ -8,6 +8,9 @@
   millisecond of the router's time (docs/performance.md, "Engine load").
 - SGLang's `/v1/loads`: a JSON snapshot per rank (`num_running_reqs`,
   `num_waiting_reqs`, `token_usage`).
+- vLLM's `/load` (with `--enable-server-load-tracking`): `{"server_load": N}`, the
+  requests its API server holds, counted from the moment its handler takes one (before
+  tokenizing) to the end of the answer; one count for the whole engine, every rank.
 - SGLang's pushed load stream (`--load-publish-endpoint`): ZMQ messages framed like the KV
   events, `[topic, 8-byte big-endian sequence, msgpack LoadStat]`, a `LoadStat` being the
   tagged array `["LoadStat", running, waiting, kv_tokens, kv_capacity, rank]`; one
@@ -169,6 +172,20 @@ def loads_readings(body: Any) -> dict[int, RankReading]:
             continue
         readings[rank] = RankReading(running, waiting, _fraction(entry.get("token_usage")))
     return readings
+
+
+# -- vLLM's /load ------------------------------------------------------------------------
+
+
+def server_load_count(body: Any) -> float:
+    """The count of a vLLM `/load` answer (`{"server_load": N}`). Raises BadReading for any
+    other shape, or a count that is not a finite number at or above zero (vLLM's counter
+    is a plain integer its handlers move; a negative one has lost track)."""
+    value = body.get("server_load") if isinstance(body, dict) else None
+    count = _count(value)
+    if count is None:
+        raise BadReading(f"the /load answer has no usable server_load: {body!r:.80}")
+    return count
 
 
 # -- SGLang's pushed load stream ----------------------------------------------------------

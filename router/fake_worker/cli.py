@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="requests another sender holds on this engine, shown in its running gauge",
     )
+    gauges.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="GET /load answers the requests in the server (with --external-load), live, as vLLM's flag of the same name makes it; without it /load answers 0, as vLLM's does; --engine vllm only",
+    )
     lora = parser.add_argument_group("LoRA adapters (--engine vllm)")
     lora.add_argument(
         "--lora-adapters",

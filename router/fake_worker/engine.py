@@ -205,6 +205,7 @@ class FakeWorker:
             self._routes["/server_info"] = (get, self._server_info)
         else:
             self._routes["/kv_event_sources"] = (get, self._kv_event_sources)
+            self._routes["/load"] = (get, self._server_load)
         if settings.runtime_lora_updating:
             self._routes["/v1/load_lora_adapter"] = (post, self._load_adapter)
             self._routes["/v1/unload_lora_adapter"] = (post, self._unload_adapter)
@@ -655,6 +656,14 @@ class FakeWorker:
 
     async def _loads(self, request: Request, writer: ResponseWriter) -> None:
         await _respond_json(writer, 200, info.loads(self.settings, self.gauge_loads()))
+
+    async def _server_load(self, request: Request, writer: ResponseWriter) -> None:
+        """vLLM's `/load`: the requests its API server holds, counted as they arrive (not
+        stepped like the gauges); 0 whatever it holds without the tracking flag."""
+        held = 0
+        if self.settings.enable_server_load_tracking:
+            held = sum(running + queued for running, queued in self._live_counts())
+        await _respond_json(writer, 200, {"server_load": held})
 
     async def _legacy_load(self, request: Request, writer: ResponseWriter) -> None:
         await _respond_json(writer, 200, info.legacy_load(self.gauge_loads()))

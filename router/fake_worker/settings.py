@@ -70,6 +70,9 @@ class FakeWorkerSettings:
     external_load: int = 0
     """Requests another sender holds on this engine, shown in its running gauge (rank 0)
     beside the ones it serves: another router's work, as the gauges would show it."""
+    enable_server_load_tracking: bool = False
+    """vLLM's flag of the same name: `GET /load` answers the requests in the API server
+    (with `external_load`), live; without it, as vLLM does, always 0 (`--engine vllm`)."""
     lora_adapters: tuple[str, ...] = ()
     """LoRA adapters the engine holds at start, as vLLM's `--lora-modules` (`--engine
     vllm` only): listed in `/v1/models` with `parent`, served by name
@@ -124,6 +127,8 @@ class FakeWorkerSettings:
             raise ValueError(f"gauge_step_ms must be >= 0, got {self.gauge_step_ms}")
         if self.load_events and self.engine != "sglang":
             raise ValueError("load_events is SGLang's load stream: it needs engine sglang")
+        if self.enable_server_load_tracking and self.engine != "vllm":
+            raise ValueError("enable_server_load_tracking is vLLM's /load: it needs engine vllm")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not self.prefill_us_per_token >= 0:

@@ -71,13 +71,19 @@ class EngineShare:
         senders' work. Never below zero: a reading that lags our own completions is not
         read as negative work elsewhere.
         """
+        counted_own = self.counted_own(taken_at, own_inflight, window_s)
+        self.others = max(0.0, total - counted_own)
+        self.read_at = taken_at
+
+    def counted_own(self, taken_at: float, own_inflight: int, window_s: float) -> int:
+        """How many of this process's `own_inflight` requests a reading taken at `taken_at`
+        must have counted: those sent before `taken_at - window_s`. Forgets the send times
+        older than that (no later reading needs them)."""
         cutoff = taken_at - window_s
         recent = self._recent
         while recent and recent[0] < cutoff:
             recent.popleft()
-        counted_own = max(0, own_inflight - len(recent))
-        self.others = max(0.0, total - counted_own)
-        self.read_at = taken_at
+        return max(0, own_inflight - len(recent))
 
     def kept_dispatches(self) -> int:
         """Dispatch times held to judge the next reading (bounded)."""

@@ -25,8 +25,10 @@ from tests.engine.conftest import EngineHost, host_engines
 from tests.engine.helpers import (
     SSE,
     RouterProcess,
+    chat_body,
     event_kind,
     open_fake_worker,
+    open_raw_stream,
     shape,
     shape_diff,
 )
@@ -51,7 +53,8 @@ ROWS: list[tuple[str, str, str]] = []
 @pytest.fixture(scope="module")
 def host() -> Iterator[EngineHost]:
     settings = EngineSettings(
-        served_model_name=MODEL, extra_args=("--max-model-len", str(MAX_MODEL_LEN))
+        served_model_name=MODEL,
+        extra_args=("--max-model-len", str(MAX_MODEL_LEN), "--enable-server-load-tracking"),
     )
     yield from host_engines([settings], name="fidelity")
 
@@ -318,3 +321,32 @@ async def test_the_fakes_metrics_have_the_names_types_and_labels_vllm_has(
         _record(f"`/metrics` {name}", row, f"{real_kind}, labels {sorted(real_labels)}")
         differences += [f"{name}: {line}" for line in row]
     assert differences == []
+
+
+async def _server_load_while_streaming(url: str) -> tuple[Any, Any]:
+    """`/load` while one stream is half read, and once it is gone (the engine forgets a
+    request after its answer's end: polled for up to 5 s)."""
+    body = chat_body(model=MODEL, max_tokens=1500, stream=True, ignore_eos=True)
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with open_raw_stream(url, "/v1/chat/completions", body) as stream:
+            await stream.read_events(3)
+            during = (await client.get(f"{url}/load")).json()
+        with trio.move_on_after(5):
+            while (after := (await client.get(f"{url}/load")).json()) != {"server_load": 0}:  # noqa: ASYNC110 - the engine's own counter
+                await trio.sleep(0.05)
+    return during, after
+
+
+async def test_the_fakes_load_counts_what_vllms_counts_with_server_load_tracking(
+    engine: Engine,
+) -> None:
+    with trio.fail_after(60):
+        async with open_fake_worker(
+            "--engine", "vllm", "--model", MODEL, "--enable-server-load-tracking",
+            "--token-latency-ms", "20",
+        ) as fake:  # fmt: skip
+            real = await _server_load_while_streaming(engine.url)
+            faked = await _server_load_while_streaming(fake.url)
+    _record("`/load` during a stream, then after", [] if real == faked else [f"{faked}"], f"{real}")
+    assert real == ({"server_load": 1}, {"server_load": 0})
+    assert faked == real

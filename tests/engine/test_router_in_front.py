@@ -168,6 +168,9 @@ async def test_a_client_that_leaves_mid_stream_aborts_the_engines_request(
                 received = await stream.read_events(20)
                 running = metric_sum(await scrape(client, engine.url), "vllm:num_requests_running")
                 assert running == 1
+                # Without --enable-server-load-tracking, /load says 0 whatever the engine
+                # holds: the load reader never takes that 0 for idle (docs/policies.md).
+                assert (await client.get(f"{engine.url}/load")).json() == {"server_load": 0}
             left_at = trio.current_time()
             # Leaving the block closed the client's connection mid-stream.
             while True:

@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from router.engines.load_reader import (
+    OUTCOMES,
     EngineLoads,
     LoadReaderSettings,
     LoadSource,
@@ -27,7 +28,9 @@ from tests.support.fake_fleet import open_fake_fleet
 from tests.support.raw_upstream import Exchange, open_raw_upstream
 from tests.support.waiting import wait_until
 
-FAST = LoadReaderSettings(interval_s=0.05, timeout_s=0.5, silence_s=0.3, reconcile_s=0.02)
+FAST = LoadReaderSettings(
+    interval_s=0.05, timeout_s=0.5, silence_s=0.3, reconcile_s=0.02, server_load_interval_s=0.02
+)
 GUARD_S = 20
 
 
@@ -235,12 +238,13 @@ async def test_a_worker_that_leaves_mid_read_takes_its_reader_with_it() -> None:
             reading([record(upstream.url, "vllm")]) as (fleet, loads),
         ):
             await entered.wait()
+            await wait_until(lambda: upstream.requests == 2)  # /metrics and /load, both held
             assert loads.readers() == 1
             fleet.remove(upstream.url)
             await wait_until(lambda: loads.readers() == 0)
-            # The cancelled read closed its connection: the engine sees it go.
-            await upstream.wait_ended(1)
-            assert upstream.requests == 1
+            # The cancelled reads closed their connections: the engine sees them go.
+            await upstream.wait_ended(2)
+            assert upstream.requests == 2
 
 
 async def test_a_pushed_stream_is_followed_and_its_silence_is_unknown() -> None:
@@ -259,3 +263,131 @@ async def test_a_pushed_stream_is_followed_and_its_silence_is_unknown() -> None:
                     publishers.cancel_scope.cancel()
                     await wait_until(unknown(worker))
                     assert loads.reads[(LoadSource.STREAM, "silent")] >= 1
+
+
+# -- vLLM's /load ------------------------------------------------------------------------
+
+
+async def test_a_vllm_engine_that_counts_its_requests_is_read_on_load_ahead_of_its_gauges() -> None:
+    # The gauges step once a minute: whatever moves the figure now came from /load.
+    settings = FakeWorkerSettings(
+        engine="vllm", enable_server_load_tracking=True, external_load=5, gauge_step_ms=60_000
+    )
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet([settings]) as (fake,),
+            reading([record(fake.url, "vllm")]) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            await wait_until(lambda: loads.source_of(worker.id) == LoadSource.SERVER_LOAD)
+            assert worker.load == 5.0
+            fake.worker.behaviour.external_load = 2
+            await wait_until(lambda: worker.load == 2.0)
+            assert fake.worker.gauge_loads()[0].running == 5  # the gauges still say 5
+            metrics_reads = fake.worker.routing.paths["/metrics"]
+            assert fake.worker.routing.paths["/load"] > metrics_reads  # the faster read
+            assert loads.reads[(LoadSource.SERVER_LOAD, "ok")] >= 2
+
+
+async def test_a_vllm_engine_that_does_not_count_is_never_read_as_idle() -> None:
+    settings = FakeWorkerSettings(engine="vllm", external_load=3)  # /load answers 0
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet([settings]) as (fake,),
+            reading([record(fake.url, "vllm")]) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "unproven")] >= 5)
+            assert loads.source_of(worker.id) == LoadSource.METRICS
+            assert worker.load == 3.0
+            assert loads.reads[(LoadSource.SERVER_LOAD, "ok")] == 0
+
+
+def _engine_with_load(answers: list[bytes]) -> Callable[[Exchange], Awaitable[None]]:
+    """A vLLM engine whose gauges say 4 in flight and whose /load answers `answers` in
+    turn, the last one for ever after."""
+
+    async def respond(exchange: Exchange) -> None:
+        if exchange.request.target == b"/load":
+            body = answers.pop(0) if len(answers) > 1 else answers[0]
+            await exchange.respond(200, [], body)
+        else:
+            await exchange.respond(
+                200, [], b"vllm:num_requests_running 4\nvllm:num_requests_waiting 0\n"
+            )
+
+    return respond
+
+
+async def test_an_engine_that_stops_counting_is_read_from_its_metrics_again() -> None:
+    # Proven (2), then 0 for ever while this router holds a request there sent long ago:
+    # an engine restarted without --enable-server-load-tracking.
+    answers = [b'{"server_load": 2}', b'{"server_load": 0}']
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_raw_upstream(_engine_with_load(answers)) as upstream,
+            reading([record(upstream.url, "vllm")]) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            worker.begin(None, now=trio.current_time() - 10)
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "ok")] >= 1)
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "bad_answer")] >= 1)
+            assert loads.source_of(worker.id) == LoadSource.METRICS
+            await wait_until(lambda: worker.load == 4.0)  # the gauges' 4, ours among them
+            # Two undercounts in a row are a race, not a lie; the third stops its use.
+            assert loads.reads[(LoadSource.SERVER_LOAD, "ok")] >= 3
+
+
+async def test_a_load_answer_that_is_not_a_count_hands_the_figure_back_to_the_metrics() -> None:
+    answers = [b'{"server_load": 3}', b'{"server_load": -1}']
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_raw_upstream(_engine_with_load(answers)) as upstream,
+            reading([record(upstream.url, "vllm")]) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "bad_answer")] >= 3)
+            assert loads.reads[(LoadSource.SERVER_LOAD, "ok")] == 1
+            assert loads.source_of(worker.id) == LoadSource.METRICS
+            await wait_until(lambda: worker.load == 4.0)
+
+
+async def test_an_engine_without_load_is_asked_once() -> None:
+    async def respond(exchange: Exchange) -> None:
+        if exchange.request.target == b"/load":
+            await exchange.respond(404, [], b'{"detail": "Not Found"}')
+        else:
+            await exchange.respond(
+                200, [], b"vllm:num_requests_running 1\nvllm:num_requests_waiting 1\n"
+            )
+
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_raw_upstream(respond) as upstream,
+            reading([record(upstream.url, "vllm")]) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            await wait_until(lambda: loads.reads[(LoadSource.METRICS, "ok")] >= 5)
+            assert worker.load == 2.0
+            assert loads.reads[(LoadSource.SERVER_LOAD, "failed")] == 1
+            assert sum(loads.reads[(LoadSource.SERVER_LOAD, o)] for o in OUTCOMES) == 1
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"dp_size": 2}, {"engine": "sglang"}, {"engine": None}],
+    ids=["dp", "sglang", "unknown"],
+)
+async def test_load_is_read_only_from_a_vllm_engine_of_one_rank(fields: dict[str, object]) -> None:
+    settings = FakeWorkerSettings(engine="vllm", enable_server_load_tracking=True, dp_size=2)
+    if fields.get("dp_size") is None:
+        settings = dataclasses.replace(settings, dp_size=1)
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_fake_fleet([settings]) as (fake,),
+            reading([record(fake.url, **{"engine": "vllm", **fields})]) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            await wait_until(lambda: sum(loads.reads.values()) >= 5)
+            assert fake.worker.routing.paths.get("/load", 0) == 0
+            assert loads.source_of(worker.id) != LoadSource.SERVER_LOAD

@@ -14,6 +14,7 @@ from router.engines.load_readings import (
     load_message,
     loads_readings,
     metrics_readings,
+    server_load_count,
     whole_engine,
 )
 
@@ -149,3 +150,26 @@ def test_the_whole_engine_needs_every_rank() -> None:
     assert whole_engine({0: one}, dp_size=2) is None
     assert whole_engine({}, dp_size=1) is None
     assert whole_engine({0: one, 1: one}, dp_size=2) == RankReading(2.0, 2.0, None)
+
+
+def test_vllm_server_load_count() -> None:
+    assert server_load_count({"server_load": 3}) == 3.0
+    assert server_load_count({"server_load": 0}) == 0.0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"server_load": -1},  # a counter that lost track
+        {"server_load": float("nan")},
+        {"server_load": True},
+        {"server_load": "3"},
+        {"load": 3},
+        [3],
+        None,
+    ],
+    ids=["negative", "nan", "bool", "text", "other-key", "list", "null"],
+)
+def test_a_load_answer_without_a_usable_count_is_bad(body: object) -> None:
+    with pytest.raises(BadReading):
+        server_load_count(body)

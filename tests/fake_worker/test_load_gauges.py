@@ -9,7 +9,12 @@ import trio
 import zmq
 
 from router.engines.facts import load_event_endpoints
-from router.engines.load_readings import load_message, loads_readings, metrics_readings
+from router.engines.load_readings import (
+    load_message,
+    loads_readings,
+    metrics_readings,
+    server_load_count,
+)
 from router.engines.zmq_trio import close_socket, recv_multipart, socket_fd
 from router.fake_worker.engine import FakeWorker
 from router.fake_worker.load_publisher import HEARTBEAT_S, serve_load_publisher
@@ -57,6 +62,35 @@ async def test_external_load_must_be_a_count(value: object) -> None:
     worker = FakeWorker(FakeWorkerSettings())
     reply = await call(worker, "POST", "/debug/behaviour", {"external_load": value})
     assert reply.status == 400 and worker.behaviour.external_load == 0
+
+
+async def test_vllms_load_counts_live_with_tracking_and_says_0_without(
+    autojump_clock: object,
+) -> None:
+    tracked = FakeWorker(
+        FakeWorkerSettings(
+            engine="vllm", enable_server_load_tracking=True, external_load=1, gauge_step_ms=100
+        )
+    )
+    untracked = FakeWorker(FakeWorkerSettings(engine="vllm", external_load=1))
+    for worker in (tracked, untracked):
+        worker.routing.loads[0].running = 2
+        worker.routing.loads[0].queued = 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracked.step_gauges)
+        await trio.sleep(0.001)
+        tracked.routing.loads[0].running = 5  # live at once, whatever the gauges' step
+        body = (await call(tracked, "GET", "/load")).json()
+        assert server_load_count(body) == 7.0 and running(tracked) == [3]
+        nursery.cancel_scope.cancel()
+    assert (await call(untracked, "GET", "/load")).json() == {"server_load": 0}
+    sglang = FakeWorker(FakeWorkerSettings(engine="sglang"))
+    assert (await call(sglang, "GET", "/load")).status == 404
+
+
+def test_load_tracking_is_vllms() -> None:
+    with pytest.raises(ValueError, match="enable_server_load_tracking"):
+        FakeWorkerSettings(engine="sglang", enable_server_load_tracking=True)
 
 
 def test_the_load_stream_is_sglang_only_and_a_step_is_not_negative() -> None:
