@@ -16,10 +16,11 @@ Which way a worker's engine is read (`LoadSource`), decided from what it is and 
   not once its scheduler takes them in, and a tiny answer where `/metrics` renders the
   whole page). vLLM answers 0 there when started without `--enable-server-load-tracking`,
   which cannot be told from an idle engine, so its readings count only once one has
-  shown a request (`proven`); until then, and again whenever a read fails or three
+  shown a request (`proven`); until then, and again whenever a read fails, or three
   readings in a row hold fewer than this process's own requests the engine must have
-  taken in (an engine restarted without the flag), the load comes from `/metrics`. The
-  metrics poll goes on meanwhile for the KV usage and the adapter slots.
+  taken in, or three metrics readings in a row hold more than `/load` said (an engine
+  restarted without the flag), the load comes from `/metrics`. The metrics poll goes on
+  meanwhile for the KV usage and the adapter slots.
 - `grpc_loads`: a `grpc://` worker: its engine service's `GetLoads` every `interval_s`
   (each DP rank's running and waiting requests, its KV usage), over the router's gRPC
   pool (router.engines.grpc_service).
@@ -198,6 +199,10 @@ class _Task:
     server_load: bool = False
     """The engine's `/load` is proven and rules the load figure; the metrics poll then
     reads only the KV usage and adapter slots."""
+    server_load_count: float | None = None
+    """`/load`'s last count while it rules."""
+    gauges_above: int = 0
+    """Metrics readings in a row whose gauges held more than `/load`'s last count."""
 
 
 class EngineLoads:
@@ -327,6 +332,8 @@ class EngineLoads:
                 outcome = "bad_answer"
             if outcome != "ok":
                 worker.adapters.activity = None
+            if task.server_load and readings:
+                self._check_server_load(worker, task, readings)
             if not task.server_load:
                 known = apply_readings(
                     worker,
@@ -393,6 +400,7 @@ class EngineLoads:
                             "%s counts its requests on /load: its load is read there", worker.id
                         )
                     task.server_load = True
+                    task.server_load_count = count
                     outcome = "ok"
                     apply_readings(
                         worker,
@@ -402,9 +410,34 @@ class EngineLoads:
             self._count(LoadSource.SERVER_LOAD, outcome)
             await trio.sleep_until(taken_at + settings.server_load_interval_s)
 
+    def _check_server_load(
+        self, worker: Worker, task: _Task, readings: Mapping[int, RankReading]
+    ) -> None:
+        """Hold `/load` to the gauges: the API server holds every request its scheduler
+        runs or queues, so gauges above its count for `UNDERCOUNTS_TO_DISTRUST` metrics
+        readings in a row (one can be a race: each reading is of its own moment) are an
+        engine that stopped counting, which this process could not see from its own
+        requests (it has none there)."""
+        whole = whole_engine(dict(readings), worker.record.dp_size)
+        if whole is None or task.server_load_count is None:
+            return
+        task.gauges_above = task.gauges_above + 1 if whole.total > task.server_load_count else 0
+        if task.gauges_above >= UNDERCOUNTS_TO_DISTRUST:
+            log.warning(
+                "%s: /load says %g while its gauges say %g running and waiting; not trusted "
+                "until it shows a request again (its load is read from /metrics)",
+                worker.id,
+                task.server_load_count,
+                whole.total,
+            )
+            self._count(LoadSource.SERVER_LOAD, "bad_answer")
+            self._distrust_server_load(worker, task)
+
     @staticmethod
     def _distrust_server_load(worker: Worker, task: _Task) -> None:
         """`/load` no longer rules: the figure is unknown until the metrics poll reads."""
+        task.server_load_count = None
+        task.gauges_above = 0
         if task.server_load:
             task.server_load = False
             for share in worker.shares:

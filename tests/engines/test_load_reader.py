@@ -271,7 +271,7 @@ async def test_a_pushed_stream_is_followed_and_its_silence_is_unknown() -> None:
 async def test_a_vllm_engine_that_counts_its_requests_is_read_on_load_ahead_of_its_gauges() -> None:
     # The gauges step once a minute: whatever moves the figure now came from /load.
     settings = FakeWorkerSettings(
-        engine="vllm", enable_server_load_tracking=True, external_load=5, gauge_step_ms=60_000
+        engine="vllm", enable_server_load_tracking=True, external_load=2, gauge_step_ms=60_000
     )
     with trio.fail_after(GUARD_S):
         async with (
@@ -280,10 +280,10 @@ async def test_a_vllm_engine_that_counts_its_requests_is_read_on_load_ahead_of_i
         ):
             worker = fleet.workers()[0]
             await wait_until(lambda: loads.source_of(worker.id) == LoadSource.SERVER_LOAD)
-            assert worker.load == 5.0
-            fake.worker.behaviour.external_load = 2
-            await wait_until(lambda: worker.load == 2.0)
-            assert fake.worker.gauge_loads()[0].running == 5  # the gauges still say 5
+            assert worker.load == 2.0
+            fake.worker.behaviour.external_load = 5
+            await wait_until(lambda: worker.load == 5.0)
+            assert fake.worker.gauge_loads()[0].running == 2  # the gauges still say 2
             metrics_reads = fake.worker.routing.paths["/metrics"]
             assert fake.worker.routing.paths["/load"] > metrics_reads  # the faster read
             assert loads.reads[(LoadSource.SERVER_LOAD, "ok")] >= 2
@@ -336,6 +336,22 @@ async def test_an_engine_that_stops_counting_is_read_from_its_metrics_again() ->
             await wait_until(lambda: worker.load == 4.0)  # the gauges' 4, ours among them
             # Two undercounts in a row are a race, not a lie; the third stops its use.
             assert loads.reads[(LoadSource.SERVER_LOAD, "ok")] >= 3
+
+
+async def test_gauges_above_load_stop_its_use_when_this_router_holds_nothing_there() -> None:
+    # Proven (2), then 0 for ever while the gauges say 4: another router's requests on an
+    # engine restarted without the flag, which this router's own count cannot show.
+    answers = [b'{"server_load": 2}', b'{"server_load": 0}']
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_raw_upstream(_engine_with_load(answers)) as upstream,
+            reading([record(upstream.url, "vllm")]) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "bad_answer")] >= 1)
+            assert loads.source_of(worker.id) == LoadSource.METRICS
+            await wait_until(lambda: worker.load == 4.0)
+            assert loads.reads[(LoadSource.METRICS, "ok")] >= 3
 
 
 async def test_a_load_answer_that_is_not_a_count_hands_the_figure_back_to_the_metrics() -> None:
