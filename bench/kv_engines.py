@@ -426,9 +426,13 @@ class KvBench:
 
 
 def router_series(url: str) -> dict[str, float]:
-    """The router's `router_kv_*` samples (one process's, under `--processes`)."""
+    """The router's `router_kv_*` and engine-load-read samples (one process's, under
+    `--processes`)."""
     response = httpx.get(url + "/metrics", timeout=5.0, headers={"connection": "close"})
-    return kv_report.labelled_series(response.text, "router_kv_") if response.is_success else {}
+    if not response.is_success:
+        return {}
+    series = kv_report.labelled_series(response.text, "router_kv_")
+    return series | kv_report.labelled_series(response.text, kv_report.LOAD_READS)
 
 
 def wait_subscribed(url: str, engines: int, timeout_s: float) -> float:

@@ -366,6 +366,9 @@ def verdicts(runs: Sequence[KvRun], evicting: str, roomy: str) -> list[str]:
     return lines
 
 
+LOAD_READS = "router_engine_load_reads_total"
+
+
 def kv_summary(series: Mapping[str, float], engine_hits: int | None = None) -> str:
     """The router's event and pick counters in one line (the ones that tell a dead stream),
     and its predicted hits over the engines' `engine_hits` when given ("" without series)."""
@@ -396,6 +399,9 @@ def kv_summary(series: Mapping[str, float], engine_hits: int | None = None) -> s
     for key, value in sorted(series.items()):
         if key.startswith("router_kv_aware_no_prediction_total{") and value:
             shown.append(f"{key.removeprefix('router_kv_')} {value:g}")
+    for key, value in sorted(series.items()):
+        if key.startswith(LOAD_READS + "{") and value:
+            shown.append(f"{key.removeprefix('router_')} {value:g}")
     predicted = series.get("router_kv_aware_predicted_hit_tokens_total")
     if engine_hits and predicted is not None:
         shown.append(

@@ -12,12 +12,15 @@ from bench import kv_engines
 from bench.cache_workload import ClientStats
 from bench.kv_engines_report import (
     END,
+    LOAD_READS,
     START,
     FleetCounters,
     KvRun,
     MetricsError,
     RestartRun,
     Window,
+    kv_summary,
+    labelled_series,
     markdown,
     markers,
     place_block,
@@ -249,3 +252,17 @@ def test_a_run_that_stopped_part_way_keeps_what_it_measured_and_says_so() -> Non
     assert "| evicting | ours kv_aware | 144 | 0 | 78.0% |" in block
     assert "**Partial run**: it stopped at `BenchError: engine0-roomy exited" in block
     assert "Partial" not in markdown([_run("ours kv_aware", 0.78)], [], HEADER, "e", "r")
+
+
+def test_the_routers_view_names_how_it_read_the_engines_load() -> None:
+    text = (
+        "# TYPE router_engine_load_reads_total counter\n"
+        'router_engine_load_reads_total{source="server_load",outcome="ok"} 410\n'
+        'router_engine_load_reads_total{source="server_load",outcome="unproven"} 0\n'
+        'router_engine_load_reads_total{source="metrics",outcome="ok"} 82\n'
+    )
+    series = labelled_series(text, LOAD_READS)
+    line = kv_summary({"router_kv_events_subscriptions": 3.0, **series})
+    assert "engine_load_reads_total{outcome=ok,source=server_load} 410" in line
+    assert "engine_load_reads_total{outcome=ok,source=metrics} 82" in line
+    assert "unproven" not in line  # a zero says nothing
