@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-groups",
         default="side,two,replicas,noflag,ownload,restart",
-        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), ownload (kv_aware counting its own requests only, not reading the engines' load), restart (a router restart mid-run); margins (kv_aware alone: one process, then two routers at spread margins 0.5 and 0) and loadsource (kv_aware alone: one process, then two routers reading the engines' /load and reading /metrics only) run only when named",
+        help="with --kv-engines: the contenders to run: side (side by side), two (--processes 2), replicas (two independent routers), noflag (kv_aware without --kv-tokenizer), ownload (kv_aware counting its own requests only, not reading the engines' load), restart (a router restart mid-run); margins (kv_aware alone: one process, then two routers at spread margins 0.5 and 0) loadsource (kv_aware alone: one process, then two routers reading the engines' /load and reading /metrics only) and control (kv_aware alone: one process, two routers, and two routers of which one gets every client) run only when named",
     )
     parser.add_argument(
         "--kv-block",
@@ -257,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
             scenarios=_names(args.kv_scenarios, ("evicting", "roomy"), "scenario"),
             groups=_names(
-                args.kv_groups, [*kv_engines.ALL_GROUPS, "margins", "loadsource"], "group"
+                args.kv_groups,
+                [*kv_engines.ALL_GROUPS, "margins", "loadsource", "control"],
+                "group",
             ),
             repeat=max(1, args.kv_repeat),
             block=args.kv_block,

@@ -64,6 +64,9 @@ class KvContender:
     processes: int = 1
     replicas: int = 1
     """Independent router processes, each on its own port, the clients split between them."""
+    idle_replicas: int = 0
+    """Of the `replicas`, how many get no clients: they run beside the others (their event
+    subscriptions and load reads) and decide nothing."""
     kv_tokenizer: bool = True
     """kv_aware with `--kv-tokenizer` the model's directory; False: as an operator starts
     it, the router finds its token ids itself (`--kv-token-sources`)."""
@@ -112,6 +115,16 @@ MARGINS = (
 )
 """`kv_aware` alone, one process against two independent routers at the default spread
 margin (0.5) and at none: the replicas' figure with less of the machine's time."""
+CONTROL = (
+    KvContender("ours kv_aware", "kv_aware"),
+    KvContender("ours kv_aware (2 routers)", "kv_aware", replicas=2),
+    KvContender(
+        "ours kv_aware (1 router, 1 idle beside it)", "kv_aware", replicas=2, idle_replicas=1
+    ),
+)
+"""`kv_aware` alone: one process, two routers sharing the clients, and the control: two
+routers of which one gets every client, so one decides and the machine carries the
+second's background work (what two routers cost the engines, without two deciders)."""
 LOAD_SOURCES = (
     KvContender("ours kv_aware", "kv_aware"),
     KvContender("ours kv_aware (2 routers)", "kv_aware", replicas=2),
@@ -133,9 +146,10 @@ GROUPS = {
     "ownload": OWN_LOAD,
     "margins": MARGINS,
     "loadsource": LOAD_SOURCES,
+    "control": CONTROL,
 }
 ALL_GROUPS = ("side", "two", "replicas", "noflag", "ownload", "restart")
-"""What runs by default; `margins` and `loadsource` only when named."""
+"""What runs by default; `margins`, `loadsource` and `control` only when named."""
 
 
 def log_name(contender: str) -> str:
@@ -315,8 +329,9 @@ class KvBench:
             before = self.flush(contender, url)
             self.log(f"{self.scenario}: {contender.name}: {workload.requests} requests")
             started = time.perf_counter()
+            deciding = urls[: len(urls) - contender.idle_replicas]
             stats = trio.run(
-                partial(play, urls, workload, model=MODEL, timeout_s=REQUEST_TIMEOUT_S)
+                partial(play, deciding, workload, model=MODEL, timeout_s=REQUEST_TIMEOUT_S)
             )
             wall = time.perf_counter() - started
             time.sleep(SETTLE_S)
