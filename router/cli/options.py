@@ -270,7 +270,7 @@ OPTIONS: tuple[Option, ...] = (
         "engine_load_timeout_s",
         float,
         1.0,
-        "a reading of an engine's load not answered within this makes its load unknown (this process's own count) until the next one",
+        "a reading of an engine's load not answered within this is late: the first late one in a row leaves the last reading standing, a second makes its load unknown (this process's own count) until the next answer",
         minimum=0.01,
     ),
     Option(

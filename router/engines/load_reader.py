@@ -25,9 +25,11 @@ Which way a worker's engine is read (`LoadSource`), decided from what it is and 
   (each DP rank's running and waiting requests, its KV usage), over the router's gRPC
   pool (router.engines.grpc_service).
 
-A read that fails, times out (`timeout_s`), answers other than 200, is too large or
-cannot be read makes every view of the worker unknown at once, so no reading is ever
-older than `interval_s + timeout_s`; each outcome is counted. What a reading means for
+A read that fails, answers other than 200, is too large or cannot be read makes every
+view of the worker unknown at once; so does a read that times out (`timeout_s`), but the
+first of a row of them leaves the last reading standing (one slow read of a busy engine
+is bridged, a second in a row is not), so no reading is ever older than the interval plus
+twice the timeout; each outcome is counted. What a reading means for
 the load policies read is `router.fleet.load`: the reading lands in the worker's engine
 shares, with the time it was taken (when the read was sent: the engine's figure is at
 least that recent).
@@ -106,7 +108,8 @@ class LoadReaderSettings:
     interval_s: float = 0.5
     """Seconds between polls of an engine (docs/policies.md, "Replicas", says why 0.5)."""
     timeout_s: float = 1.0
-    """A poll not answered within this is a failed read: the load is unknown at once."""
+    """A poll not answered within this is late: a second late one in a row makes the load
+    unknown (the first leaves the last reading standing)."""
     window_s: float = 0.25
     """This process's requests sent within this before a reading are presumed not
     counted in it (`router.fleet.load`)."""
@@ -181,6 +184,15 @@ def apply_readings(
         return False
     share.observe(got[0].total, got[1], worker.inflight, window_s)
     return True
+
+
+def _known(worker: Worker) -> bool:
+    """Whether every view of `worker` holds a reading: what a first slow read in a row
+    leaves standing (the reading then at most the interval plus the timeout old; a second
+    slow read in a row makes it unknown). Dropping it at the first slow read of a busy
+    engine would leave only this process's own count, far below the engine's when other
+    replicas load it (docs/policies.md, "One load figure")."""
+    return bool(worker.shares) and all(share.read_at is not None for share in worker.shares)
 
 
 class _NotServed(Exception):
@@ -304,6 +316,7 @@ class EngineLoads:
     async def _poll(self, worker: Worker, task: _Task, pool: UpstreamPool) -> None:
         source = task.source
         settings = self.settings
+        slow_reads = 0
         while True:
             taken_at = trio.current_time()
             outcome = "ok"
@@ -334,7 +347,9 @@ class EngineLoads:
                 worker.adapters.activity = None
             if task.server_load and readings:
                 self._check_server_load(worker, task, readings)
-            if not task.server_load:
+            slow_reads = slow_reads + 1 if outcome == "timeout" else 0
+            bridged = slow_reads == 1 and _known(worker)
+            if not task.server_load and not bridged:
                 known = apply_readings(
                     worker,
                     {rank: (got, taken_at) for rank, got in readings.items()},
@@ -351,7 +366,7 @@ class EngineLoads:
         failed read or an engine that stopped counting hands the figure back to the
         metrics poll (unknown until its next reading)."""
         settings = self.settings
-        undercounts = 0
+        undercounts = slow_reads = 0
         while True:
             taken_at = trio.current_time()
             count: float | None = None
@@ -369,9 +384,11 @@ class EngineLoads:
                 outcome = "failed"
             except (BadReading, orjson.JSONDecodeError):
                 outcome = "bad_answer"
+            slow_reads = slow_reads + 1 if count is None and outcome == "timeout" else 0
             if count is None:
-                self._distrust_server_load(worker, task)
-                undercounts = 0
+                if not (slow_reads == 1 and task.server_load and _known(worker)):
+                    self._distrust_server_load(worker, task)
+                    undercounts = 0
             elif not task.server_load and count == 0:
                 outcome = "unproven"
             else:

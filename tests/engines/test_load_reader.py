@@ -155,7 +155,9 @@ async def test_an_answer_that_is_not_load_leaves_it_unknown(
             assert worker.load == 1.0  # our own count, not zero and not a stale figure
 
 
-async def test_a_reading_that_stops_coming_is_unknown_at_once_and_known_again_after() -> None:
+async def test_a_reading_that_stops_coming_is_bridged_once_then_unknown_and_known_again_after() -> (
+    None
+):
     answering = trio.Event()
     serving = {"on": True}
 
@@ -176,11 +178,20 @@ async def test_a_reading_that_stops_coming_is_unknown_at_once_and_known_again_af
             await wait_until(known(worker))
             assert worker.load == 7.0
             serving["on"] = False
-            started = trio.current_time()
+            share = worker.engine_share()
+            assert share is not None
+            last_read = share[1]
+            await wait_until(lambda: loads.reads[(LoadSource.METRICS, "timeout")] >= 1)
+            # One slow read is bridged: the last reading stands, never older than the
+            # interval plus the timeout while it does.
+            assert worker.engine_share() == share and worker.load == 7.0
             await wait_until(unknown(worker))
-            # Never older than one interval plus the timeout.
-            assert trio.current_time() - started <= FAST.interval_s + FAST.timeout_s + 0.5
-            assert loads.reads[(LoadSource.METRICS, "timeout")] >= 1
+            # A second slow read in a row is not: unknown, never past interval + 2 x timeout.
+            assert loads.reads[(LoadSource.METRICS, "timeout")] >= 2
+            age = trio.current_time() - last_read
+            assert (
+                FAST.interval_s + FAST.timeout_s < age <= FAST.interval_s + 2 * FAST.timeout_s + 0.3
+            )
             assert worker.load == 0.0  # our own count: we have nothing in flight
             serving["on"] = True
             await wait_until(known(worker))
@@ -352,6 +363,44 @@ async def test_gauges_above_load_stop_its_use_when_this_router_holds_nothing_the
             assert loads.source_of(worker.id) == LoadSource.METRICS
             await wait_until(lambda: worker.load == 4.0)
             assert loads.reads[(LoadSource.METRICS, "ok")] >= 3
+
+
+async def test_one_slow_load_read_is_bridged_and_a_second_hands_the_figure_to_the_metrics() -> None:
+    state = {"hang": 0, "count": 3}
+
+    async def respond(exchange: Exchange) -> None:
+        if exchange.request.target == b"/load":
+            if state["hang"]:
+                state["hang"] -= 1
+                await trio.sleep_forever()  # this read times out
+            await exchange.respond(200, [], b'{"server_load": %d}' % state["count"])
+        else:
+            await exchange.respond(
+                200, [], b"vllm:num_requests_running 4\nvllm:num_requests_waiting 0\n"
+            )
+
+    settings = dataclasses.replace(FAST, timeout_s=0.2, interval_s=5.0)  # /metrics: rare
+    with trio.fail_after(GUARD_S):
+        async with (
+            open_raw_upstream(respond) as upstream,
+            reading([record(upstream.url, "vllm")], settings) as (fleet, loads),
+        ):
+            worker = fleet.workers()[0]
+            await wait_until(lambda: loads.source_of(worker.id) == LoadSource.SERVER_LOAD)
+            # A slow read, then 0: counted as a reading only while /load still rules (an
+            # unproven 0 would not bring it back).
+            state["hang"], state["count"] = 1, 0
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "timeout")] == 1)
+            ok = loads.reads[(LoadSource.SERVER_LOAD, "ok")]
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "ok")] > ok)
+            assert loads.source_of(worker.id) == LoadSource.SERVER_LOAD and worker.load == 0.0
+            assert loads.reads[(LoadSource.SERVER_LOAD, "unproven")] == 0
+            state["hang"] = 2
+            await wait_until(lambda: loads.reads[(LoadSource.SERVER_LOAD, "timeout")] == 3)
+            # The second slow read in a row: /load rules no more, the figure is unknown
+            # until /metrics reads (here: every 5 s).
+            assert loads.source_of(worker.id) == LoadSource.METRICS
+            assert worker.engine_share() is None and worker.load == 0.0
 
 
 async def test_a_load_answer_that_is_not_a_count_hands_the_figure_back_to_the_metrics() -> None:
