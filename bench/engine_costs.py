@@ -234,15 +234,8 @@ def _reader_cost(work: Path, quick: bool, log: Log) -> list[str]:
     try:
         for index in range(FAKES):
             port = free_port()
-            command = python_module(
-                "router.cli",
-                "fake-worker",
-                "--port",
-                str(port),
-                "--engine",
-                "vllm",
-                "--enable-server-load-tracking",
-            )
+            tracked = ("--engine", "vllm", "--enable-server-load-tracking")
+            command = python_module("router.cli", "fake-worker", "--port", str(port), *tracked)
             fakes.append(start(f"fake{index}", command, work))
             urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(fakes, urls, strict=True):
