@@ -10,7 +10,10 @@ from their `/debug/routing`; a sample's spread is the longest queue over the mea
 1.0 is a fleet whose queues are all alike. Contenders, in turn, on the same fleet:
 
 - one router (`least_load`, reading the engines' load);
-- three replicas reading the engines' load, with the spread margin and without it;
+- three replicas reading the engines' load (`/load` every 0.1 s, the engines counting
+  their requests as vLLM does with `--enable-server-load-tracking`, beside the stepping
+  gauges of `/metrics`), with the spread margin and without it, and reading `/metrics`
+  only;
 - three replicas counting only their own requests (`--engine-load-interval-s 0`): each
   balances its own share and nothing else.
 """
@@ -58,6 +61,9 @@ class ReplicaContender:
 CONTENDERS = (
     ReplicaContender("one router", 1),
     ReplicaContender("3 replicas, engine load", 3),
+    ReplicaContender(
+        "3 replicas, engine load from /metrics only", 3, ("--engine-server-load-interval-s", "0")
+    ),
     ReplicaContender("3 replicas, engine load, margin 0", 3, ("--spread-margin", "0")),
     ReplicaContender("3 replicas, engine load, window 0.1 s", 3, ("--engine-load-window-s", "0.1")),
     ReplicaContender("3 replicas, own count only", 3, ("--engine-load-interval-s", "0")),
@@ -128,6 +134,7 @@ def run(out: Path, quick: bool, log: Log, command: str) -> int:
                 str(MAX_CONCURRENCY),
                 "--gauge-step-ms",
                 str(GAUGE_STEP_MS),
+                "--enable-server-load-tracking",
             )
             engines.append(start(f"engine{index}", command_line, work))
             urls.append(f"http://127.0.0.1:{port}")
