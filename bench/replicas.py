@@ -20,6 +20,7 @@ from their `/debug/routing`; a sample's spread is the longest queue over the mea
 
 from __future__ import annotations
 
+import re
 import statistics
 import tempfile
 import time
@@ -178,7 +179,7 @@ def measure(
             command = python_module("router.cli", "serve", "--port", str(port))
             command += ["--policy", "least_load", "--log-level", "warning", *contender.flags]
             command += [arg for url in urls for arg in ("--worker", url)]
-            name = "-".join(contender.name.replace(",", "").split()) + f"-{index}"
+            name = "-".join(re.findall(r"[A-Za-z0-9_.]+", contender.name)) + f"-{index}"
             routers.append(start(name, command, work))
             router_urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(routers, router_urls, strict=True):
