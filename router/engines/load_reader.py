@@ -122,7 +122,7 @@ class LoadReaderSettings:
     """Sent to engines whose records carry no key of their own (`--worker-api-key`)."""
     server_load_interval_s: float = 0.1
     """Seconds between reads of a vLLM engine's `/load`; 0: not read (docs/policies.md,
-    "One load figure", says why 0.1)."""
+    "Replicas", says why 0.1)."""
     server_load_window_s: float = 0.05
     """As `window_s`, for `/load`: the engine counts a request as its handler takes it,
     before tokenizing, so only requests still on the wire can be missing from it."""
