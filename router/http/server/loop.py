@@ -170,9 +170,20 @@ class _Server:
                 await connection.serve()
             finally:
                 connection.socket.close()
-        except* Exception as group:
-            # A bug in one connection must not take the server down.
-            logger.error("connection from %s failed", connection.client, exc_info=group)
+        except BaseException as exc:
+            # A bug in one connection must not take the server down: `except* Exception`,
+            # spelled out because mypyc compiles no `except*`. The Exceptions are logged
+            # as one group; anything else (a cancellation) goes on.
+            if isinstance(exc, BaseExceptionGroup):
+                group, rest = exc.split(Exception)
+            elif isinstance(exc, Exception):
+                group, rest = ExceptionGroup("", [exc]), None
+            else:
+                raise
+            if group is not None:
+                logger.error("connection from %s failed", connection.client, exc_info=group)
+            if rest is not None:
+                raise rest from None
         finally:
             self.connections.discard(connection)
             self.load.connections -= 1

@@ -64,32 +64,24 @@ _MAX_FRAMING_WITHOUT_DATA = 65536
 _CR_LF = (13, 10)
 
 
-class _Discarded(list[tuple[bytes, bytes]]):
-    """Where the fields llhttp reports after the head go (trailers, and the head of a
-    message beyond the end): nowhere. The relay has no use for them, and a worker could
-    otherwise make us hold a tuple per few bytes it sends."""
-
-    __slots__ = ()
-
-    def append(self, field: tuple[bytes, bytes]) -> None:
-        pass
-
-
-_DISCARDED = _Discarded()
-
-
 class _Events:
     """What llhttp reports for one response (the callbacks it calls)."""
 
-    __slots__ = ("beyond", "body", "complete", "headers")
+    __slots__ = ("beyond", "body", "complete", "head_read", "headers")
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.complete = False
         self.beyond = False
+        self.head_read = False
+        """Set once the head is taken: the fields llhttp reports after it (trailers, and
+        the head of a message beyond the end) go nowhere. The relay has no use for them,
+        and a worker could otherwise make us hold a tuple per few bytes it sends."""
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_read:
+            return
         # llhttp strips a value's leading whitespace but keeps its trailing whitespace.
         self.headers.append((name.lower(), value.rstrip(b" \t")))
 
@@ -172,10 +164,9 @@ class UpstreamParser:
                 ) from None
         except httptools.HttpParserError as exc:
             events = self._parse_without_content_lengths(head, exc)
-        headers = events.headers
         # Trailers come through the same callback: they must not join the head's headers.
-        events.headers = _DISCARDED
-        return int(code), headers, keep_alive
+        events.head_read = True
+        return int(code), events.headers, keep_alive
 
     def _parse_without_content_lengths(self, head: bytes, error: Exception) -> _Events:
         """Parses `head` again with a fresh llhttp that is not shown its content-length

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -491,18 +489,43 @@ class UpstreamPool:
         await trio.lowlevel.checkpoint()
 
 
-@asynccontextmanager
-async def open_upstream_pool(
-    settings: PoolSettings = DEFAULT_POOL_SETTINGS,
-) -> AsyncIterator[UpstreamPool]:
-    """A pool with its sweeper running in a nursery owned here; on exit the sweeper stops
-    and every connection is closed (those still in use when their request ends)."""
-    pool = UpstreamPool(settings)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(pool.serve_sweeper)
-        await nursery.start(pool.deadlines.serve)
+def open_upstream_pool(settings: PoolSettings = DEFAULT_POOL_SETTINGS) -> OpenedPool:
+    """A pool with its sweeper running in a nursery owned here, for `async with`: on exit
+    the sweeper stops and every connection is closed (those still in use when their
+    request ends)."""
+    return OpenedPool(UpstreamPool(settings))
+
+
+class OpenedPool:
+    """`open_upstream_pool`'s context manager. A class with `__aenter__`/`__aexit__` around
+    the nursery's own, not an `@asynccontextmanager` generator: this module is compiled
+    with mypyc, which compiles no async generators (docs/performance.md, "The compiled
+    build")."""
+
+    __slots__ = ("_manager", "_nursery", "pool")
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self._manager = trio.open_nursery()
+        self._nursery: trio.Nursery | None = None
+
+    async def __aenter__(self) -> UpstreamPool:
+        nursery = self._nursery = await self._manager.__aenter__()
         try:
-            yield pool
-        finally:
-            pool.close_idle()
-            nursery.cancel_scope.cancel()
+            await nursery.start(self.pool.serve_sweeper)
+            await nursery.start(self.pool.deadlines.serve)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self.pool
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        self.pool.close_idle()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        return bool(await self._manager.__aexit__(exc_type, exc, traceback))
