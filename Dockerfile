@@ -1,10 +1,13 @@
 # The router image the manifests in deploy/kubernetes/ name (trio-router:0.1.0):
 #   docker build -t trio-router:0.1.0 .
-# The project's wheel is built in a first stage and installed alone in a slim image
-# that runs as a non-root user, with `router serve` as the entrypoint.
+# The project's wheel is built in a first stage (the request path compiled with mypyc,
+# setup.py: gcc there only) and installed alone in a slim image that runs as a non-root
+# user, with `router serve` as the entrypoint.
 FROM python:3.11-slim AS build
+RUN apt-get update && apt-get install -y --no-install-recommends gcc \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY router ./router
 COPY conformance ./conformance
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .

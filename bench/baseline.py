@@ -74,3 +74,22 @@ def extract(ref: str, into: Path) -> Baseline:
             f" ({probe.stderr.strip()[-300:]})"
         )
     return baseline
+
+
+def compiled_env(tree: Path) -> dict[str, str]:
+    """The environment that runs `router` from the compiled build in `tree` (`make
+    compiled`). Raises BenchError unless a router started so says it is compiled."""
+    env = {"PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "--version"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if "(compiled)" not in done.stdout:
+        raise BenchError(
+            f"--compiled-tree {tree}: its router is not the compiled build "
+            f"({(done.stdout or done.stderr).strip()[:200] or 'no answer'}): run `make compiled`"
+        )
+    return env

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import grpc_row, report
-from bench.baseline import extract
+from bench.baseline import compiled_env, extract
 from bench.plan import (
     CASES,
     CONTENDERS,
@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline",
         metavar="REF",
         help="also run ours-base, the router as of git REF (its tree extracted into the work directory), beside ours in the same interleaved rounds: the A/B of a change (bench/baseline.py)",
+    )
+    parser.add_argument(
+        "--compiled-tree",
+        metavar="PATH",
+        type=Path,
+        help="run ours (and its variants) from the compiled build in PATH (`make compiled` builds build/compiled-tree), and ours-pure, this checkout's sources, beside it; refused unless PATH's router says it is compiled (`make bench` gives it)",
     )
     parser.add_argument(
         "--profile",
@@ -308,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stages:
         return _stages(duration)
     if args.instructions:
-        return _instructions(args.requests, args.baseline)
+        return _instructions(args.requests, args.baseline, args.compiled_tree)
     resume = args.fleet_engine == "vllm"
     default_cases = RESUME_CASES if resume else QUICK_CASES if args.quick else tuple(CASES)
     cases = _names(args.cases or ",".join(default_cases), list(CASES), "case")
@@ -332,6 +338,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if duration < 1 or args.rounds < 1:
         raise SystemExit("python -m bench: --duration and --rounds must be at least 1")
     notes: list[str] = []
+    ours_env: dict[str, str] = {}
+    if args.compiled_tree is not None:
+        try:
+            ours_env = compiled_env(args.compiled_tree)
+        except BenchError as exc:
+            parser.error(str(exc))
+        if "ours" in contenders and "ours-pure" not in contenders:
+            contenders.insert(contenders.index("ours") + 1, "ours-pure")
+    elif "ours-pure" in contenders:
+        parser.error("ours-pure runs beside the compiled build: give --compiled-tree")
     if args.baseline and "ours-base" not in contenders:
         contenders.append("ours-base")
     if "ours-base" in contenders and not args.baseline:
@@ -365,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = Session(notes=notes)
     with tempfile.TemporaryDirectory(prefix="bench-") as work:
         bench = Bench(Path(work), wrk, duration, log, nofile)
+        bench.ours_env = ours_env
         try:
             if args.baseline:
                 bench.baseline = extract(args.baseline, Path(work))
@@ -388,6 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if bench.baseline is not None:
         header["baseline"] = bench.baseline.label()
+    header["build"] = (
+        f"the compiled build ({args.compiled_tree})"
+        if args.compiled_tree is not None
+        else "the pure build (this checkout's sources)"
+    )
     header["command"] = header["command"].rstrip()
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -440,8 +462,9 @@ def _grpc_rows(
     return 0
 
 
-def _instructions(requests: int, ref: str | None) -> int:
-    """The instruction counts on stdout (bench/instructions.py)."""
+def _instructions(requests: int, ref: str | None, compiled_tree: Path | None) -> int:
+    """The instruction counts on stdout (bench/instructions.py); `ours` the compiled build
+    in `compiled_tree` when given."""
     from bench import instructions
 
     started = time.monotonic()
@@ -455,7 +478,12 @@ def _instructions(requests: int, ref: str | None) -> int:
         except BenchError as exc:
             print(f"python -m bench: {exc}", file=sys.stderr)
             return 1
-        return instructions.main_entry(Path(work), requests, baseline, log)
+        try:
+            ours_env = None if compiled_tree is None else compiled_env(compiled_tree)
+        except BenchError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 2
+        return instructions.main_entry(Path(work), requests, baseline, log, ours_env)
 
 
 def _stages(duration: int) -> int:

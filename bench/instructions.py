@@ -258,8 +258,16 @@ def _parts(out: Path) -> dict[int, int]:
     return parts
 
 
-def run(work: Path, requests: int, baseline: Baseline | None, log: Log) -> str:
-    """Count `ours` (and `ours-base` with a baseline) side by side; the table as Markdown."""
+def run(
+    work: Path,
+    requests: int,
+    baseline: Baseline | None,
+    log: Log,
+    ours_env: Mapping[str, str] | None = None,
+) -> str:
+    """Count `ours` (and `ours-base` with a baseline) side by side; the table as Markdown.
+    `ours_env`: where `ours` imports `router` from (the compiled build's tree); by default
+    this checkout's sources."""
     if requests < 1:
         raise BenchError("--requests must be at least 1")
     find_valgrind()
@@ -277,9 +285,10 @@ def run(work: Path, requests: int, baseline: Baseline | None, log: Log) -> str:
             urls.append(url)
         # Both import `router` the same way (from PYTHONPATH, no working directory first):
         # started from the checkout instead, ours counted 0.35 % fewer in an A/A.
-        routers: list[tuple[str, Mapping[str, str] | None]] = [
-            ("ours", {"PYTHONPATH": str(REPO), "PYTHONSAFEPATH": "1"})
-        ]
+        ours = (
+            ours_env if ours_env is not None else {"PYTHONPATH": str(REPO), "PYTHONSAFEPATH": "1"}
+        )
+        routers: list[tuple[str, Mapping[str, str] | None]] = [("ours", ours)]
         if baseline is not None:
             routers.append(("ours-base", baseline.env))
         counts = {name: count_router(name, urls, work, requests, env, log) for name, env in routers}
@@ -318,9 +327,15 @@ def table(counts: Mapping[str, list[Count]], baseline: Baseline | None) -> str:
     return "\n".join(lines)
 
 
-def main_entry(work: Path, requests: int, baseline: Baseline | None, log: Log) -> int:
+def main_entry(
+    work: Path,
+    requests: int,
+    baseline: Baseline | None,
+    log: Log,
+    ours_env: Mapping[str, str] | None = None,
+) -> int:
     try:
-        print(run(work, requests, baseline, log))
+        print(run(work, requests, baseline, log, ours_env))
     except BenchError as exc:
         print(f"python -m bench --instructions: {exc}", file=sys.stderr)
         return 1

@@ -101,6 +101,9 @@ CONTENDERS: dict[str, Contender] = {
         Contender("ours-noresume", "router serve --resume-limit 0", ("--resume-limit", "0")),
         # `--baseline REF`: the same as `ours`, run from REF's tree (bench/baseline.py).
         Contender("ours-base", "router serve as of the --baseline commit", ()),
+        # `--compiled-tree PATH`: `ours` (and its variants) run the compiled build there;
+        # `ours-pure` runs this checkout's sources beside it.
+        Contender("ours-pure", "router serve from its Python sources (the pure build)", ()),
         Contender(
             "ours-hypercorn",
             "router serve --server hypercorn (ASGI adapter)",
@@ -127,6 +130,8 @@ RESUME_CONTENDERS = ("ours-noresume", "ours-resume", "smg")
 the Rust gateway."""
 RESUME_CASES = ("stream-c32", "paced-c64")
 DEFAULT_CONTENDERS = tuple(
-    name for name in CONTENDERS if name not in ("ours-resume", "ours-noresume", "ours-base")
+    name
+    for name in CONTENDERS
+    if name not in ("ours-resume", "ours-noresume", "ours-base", "ours-pure")
 )
 """What a run on the default fleet plays: the resume pair relays as `ours` does there."""

@@ -246,6 +246,8 @@ def results_markdown(
         out.append(
             f"`ours-base`: the router as of `{header['baseline']}`, the same flags as `ours`."
         )
+    if "build" in header:
+        out.append(f"`ours`: {header['build']}.")
     out.append("")
     if png_name:
         out += [f"![requests per router CPU-second and p99 latency per case]({png_name})", ""]
@@ -375,6 +377,8 @@ def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list
     pairs = [
         ("ours / smg", "ours", "smg"),
         ("ours / ours-base", "ours", "ours-base"),
+        ("ours / ours-pure", "ours", "ours-pure"),
+        ("ours-pure / smg", "ours-pure", "smg"),
         ("ours-resume / ours-noresume", "ours-resume", "ours-noresume"),
         ("ours-resume / smg", "ours-resume", "smg"),
         ("ours-noresume / smg", "ours-noresume", "smg"),

@@ -135,6 +135,9 @@ class Bench:
         self._scripts: dict[bytes, Path] = {}
         self.baseline: Baseline | None = None
         """What `ours-base` runs (`--baseline`); it cannot start without one."""
+        self.ours_env: dict[str, str] = {}
+        """Where `ours` and its variants import `router` from: the compiled tree
+        (`--compiled-tree`), or this checkout (empty: its sources, the pure build)."""
 
     def close(self) -> None:
         for proc in reversed(self._procs):
@@ -175,6 +178,8 @@ class Bench:
                     if self.baseline is None:
                         raise BenchError("ours-base runs the --baseline commit: give one")
                     env = self.baseline.env
+                elif name != "ours-pure":
+                    env = dict(self.ours_env)
                 command = python_module(
                     "router.cli",
                     "serve",

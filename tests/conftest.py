@@ -16,6 +16,29 @@ from tests.support.etcd_server import EtcdServer, etcd_available, open_etcd_serv
 # `pytest` draw new examples on every run.
 settings.register_profile("suite", derandomize=True)
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse a checkout whose request path runs from compiled extensions beside its
+    sources (`pip install -e .` without ROUTER_PURE_PYTHON=1): they shadow every edit, so
+    the suite would test the code as it was at the install. The compiled build is tested
+    from its own tree (`make test-compiled`)."""
+    import router.api.errors
+
+    module = Path(router.api.errors.__file__).resolve()
+    built_tree = (REPO / ".compiled").exists()  # `make compiled`'s tree: meant to be so
+    if (
+        not module.name.endswith(".py")
+        and module.is_relative_to(REPO / "router")
+        and not built_tree
+    ):
+        raise pytest.UsageError(
+            f"{module} is a compiled extension in the checkout: it shadows its source. "
+            "Remove the checkout's compiled files (git clean -fX router) and install with "
+            "ROUTER_PURE_PYTHON=1 (`make setup` does)."
+        )
+
 
 @pytest.fixture
 async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:

@@ -21,6 +21,7 @@ onto this tree at the boundary (`answer_refusal`), so the server never speaks fo
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import orjson
 
@@ -46,9 +47,11 @@ def retry_after(seconds: float) -> tuple[bytes, bytes]:
 class RouterError(Exception):
     """An error the client is told about, OpenAI-shaped: {"error": {message, type, code}}."""
 
-    status = 500
-    type = "internal_error"
-    code = "internal_error"
+    # Class variables, so that each subclass's own values are read: compiled (setup.py),
+    # plain ones would be per-instance attributes a subclass's class body does not set.
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    code: ClassVar[str] = "internal_error"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -21,7 +21,8 @@ SUBCOMMANDS = {
 def _usage() -> str:
     lines = ["usage: router <command> [options]", "", "commands:"]
     lines += [f"  {name:<12} {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
-    lines += ["", "`router <command> --help` describes each command's options."]
+    lines += ["", "`router <command> --help` describes each command's options;"]
+    lines += ["`router --version` says the version and the build (compiled or pure)."]
     return "\n".join(lines)
 
 
@@ -30,6 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] == "--version":
+        from router import __version__
+        from router.observability.runtime_metrics import build
+
+        print(f"router {__version__} ({build()})")
+        return 0
     command, rest = args[0], args[1:]
     if command not in SUBCOMMANDS:
         print(f"router: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)

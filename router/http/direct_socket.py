@@ -167,6 +167,13 @@ class SendStalled(trio.BrokenResourceError):
 
 
 def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:
+    """trio's error for a failed socket call, with `exc` as its cause. Set here, not only
+    by `raise ... from exc`: compiled (setup.py), `from` sets no `__cause__`, and what the
+    upstream pool says of a broken connection names it."""
+    error: trio.BrokenResourceError | trio.ClosedResourceError
     if exc.errno in _CLOSED_ERRNOS:
-        return trio.ClosedResourceError("the socket was already closed")
-    return trio.BrokenResourceError(f"socket connection broken: {exc}")
+        error = trio.ClosedResourceError("the socket was already closed")
+    else:
+        error = trio.BrokenResourceError(f"socket connection broken: {exc}")
+    error.__cause__ = exc
+    return error

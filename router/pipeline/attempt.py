@@ -32,7 +32,7 @@ from router.fleet.ranks import RankChooser
 from router.fleet.records import Role
 from router.fleet.registry import Fleet, Worker
 from router.http.server.messages import Request, ResponseWriter
-from router.http.upstream.pool import UpstreamPool
+from router.http.upstream.pool import UpstreamRequests
 from router.observability.metrics import RequestMetrics
 from router.observability.request_id import current_request_id
 from router.observability.tracing import NO_ATTEMPT_TRACE, AttemptTrace, current_trace
@@ -217,7 +217,7 @@ class AttemptRunner:
     def __init__(
         self,
         fleet: Fleet,
-        pool: UpstreamPool,
+        pool: UpstreamRequests,
         request_metrics: RequestMetrics,
         timeouts: Timeouts,
         policies: Mapping[Role, Policy],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -19,14 +20,14 @@ import trio
 
 from router.api.errors import RouterOverloaded, WorkerUnreachable
 from router.http.server.messages import Headers, ResponseWriter
-from router.http.upstream.connection import UpstreamConnectTimeout, UpstreamResponse
+from router.http.upstream.connection import UpstreamConnectTimeout
 from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
 )
-from router.http.upstream.pool import PooledRequest, UpstreamPool
+from router.http.upstream.pool import UpstreamAnswer, UpstreamRequests
 from router.pipeline.relay import EventCutter
 from router.pipeline.stall_watch import StallWatch
 from router.pipeline.stream_capture import GarbledEvent
@@ -121,7 +122,7 @@ def client_headers(worker_headers: Headers, worker_id: str) -> list[tuple[bytes,
 
 
 def open_upstream_response(
-    pool: UpstreamPool,
+    pool: UpstreamRequests,
     url: str,
     path: str,
     headers: list[tuple[bytes, bytes]],
@@ -159,12 +160,14 @@ class UpstreamAttempt:
 
     __slots__ = ("_request", "_timeouts", "_url")
 
-    def __init__(self, request: PooledRequest, url: str, timeouts: Timeouts) -> None:
+    def __init__(
+        self, request: AbstractAsyncContextManager[UpstreamAnswer], url: str, timeouts: Timeouts
+    ) -> None:
         self._request = request
         self._url = url
         self._timeouts = timeouts
 
-    async def __aenter__(self) -> UpstreamResponse:
+    async def __aenter__(self) -> UpstreamAnswer:
         url = self._url
         try:
             return await self._request.__aenter__()
@@ -174,21 +177,21 @@ class UpstreamAttempt:
                 f"{url} sent no response headers within {self._timeouts.first_byte_s:g}s",
                 fault=True,
             ) from None
-        except UpstreamConnectTimeout as exc:
-            raise AttemptFailed("connect_timeout", str(exc), fault=True) from None
-        except UpstreamConnectError as exc:
+        except UpstreamConnectTimeout as timed_out:
+            raise AttemptFailed("connect_timeout", str(timed_out), fault=True) from None
+        except UpstreamConnectError as refused:
             # The pool's message already names the URL.
-            raise AttemptFailed("connect_error", str(exc), fault=True) from None
-        except UpstreamError as exc:
+            raise AttemptFailed("connect_error", str(refused), fault=True) from None
+        except UpstreamError as broke:
             raise AttemptFailed(
-                "transport_error", f"{url} broke the connection: {exc}", fault=True
+                "transport_error", f"{url} broke the connection: {broke}", fault=True
             ) from None
-        except LocalShortage as exc:
+        except LocalShortage as shortage:
             # The router's own trouble: no verdict on the worker, no other worker tried (it
             # would meet the same shortage).
-            raise RouterOverloaded(str(exc), exc.kind) from None
-        except Exception as exc:
-            raise unexpected_failure(url, exc) from exc
+            raise RouterOverloaded(str(shortage), shortage.kind) from None
+        except Exception as unexpected:
+            raise unexpected_failure(url, unexpected) from unexpected
 
     async def __aexit__(
         self,
@@ -199,7 +202,7 @@ class UpstreamAttempt:
         await self._request.__aexit__(exc_type, exc, traceback)
 
 
-async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> Answer:
+async def read_answer(response: UpstreamAnswer, url: str, idle_s: float) -> Answer:
     """Read a whole upstream body, no chunk further apart than `idle_s`."""
     whole = response.take_whole_body()
     if whole is not None:
@@ -215,12 +218,12 @@ async def read_answer(response: UpstreamResponse, url: str, idle_s: float) -> An
                 if not chunk:
                     break
                 parts.append(chunk)
-        except UpstreamError as exc:
+        except UpstreamError as broke:
             raise AttemptFailed(
-                "transport_error", f"{url} broke the connection mid-answer: {exc}", fault=True
+                "transport_error", f"{url} broke the connection mid-answer: {broke}", fault=True
             ) from None
-        except Exception as exc:
-            raise unexpected_failure(url, exc) from exc
+        except Exception as unexpected:
+            raise unexpected_failure(url, unexpected) from unexpected
     if idle.cancelled_caught:
         raise AttemptFailed("body_timeout", f"{url} stalled for {idle_s:g}s mid-answer", fault=True)
     return Answer(
@@ -266,7 +269,7 @@ def adapter_missing(answer: Answer, url: str, adapter: str) -> AttemptFailed:
     )
 
 
-async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float) -> bytes:
+async def first_stream_chunk(response: UpstreamAnswer, url: str, idle_s: float) -> bytes:
     """The first body bytes of a 200 stream; nothing has reached the client yet."""
     try:
         # The deadline is the pool's timer's: no cancel scope per stream.
@@ -275,12 +278,12 @@ async def first_stream_chunk(response: UpstreamResponse, url: str, idle_s: float
         raise AttemptFailed(
             "first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True
         ) from None
-    except UpstreamError as exc:
+    except UpstreamError as broke:
         raise AttemptFailed(
-            "transport_error", f"{url} broke the stream before its first event: {exc}", fault=True
+            "transport_error", f"{url} broke the stream before its first event: {broke}", fault=True
         ) from None
-    except Exception as exc:
-        raise unexpected_failure(url, exc) from exc
+    except Exception as unexpected:
+        raise unexpected_failure(url, unexpected) from unexpected
     if not chunk:
         raise AttemptFailed(
             "empty_stream", f"{url} ended a 200 stream without any event", fault=True
@@ -332,7 +335,7 @@ class StreamBroken(Exception):
 
 
 async def relay_stream(
-    response: UpstreamResponse,
+    response: UpstreamAnswer,
     first: bytes,
     writer: ResponseWriter,
     url: str,

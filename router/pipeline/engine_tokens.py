@@ -23,7 +23,7 @@ import trio
 
 from router.fleet.registry import Worker
 from router.http.upstream.exceptions import LocalShortage, UpstreamError
-from router.http.upstream.pool import UpstreamPool
+from router.http.upstream.pool import UpstreamRequests
 from router.pipeline.resolve import GenerationRequest
 from router.policies.kv_aware import CHAT, NO_TOKENS, tokens_or_reason
 from router.prompts.chat_request import NotRendered
@@ -52,7 +52,7 @@ class EngineTokens:
     def __init__(
         self,
         sources: TokenSources,
-        pool: UpstreamPool,
+        pool: UpstreamRequests,
         settings: EngineTokenSettings,
         worker_api_key: str = "",
     ) -> None:

@@ -191,10 +191,10 @@ class GrpcEngines:
                 return known
             try:
                 info = await model_info(self._pool, url, self._timeout_s)
-            except GrpcFactsUnavailable as exc:
-                raise AttemptFailed("model_info", str(exc), fault=True) from None
-            except GrpcMessagesMissing as exc:
-                raise AttemptFailed("no_grpc_messages", str(exc), fault=False) from None
+            except GrpcFactsUnavailable as unavailable:
+                raise AttemptFailed("model_info", str(unavailable), fault=True) from None
+            except GrpcMessagesMissing as missing:
+                raise AttemptFailed("no_grpc_messages", str(missing), fault=False) from None
             path = info.tokenizer_path
             tokenizer = self._tokenizers.get(path)
             if tokenizer is None:
@@ -203,8 +203,8 @@ class GrpcEngines:
                 if failed is None or now - failed[0] >= self._retry_s:
                     try:
                         tokenizer = await trio.to_thread.run_sync(self._load, path)
-                    except (ValueError, OSError) as exc:
-                        failed = self._unloadable[path] = (now, str(exc))
+                    except (ValueError, OSError) as unreadable:
+                        failed = self._unloadable[path] = (now, str(unreadable))
                 if tokenizer is None:
                     assert failed is not None
                     raise AttemptFailed(
@@ -235,12 +235,12 @@ def prompt_ids(generation: GenerationRequest, tokenizer: TextTokenizer) -> list[
         else:
             prompt = completions_prompt(generation.body)
         return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    except NotRendered as exc:
+    except NotRendered as unrendered:
         raise BadRequest(
-            f"over gRPC the router renders the prompt itself, and not this: {exc}"
+            f"over gRPC the router renders the prompt itself, and not this: {unrendered}"
         ) from None
-    except TemplateFailed as exc:
-        raise BadRequest(f"the chat template failed for this request: {exc}") from None
+    except TemplateFailed as failed_template:
+        raise BadRequest(f"the chat template failed for this request: {failed_template}") from None
 
 
 class Choices:
@@ -386,12 +386,12 @@ class GrpcDispatch:
                     )
                 done = True
                 return status
-        except GrpcError as error:
+        except GrpcError as grpc_error:
             # A status is the engine's own end of the call: nothing left to abort.
-            done = isinstance(error, GrpcStatusError)
-            raise call_failure(url, error) from None
-        except LocalShortage as error:
-            raise call_failure(url, error) from None
+            done = isinstance(grpc_error, GrpcStatusError)
+            raise call_failure(url, grpc_error) from None
+        except LocalShortage as shortage:
+            raise call_failure(url, shortage) from None
         finally:
             if not done:
                 await self._abort(url, built.request_id)
@@ -485,17 +485,19 @@ class GrpcDispatch:
                 idle.deadline = trio.current_time() + idle_s
                 try:
                     raw = await call.receive_message()
-                except GrpcError as exc:
+                except GrpcError as grpc_error:
                     error = stream_error_event(
-                        f"worker {url} broke the stream: {exc}", "stream_interrupted", dialect
+                        f"worker {url} broke the stream: {grpc_error}",
+                        "stream_interrupted",
+                        dialect,
                     )
                     break
                 if raw is None:
                     break
                 try:
                     message = _parse(url, raw)
-                except AttemptFailed as exc:
-                    error = stream_error_event(exc.detail, "stream_interrupted", dialect)
+                except AttemptFailed as attempt_failed:
+                    error = stream_error_event(attempt_failed.detail, "stream_interrupted", dialect)
                     break
         if idle.cancelled_caught:
             error = stream_error_event(

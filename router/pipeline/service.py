@@ -36,7 +36,7 @@ from router.fleet.registry import Fleet, Worker
 from router.http.direct_socket import SendStalled
 from router.http.grpc import GrpcPool
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
-from router.http.upstream.pool import UpstreamPool
+from router.http.upstream.pool import UpstreamRequests
 from router.observability.metrics import PipelineMetrics, RequestMetrics
 from router.observability.request_id import current_request_id
 from router.pipeline.attempt import (
@@ -128,7 +128,7 @@ class GenerationService:
         self,
         settings: FailoverSettings,
         fleet: Fleet,
-        pool: UpstreamPool,
+        pool: UpstreamRequests,
         request_metrics: RequestMetrics,
         pipeline_metrics: PipelineMetrics,
         *,
@@ -490,7 +490,11 @@ class GenerationService:
         """The token ids `kv_aware` predicts with, once, before the first pick (asking an
         engine of the leg it scores when they cannot be computed here)."""
         assert self.engine_tokens is not None
-        for role in self.kv_roles & plan.legs.keys():
+        # Not `kv_roles & plan.legs.keys()`: that is a set at run time, whatever the types
+        # say, and the compiled build checks the value against them.
+        for role in plan.legs:
+            if role not in self.kv_roles:
+                continue
             generation.tokens = await self.engine_tokens.resolve(
                 generation,
                 plan.legs[role].candidates,

@@ -265,6 +265,7 @@ class BrokenBreaker:
         raise RuntimeError("the verdict failed")
 
 
+@pytest.mark.pure_only  # a breaker double where the compiled Worker takes only a CircuitBreaker
 async def test_a_verdict_that_raises_still_ends_every_lease(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -128,6 +128,7 @@ async def relay(pieces: list[bytes], paced: bool) -> tuple[int, bytes]:
     return counting.sends, data
 
 
+@pytest.mark.pure_only  # counts sends by subclassing DirectSocket, which compiled is final
 @pytest.mark.parametrize("paced", [False, True], ids=["at-once", "one-event-per-read"])
 def test_the_head_goes_with_the_first_events_and_the_last_with_the_end(paced: bool) -> None:
     if paced:

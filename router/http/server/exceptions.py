@@ -9,6 +9,7 @@ status, headers and body (the router's maps them to its error tree:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 __all__ = [
     "AnswerRefusal",
@@ -27,7 +28,8 @@ __all__ = [
 class Refusal(Exception):
     """A request the server answers itself; `status` is what HTTP says of it."""
 
-    status = 400
+    # A class variable, so that each subclass's own value is read (see api/errors.py).
+    status: ClassVar[int] = 400
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -61,13 +61,21 @@ class RequestReader:
                 return None
             return await self._read_body(head, reservation)
         except ParseError as exc:
-            self.method = self.method or self._reader.parser.method
+            self._keep_method()
             raise protocol_error(exc, self._settings) from None
         except Refusal:
-            self.method = self.method or self._reader.parser.method
+            self._keep_method()
             raise
         except trio.BrokenResourceError:
             return None
+
+    def _keep_method(self) -> None:
+        """The method as far as the parser got, for a refusal. A method of its own, not
+        `self.method or ...` in `read`: there mypy narrows `self.method` to None from the
+        assignment at its top, across the awaits that set it, and the compiled build
+        checks the value against that narrowed type."""
+        if self.method is None:
+            self.method = self._reader.parser.method
 
     async def _read_head(self, deadline: float | None, shutting_down: bool) -> RequestHead | None:
         """Wait for the next request head (its framing checked by the parser).

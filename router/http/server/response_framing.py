@@ -19,6 +19,7 @@ before any byte is sent.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.http.field_names import lowered_field_name
@@ -62,9 +63,15 @@ class ResponseHead:
     keep_alive: bool
 
 
+LenientHeaders = Sequence[tuple[bytes | str, bytes | str]]
+"""What `encode_head` takes: `Headers`, or header text as str (ASCII), which it encodes.
+Typed so, not as `Headers`, so that the compiled build (setup.py), which checks a value
+against its declared type, takes the text too."""
+
+
 def encode_head(
     status: int,
-    headers: Headers,
+    headers: LenientHeaders,
     reason: bytes,
     *,
     method: str,

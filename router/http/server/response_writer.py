@@ -209,12 +209,16 @@ class ResponseWriter:
         write timeout (the request then ends as if the client had left)."""
         try:
             await self._socket.send_all(data, stall_timeout_s=self._write_timeout_s)
-        except SendStalled as exc:
+        except SendStalled as stalled:
             self._request.client_gone = True
-            raise ClientDisconnected(f"the client stopped reading: {exc}") from exc
-        except trio.BrokenResourceError as exc:
+            gone = ClientDisconnected(f"the client stopped reading: {stalled}")
+            # Set, not only `raise ... from`: compiled (setup.py), `from` sets no cause, and
+            # the pipeline tells a stalled client from a departed one by it.
+            gone.__cause__ = stalled
+            raise gone from stalled
+        except trio.BrokenResourceError as broken:
             self._request.client_gone = True
-            raise ClientDisconnected("the client closed the connection") from exc
+            raise ClientDisconnected("the client closed the connection") from broken
 
 
 @functools.cache

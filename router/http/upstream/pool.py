@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
+from typing import Protocol
 
 import trio
 
@@ -56,15 +58,52 @@ __all__ = [
     "PoolSettings",
     "PoolStatistics",
     "PooledRequest",
+    "UpstreamAnswer",
     "UpstreamConnectError",
     "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamPool",
     "UpstreamProtocolError",
+    "UpstreamRequests",
     "UpstreamResponse",
     "UpstreamTimeout",
     "open_upstream_pool",
 ]
+
+
+class UpstreamAnswer(Protocol):
+    """What the request pipeline reads of a worker's response (an `UpstreamResponse`):
+    typed so for the reason `UpstreamRequests` is."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+    async def receive_some(self, deadline: float = math.inf) -> bytes: ...
+
+    def body_ended(self) -> bool: ...
+
+    def abandon(self) -> None: ...
+
+    def take_whole_body(self) -> bytes | None: ...
+
+
+class UpstreamRequests(Protocol):
+    """What the request pipeline asks of the pool: one request to a worker. The pipeline
+    takes this, not `UpstreamPool`, so that a test can hand it a scripted pool: the
+    compiled build (setup.py) checks a class's type wherever one is passed, never a
+    Protocol's."""
+
+    def request(
+        self,
+        base_url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        connect_timeout_s: float | None = None,
+        head_deadline: float = math.inf,
+    ) -> AbstractAsyncContextManager[UpstreamAnswer]: ...
 
 
 @dataclass(frozen=True, slots=True)
