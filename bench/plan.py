@@ -104,6 +104,12 @@ CONTENDERS: dict[str, Contender] = {
         # `--compiled-tree PATH`: `ours` (and its variants) run the compiled build there;
         # `ours-pure` runs this checkout's sources beside it.
         Contender("ours-pure", "router serve from its Python sources (the pure build)", ()),
+        # The A/B of the collector's settings (router/observability/garbage_collection.py).
+        Contender(
+            "ours-gc-default",
+            "router serve --gc-young-threshold 0 (Python's own collector settings)",
+            ("--gc-young-threshold", "0"),
+        ),
         Contender(
             "ours-hypercorn",
             "router serve --server hypercorn (ASGI adapter)",
@@ -132,6 +138,6 @@ RESUME_CASES = ("stream-c32", "paced-c64")
 DEFAULT_CONTENDERS = tuple(
     name
     for name in CONTENDERS
-    if name not in ("ours-resume", "ours-noresume", "ours-base", "ours-pure")
+    if name not in ("ours-resume", "ours-noresume", "ours-base", "ours-pure", "ours-gc-default")
 )
 """What a run on the default fleet plays: the resume pair relays as `ours` does there."""

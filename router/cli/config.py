@@ -22,6 +22,7 @@ from router.discovery.kube_pods import BadSelector, pod_sources
 from router.discovery.static import parse_worker_spec, read_workers_file, records_from_list
 from router.edge.claims import PriorityClasses, TrafficSettings, TrafficSettingsError
 from router.fleet.records import InvalidWorkerRecord, WorkerRecord
+from router.observability.garbage_collection import DEFAULT_YOUNG_THRESHOLD
 from router.pipeline.model_names import ModelNames, ModelNamesError
 from router.pipeline.resume import parse_routes
 from router.prompts.token_sources import parse_order
@@ -94,6 +95,7 @@ class Settings:
     model_fallbacks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     server: str = "native"
     processes: int = 1
+    gc_young_threshold: int = DEFAULT_YOUNG_THRESHOLD
     reuse_port: bool = False
     k8s_namespace: str = ""
     k8s_selector: str = ""

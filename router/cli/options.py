@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from router.observability.garbage_collection import DEFAULT_YOUNG_THRESHOLD
 from router.policies.by_name import POLICY_NAMES
 
 ENV_PREFIX = "ROUTER_"
@@ -135,6 +136,13 @@ OPTIONS: tuple[Option, ...] = (
         1,
         "router processes sharing the port (SO_REUSEPORT); each keeps its own breaker state and discovery watch; > 1 needs an explicit port",
         minimum=1,
+    ),
+    Option(
+        "gc_young_threshold",
+        int,
+        DEFAULT_YOUNG_THRESHOLD,
+        "Python's garbage collector once serving: net allocations between young collections, with what start-up built frozen (never walked again); 0: Python's own settings (700), nothing frozen",
+        minimum=0,
     ),
     Option(
         "k8s_namespace",

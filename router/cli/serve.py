@@ -19,7 +19,7 @@ from functools import partial
 
 import httpx
 import trio
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, GCCollector
 
 from router.api.errors import answer_refusal
 from router.cli.config import (
@@ -61,6 +61,7 @@ from router.http.server.load import ServerLoad
 from router.http.server.loop import serve_http
 from router.http.server.settings import ServerSettings
 from router.http.upstream.pool import PoolSettings, open_upstream_pool
+from router.observability.garbage_collection import PAUSES, GarbageCollectionCollector, settle
 from router.observability.logs import configure_logging
 from router.observability.metrics import BreakerMetrics, DiscoveryMetrics, RouterMetrics
 from router.observability.request_id import current_request_id
@@ -333,6 +334,9 @@ async def run_router(
         metrics.watch_pool(pool)
         metrics.watch_grpc_pool(grpc)
         metrics.registry.register(TaskCollector())
+        PAUSES.install()  # once per process: the collector's clock is the interpreter's
+        metrics.registry.register(GarbageCollectionCollector())
+        GCCollector(registry=metrics.registry)
         # Before discovery, so a worker named without its facts is asked at once.
         await nursery.start(
             partial(
@@ -603,8 +607,14 @@ async def _main(settings: Settings) -> None:
                     shutdown.set()
 
         nursery.start_soon(watch_signals)
-        await run_router(settings, shutdown=shutdown)
-        nursery.cancel_scope.cancel()
+
+        async def route_then_stop(*, task_status: trio.TaskStatus[RunningRouter]) -> None:
+            await run_router(settings, shutdown=shutdown, task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+        await nursery.start(route_then_stop)
+        # Serving: what start-up built stays for the process's life (see the module).
+        settle(settings.gc_young_threshold)
     log.info("router stopped")
 
 
