@@ -10,12 +10,14 @@ c=32 (docs/performance.md, "The garbage collector").
 
 `settle` is called once the router serves. It collects what start-up left, freezes what
 is alive (`gc.freeze`: the full collections skip it from then on) and raises the young
-threshold, so collections come a hundred times less often and each walks only what was
-built since start. What a frozen object costs: if it later becomes part of a cycle that
-is garbage (a worker known at start that leaves the fleet, say) its memory is never
-reclaimed; that is bounded by what existed at start. Cyclic garbage made later waits for
-at most `young_threshold` net allocations (a few MB at the default) before a collection
-finds it.
+threshold: under load there is then no collection at all (the requests' objects die by
+reference counting) and the rare one walks only what was built since start. What a
+frozen object costs: if it later becomes part of a cycle that is garbage (a worker known
+at start that leaves the fleet, say) its memory is never reclaimed; that is bounded by
+what existed at start. Cyclic garbage made later waits for at most `young_threshold` net
+allocations before a collection finds it; the request path makes next to none, on its
+failure paths too (a worker's reset, a broken stream, garbage, a first-byte timeout, a
+client gone mid-stream: ~0 objects collected per request, docs/performance.md).
 
 `PauseClock` times every collection (two clock reads a collection, not per request);
 `GarbageCollectionCollector` exports the seconds by generation and the frozen count.
@@ -31,7 +33,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-DEFAULT_YOUNG_THRESHOLD = 10_000
+DEFAULT_YOUNG_THRESHOLD = 100_000
 """Net container allocations between young collections once settled (Python's own: 700)."""
 
 
