@@ -7,7 +7,9 @@ then SIGKILL once the grace is over.
 
 Every child leads a process group of its own, and the signals go to the whole group: a
 plane that is a launcher script in front of a binary, or a sidecar that forks, leaves
-nothing behind. Whatever is still in the group once the child has exited is killed too.
+nothing behind. Whatever is still in the group once the child has exited is killed too,
+and the block waits (up to `GROUP_EXIT_WAIT_S`) until none of it is alive: a SIGKILLed
+process takes a moment to die, and a caller that looks right after must find it gone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from functools import partial
 import trio
 
 LOG_LINES = 300
+GROUP_EXIT_WAIT_S = 5.0
+"""How long leaving `open_process` waits for the SIGKILLed members of its group to die."""
 
 
 class ProcessFailed(RuntimeError):
@@ -199,6 +203,33 @@ async def open_process(
             nursery.cancel_scope.cancel()
     # The child has exited and been reaped; its group may still hold grandchildren.
     _signal_group(process, signal.SIGKILL)
+    with trio.CancelScope(shield=True), trio.move_on_after(GROUP_EXIT_WAIT_S):
+        while live_group_members(process.pid):  # noqa: ASYNC110 - no event tells of a grandchild's death
+            await trio.sleep(0.01)
+
+
+def live_group_members(group: int) -> list[int]:
+    """The processes of group `group` that are not zombies (a zombie is dead; its new
+    parent reaps it), read from /proc; [] where there is no /proc to read."""
+    members = []
+    try:
+        entries = os.scandir("/proc")
+    except OSError:
+        return []
+    with entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                    # After the command's name (in parentheses, maybe with spaces): the
+                    # state, the parent, then the process group.
+                    fields = stat.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) == group and fields[0] != b"Z":
+                members.append(int(entry.name))
+    return members
 
 
 def free_port(host: str = "127.0.0.1") -> int:
