@@ -80,7 +80,9 @@ class PauseClock:
 
 
 PAUSES = PauseClock()
-"""This process's clock: `router serve` installs it when it starts serving."""
+"""This process's clock: `run_router` installs it when it builds its metrics (`settle` is
+`router serve`'s alone: a router run inside another program, as `router demo` and the
+tests do, leaves that program's collector as it is)."""
 
 
 class GarbageCollectionCollector(Collector):
