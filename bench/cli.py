@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import grpc_row, report
-from bench.baseline import compiled_env, extract
+from bench.baseline import compile_baseline, compiled_env, extract
 from bench.plan import (
     CASES,
     CONTENDERS,
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--baseline",
         metavar="REF",
-        help="also run ours-base, the router as of git REF (its tree extracted into the work directory), beside ours in the same interleaved rounds: the A/B of a change (bench/baseline.py)",
+        help="also run ours-base, the router as of git REF (its tree extracted into the work directory), beside ours in the same interleaved rounds: the A/B of a change (bench/baseline.py); with --compiled-tree, REF's request path is compiled too (1.5 minutes), so that compiled meets compiled",
     )
     parser.add_argument(
         "--compiled-tree",
@@ -385,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.baseline:
                 bench.baseline = extract(args.baseline, Path(work))
+                if ours_env:
+                    log(f"ours-base: compiling {bench.baseline.label()} (as ours is)")
+                    compile_baseline(bench.baseline)
                 log(f"ours-base: {bench.baseline.label()} in {bench.baseline.tree}")
             _run(bench, session, contenders, cases, args, idle_count, log)
         except BenchError as exc:
@@ -474,15 +477,18 @@ def _instructions(requests: int, ref: str | None, compiled_tree: Path | None) ->
 
     with tempfile.TemporaryDirectory(prefix="bench-") as work:
         try:
-            baseline = extract(ref, Path(work)) if ref else None
-        except BenchError as exc:
-            print(f"python -m bench: {exc}", file=sys.stderr)
-            return 1
-        try:
             ours_env = None if compiled_tree is None else compiled_env(compiled_tree)
         except BenchError as exc:
             print(f"python -m bench: {exc}", file=sys.stderr)
             return 2
+        try:
+            baseline = extract(ref, Path(work)) if ref else None
+            if baseline is not None and ours_env is not None:
+                log(f"ours-base: compiling {baseline.label()} (as ours is)")
+                compile_baseline(baseline)
+        except BenchError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 1
         return instructions.main_entry(Path(work), requests, baseline, log, ours_env)
 
 

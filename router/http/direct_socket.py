@@ -8,7 +8,8 @@ reschedule after it, and every would-block receive in a raised and caught
 - errors are trio's: `BrokenResourceError` (from the `OSError`) when the peer broke the
   connection, `ClosedResourceError` once the socket was closed here;
 - every operation is a checkpoint for cancellation (`checkpoint_if_cancelled` before the
-  system call), so a cancelled task never sends or consumes bytes;
+  system call, or the wait for readiness that comes first), so a cancelled task never
+  sends or consumes bytes;
 - a task yields to the scheduler whenever a call would block, and at least once every
   `_OPS_BETWEEN_YIELDS` operations that did not, so a relay whose sockets never block
   cannot starve the other tasks.
@@ -105,19 +106,21 @@ class DirectSocket:
         Cancellation: no byte is consumed.
         """
         sock = self.sock
-        ops = self._ops_without_wait + 1  # the checkpoint, as in `send_all`
-        if ops < _OPS_BETWEEN_YIELDS:
-            self._ops_without_wait = ops
-            await trio.lowlevel.checkpoint_if_cancelled()
-        else:
-            self._ops_without_wait = 0
-            await trio.lowlevel.checkpoint()
         try:
             if not self._reads_wait:
+                ops = self._ops_without_wait + 1  # the checkpoint, as in `send_all`
+                if ops < _OPS_BETWEEN_YIELDS:
+                    self._ops_without_wait = ops
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                else:
+                    self._ops_without_wait = 0
+                    await trio.lowlevel.checkpoint()
                 try:
                     return sock.recv(max_bytes)
                 except BlockingIOError:
                     pass
+            # A read that waits first needs no checkpoint of its own: the wait is one (a
+            # cancelled task raises there, before any byte is consumed).
             self._ops_without_wait = 0
             while True:
                 await trio.lowlevel.wait_readable(sock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import trio
 import trio.testing
 
@@ -75,6 +76,64 @@ def test_a_full_buffer_means_the_next_read_does_not_wait() -> None:
         assert CountingSocket.would_block == blocked_before
         peer.close()
         assert await reader.receive_some(4) == b""
+        reader.close()
+
+    trio.run(main)
+
+
+def test_a_cancelled_read_consumes_nothing_whether_or_not_it_waits_first() -> None:
+    async def main() -> None:
+        reader, peer = pair()
+        async with trio.open_nursery() as nursery:
+
+            async def first_read() -> None:
+                assert await reader.receive_some() == b"a"
+
+            nursery.start_soon(first_read)
+            await trio.testing.wait_all_tasks_blocked()
+            peer.send(b"a")
+        # That read waited and took less than it asked for: the next one waits first.
+        peer.send(b"bc")
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await reader.receive_some()
+        assert scope.cancelled_caught
+        assert await reader.receive_some() == b"bc"
+        peer.close()
+        reader.close()
+
+    trio.run(main)
+
+
+def test_a_read_that_waits_first_is_its_own_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paced read costs one trip through the scheduler (its wait), no separate check
+    for cancellation before it."""
+    checks = 0
+    check = trio.lowlevel.checkpoint_if_cancelled
+
+    async def counted() -> None:
+        nonlocal checks
+        checks += 1
+        await check()
+
+    monkeypatch.setattr(trio.lowlevel, "checkpoint_if_cancelled", counted)
+
+    async def main() -> None:
+        reader, peer = pair()
+        events = [b"data: %d\n\n" % n for n in range(20)]
+
+        async def read() -> None:
+            for event in events:
+                assert await reader.receive_some() == event
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            for event in events:
+                await trio.testing.wait_all_tasks_blocked()
+                peer.send(event)
+        # The first read tried its recv before waiting; the other 19 waited first.
+        assert checks == 1
+        peer.close()
         reader.close()
 
     trio.run(main)
