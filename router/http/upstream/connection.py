@@ -15,6 +15,7 @@ above it sees a `BrokenResourceError` or an `OSError`. It knows nothing of pooli
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable
 
 import trio
 
@@ -485,16 +486,19 @@ class UpstreamResponse:
         self.status = status
         self.headers = headers
 
-    async def receive_some(self, deadline: float = math.inf) -> bytes:
-        """The next body bytes as they arrive; b"" once the body has ended.
+    def receive_some(self, deadline: float = math.inf) -> Awaitable[bytes]:
+        """The next body bytes as they arrive (await it); b"" once the body has ended.
 
         Raises `UpstreamProtocolError` (response_started=True) when the body breaks off,
         `UpstreamTimeout` when nothing came by `deadline`. Cancellation: the request's
         context manager closes the connection.
+
+        Not a coroutine of its own: the connection's is awaited directly, one coroutine
+        fewer per relayed event.
         """
         if deadline == math.inf:
-            return await self._connection.receive_data()
-        return await self._connection.receive_data_by(deadline)
+            return self._connection.receive_data()
+        return self._connection.receive_data_by(deadline)
 
     def body_ended(self) -> bool:
         """Whether the body has ended with the bytes handed out so far: the next

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -78,7 +79,7 @@ class UpstreamAnswer(Protocol):
     status: int
     headers: list[tuple[bytes, bytes]]
 
-    async def receive_some(self, deadline: float = math.inf) -> bytes: ...
+    def receive_some(self, deadline: float = math.inf) -> Awaitable[bytes]: ...
 
     def body_ended(self) -> bool: ...
 
