@@ -128,6 +128,12 @@ CONTENDERS: dict[str, Contender] = {
             "LiteLLM proxy (Python, uvicorn), simple-shuffle, from .venv-litellm",
             ready_timeout_s=180.0,
         ),
+        # Bytes relayed on trio and nothing more: what trio costs before any router work.
+        Contender(
+            "trio-floor",
+            "bench.trio_floor: bytes relayed verbatim on trio, one upstream connection per "
+            "client connection, round robin (no parse, routing, pool or metrics)",
+        ),
     )
 }
 
@@ -138,6 +144,14 @@ RESUME_CASES = ("stream-c32", "paced-c64")
 DEFAULT_CONTENDERS = tuple(
     name
     for name in CONTENDERS
-    if name not in ("ours-resume", "ours-noresume", "ours-base", "ours-pure", "ours-gc-default")
+    if name
+    not in (
+        "ours-resume",
+        "ours-noresume",
+        "ours-base",
+        "ours-pure",
+        "ours-gc-default",
+        "trio-floor",
+    )
 )
 """What a run on the default fleet plays: the resume pair relays as `ours` does there."""

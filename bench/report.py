@@ -388,6 +388,8 @@ def _ratios(rows: dict[tuple[str, str], Row], contenders: list[str], cases: list
         ("smg / direct", "smg", "direct"),
         ("ours / litellm", "ours", "litellm"),
         ("litellm / direct", "litellm", "direct"),
+        ("ours / trio-floor", "ours", "trio-floor"),
+        ("smg / trio-floor", "smg", "trio-floor"),
     ]
     pairs = [p for p in pairs if p[1] in contenders and p[2] in contenders]
     lines = ["| ratio | " + " | ".join(cases) + " |", "|---|" + "--:|" * len(cases)]

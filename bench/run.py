@@ -173,6 +173,13 @@ class Bench:
             if name == "litellm":
                 command = self.litellm_command(port)
                 env = dict(LITELLM_ENV)
+            elif name == "trio-floor":
+                command = python_module(
+                    "bench.trio_floor",
+                    "--port",
+                    str(port),
+                    *(arg for url in self.fleet_urls for arg in ("--worker", url)),
+                )
             elif contender.router_flags is not None:
                 if name == "ours-base":
                     if self.baseline is None:

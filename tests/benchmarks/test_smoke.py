@@ -15,7 +15,7 @@ import orjson
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = ("unary-c1", "stream-c32")
-CONTENDERS = ("direct", "ours")
+CONTENDERS = ("direct", "ours", "trio-floor")
 NUMBER = r"[\d,]+(?:\.\d+)?"
 
 
@@ -93,10 +93,16 @@ def test_a_tiny_run_writes_the_table_ratios_chart_and_keeps_the_hand_written_tex
             assert re.fullmatch(r"\*\*" + NUMBER + r"\*\*", cells[7]), cells  # req per CPU-s
     ratio = next(line for line in text.splitlines() if line.startswith("| ours / direct |"))
     assert re.fullmatch(rf"\| ours / direct \| {NUMBER} \| {NUMBER} \|", ratio)
+    floor = next(line for line in text.splitlines() if line.startswith("| ours / trio-floor |"))
+    assert re.fullmatch(rf"\| ours / trio-floor \| {NUMBER} \| {NUMBER} \|", floor)
     assert re.search(
-        rf"Added p50 over direct at c=1 \(direct {NUMBER} ms\): ours [+-]{NUMBER} ms\.", text
+        rf"Added p50 over direct at c=1 \(direct {NUMBER} ms\): ours [+-]{NUMBER} ms, "
+        rf"trio-floor [+-]{NUMBER} ms\.",
+        text,
     )
-    assert re.search(rf"CPU per relayed SSE event, stream-c32: ours {NUMBER} us\.", text)
+    assert re.search(
+        rf"CPU per relayed SSE event, stream-c32: ours {NUMBER} us, trio-floor {NUMBER} us\.", text
+    )
     verdicts = re.findall(
         r"^\| ours / smg req per CPU-s >= 0.85, (\S+) \| .* \| (.*) \|$", text, re.M
     )
