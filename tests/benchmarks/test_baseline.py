@@ -32,7 +32,7 @@ def test_a_baseline_whose_compile_fails_is_refused_with_the_compilers_words(
 ) -> None:
     broken = Baseline("broken", "0" * 40, tmp_path)
     (tmp_path / "setup.py").write_text("raise SystemExit('no compiler here')\n")
-    with pytest.raises(BenchError, match="its compile failed: .*no compiler here"):
+    with pytest.raises(BenchError, match=r"its compile failed: .*no compiler here"):
         compile_baseline(broken)
 
 
