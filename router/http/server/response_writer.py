@@ -135,16 +135,11 @@ class ResponseWriter:
         """Send one body chunk now. Raises ClientDisconnected when the send fails."""
         if not self._started or self.finished:
             raise RuntimeError("write() needs start() first and no finish() yet")
-        if not data:
+        framed = self._framed(data) if data else b""
+        if not framed:
             return
-        # A relayed event's path: framed and sent here, not through `_framed` and `_send`
-        # (a coroutine fewer per event, `bench --instructions`).
-        if self._framing == CHUNKED and not self._bodyless:
-            framed = b"%x\r\n%s\r\n" % (len(data), data)
-        else:
-            framed = self._framed(data)
-            if not framed:
-                return
+        # A relayed event's path: sent here, not through `_send` (a coroutine fewer per
+        # event, `bench --instructions`).
         try:
             await self._socket.send_all(framed, stall_timeout_s=self._write_timeout_s)
         except (SendStalled, trio.BrokenResourceError) as failed:

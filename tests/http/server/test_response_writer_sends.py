@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 
-import h11
 import pytest
 import trio
 import trio.testing
@@ -15,6 +14,7 @@ import trio.testing
 from router.http.direct_socket import DirectSocket, SendStalled
 from router.http.server.messages import ClientDisconnected, Request
 from router.http.server.response_writer import ResponseWriter
+from tests.support.http_client import RawClient
 
 WRITE_TIMEOUT_S = 5.0
 
@@ -37,30 +37,13 @@ def writer_pair(
     return writer, request, sock, client
 
 
-def read_answer(client: socket.socket, method: str = "GET") -> tuple[int, bytes, bool]:
-    """The status, the body and whether it ended, as h11 reads what the client received."""
-    client.setblocking(False)
-    data = b""
-    while True:
-        try:
-            piece = client.recv(65536)
-        except BlockingIOError:
-            break
-        if not piece:
-            break
-        data += piece
-    connection = h11.Connection(h11.CLIENT)
-    connection.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
-    connection.receive_data(data)
-    status, body, ended = 0, b"", False
-    while (event := connection.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
-        if isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage):
-            ended = True
-    return status, body, ended
+async def read_answer(client: socket.socket, method: str) -> tuple[int, bytes]:
+    """The status and the whole body, as an HTTP client reads what `client` received."""
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(client))
+    with trio.fail_after(5):  # a body that never ends would hang the read
+        response = await RawClient(stream).read_response(method)
+    await stream.aclose()
+    return response.status, response.body
 
 
 @pytest.mark.parametrize(
@@ -82,8 +65,7 @@ def test_body_writes_arrive_as_the_framing_says(
         await writer.write(b"")  # nothing to send: no empty chunk, which would end the body
         await writer.write(b"data: 2\n\n")
         await writer.finish()
-        assert read_answer(client, method) == (200, body, True)
-        client.close()
+        assert await read_answer(client, method) == (200, body)
         sock.close()
 
     trio.run(main)
