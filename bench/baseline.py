@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,15 @@ def compile_baseline(baseline: Baseline) -> None:
             f"--baseline {baseline.ref}: its compile failed: {(done.stderr or done.stdout)[-800:]}"
         )
     compiled_env(baseline.tree)
+
+
+def prepare(ref: str, into: Path, *, compiled: bool, log: Callable[[str], None]) -> Baseline:
+    """`ref`'s tree under `into` (`extract`), compiled too when `compiled` (`ours` is)."""
+    baseline = extract(ref, into)
+    if compiled:
+        log(f"ours-base: compiling {baseline.label()} (as ours is)")
+        compile_baseline(baseline)
+    return baseline
 
 
 def compiled_env(tree: Path) -> dict[str, str]:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import grpc_row, report
-from bench.baseline import compile_baseline, compiled_env, extract
+from bench.baseline import compiled_env, prepare
 from bench.plan import (
     CASES,
     CONTENDERS,
@@ -384,10 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.ours_env = ours_env
         try:
             if args.baseline:
-                bench.baseline = extract(args.baseline, Path(work))
-                if ours_env:
-                    log(f"ours-base: compiling {bench.baseline.label()} (as ours is)")
-                    compile_baseline(bench.baseline)
+                bench.baseline = prepare(
+                    args.baseline, Path(work), compiled=bool(ours_env), log=log
+                )
                 log(f"ours-base: {bench.baseline.label()} in {bench.baseline.tree}")
             _run(bench, session, contenders, cases, args, idle_count, log)
         except BenchError as exc:
@@ -482,10 +481,9 @@ def _instructions(requests: int, ref: str | None, compiled_tree: Path | None) ->
             print(f"python -m bench: {exc}", file=sys.stderr)
             return 2
         try:
-            baseline = extract(ref, Path(work)) if ref else None
-            if baseline is not None and ours_env is not None:
-                log(f"ours-base: compiling {baseline.label()} (as ours is)")
-                compile_baseline(baseline)
+            baseline = (
+                prepare(ref, Path(work), compiled=ours_env is not None, log=log) if ref else None
+            )
         except BenchError as exc:
             print(f"python -m bench: {exc}", file=sys.stderr)
             return 1
