@@ -97,7 +97,7 @@ def _finite_seconds(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Permit:
     """Leave to dispatch one attempt to the worker; hand it back to `record`.
 
@@ -109,6 +109,14 @@ class Permit:
     probe: bool
     forced: bool
     cycle: int = 0
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted; the
+    # compiled build makes each `object.__setattr__` a plain store (docs/performance.md,
+    # "fifth round").
+    def __init__(self, probe: bool, forced: bool, cycle: int = 0) -> None:
+        object.__setattr__(self, "probe", probe)
+        object.__setattr__(self, "forced", forced)
+        object.__setattr__(self, "cycle", cycle)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ class AllOpenMode(enum.StrEnum):
     REJECT = "reject"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class LegPool:
     """One leg's pool for one model, after filtering.
 
@@ -51,6 +51,30 @@ class LegPool:
     full: int = 0
     forced: bool = False
     retry_after_s: float = 1.0
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(
+        self,
+        role: Role,
+        workers: list[Worker],
+        candidates: list[Worker],
+        draining: int = 0,
+        unhealthy: int = 0,
+        breaker_open: int = 0,
+        full: int = 0,
+        forced: bool = False,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        self.role = role
+        self.workers = workers
+        self.candidates = candidates
+        self.draining = draining
+        self.unhealthy = unhealthy
+        self.breaker_open = breaker_open
+        self.full = full
+        self.forced = forced
+        self.retry_after_s = retry_after_s
 
     @property
     def total(self) -> int:

@@ -99,7 +99,7 @@ class StreamCut(Exception):
 _NONE_TRIED: frozenset[str] = frozenset()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class AttemptLog:
     """What the request's attempts have done so far: the workers tried per role, the last
     worker answer worth returning, and why each failed attempt failed."""
@@ -107,6 +107,18 @@ class AttemptLog:
     tried_by_role: dict[Role, set[str]] = field(default_factory=dict)
     last_answer: tuple[Answer, str] | None = None
     reasons: list[str] = field(default_factory=list)
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(
+        self,
+        tried_by_role: dict[Role, set[str]] | None = None,
+        last_answer: tuple[Answer, str] | None = None,
+        reasons: list[str] | None = None,
+    ) -> None:
+        self.tried_by_role = {} if tried_by_role is None else tried_by_role
+        self.last_answer = last_answer
+        self.reasons = [] if reasons is None else reasons
 
     def tried(self, role: Role) -> AbstractSet[str]:
         """The ids of the workers of `role` this request has tried."""
@@ -138,7 +150,7 @@ class AttemptLog:
             self.last_answer = (failure.answer, worker_id)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RequestContext:
     """What every attempt of one request needs, built once per request."""
 
@@ -151,6 +163,26 @@ class RequestContext:
     resume: RequestResume | None = None
     """A streamed generation's resume (None: its stream is relayed as it comes)."""
 
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(
+        self,
+        generation: GenerationRequest,
+        request: Request,
+        writer: ResponseWriter,
+        key_bytes: bytes | None,
+        started: float,
+        log: AttemptLog | None = None,
+        resume: RequestResume | None = None,
+    ) -> None:
+        self.generation = generation
+        self.request = request
+        self.writer = writer
+        self.key_bytes = key_bytes
+        self.started = started
+        self.log = AttemptLog() if log is None else log
+        self.resume = resume
+
 
 class Strategy(Protocol):
     """How one attempt uses the workers of a plan (mixed: one worker; PD: a pair)."""
@@ -162,7 +194,7 @@ class Strategy(Protocol):
         ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Lease:
     """One worker taken for one attempt: its breaker permit, its DP rank and its verdict."""
 
@@ -177,6 +209,28 @@ class Lease:
     """Its answer has begun to go to the client: from here on nothing may cancel or retry it."""
     adapter: str | None = None
     """The LoRA adapter the attempt runs on the worker, counted in flight there."""
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(
+        self,
+        worker: Worker,
+        permit: Permit | None,
+        rank: int | None,
+        trace: AttemptTrace = NO_ATTEMPT_TRACE,
+        sent_at: float | None = None,
+        settled: bool = False,
+        committed: bool = False,
+        adapter: str | None = None,
+    ) -> None:
+        self.worker = worker
+        self.permit = permit
+        self.rank = rank
+        self.trace = trace
+        self.sent_at = sent_at
+        self.settled = settled
+        self.committed = committed
+        self.adapter = adapter
 
     async def commit(self) -> None:
         """Pass the point of no return, unless the attempt was cancelled meanwhile.

@@ -51,13 +51,20 @@ class Timeouts:
     stream_idle_s: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Answer:
     """A worker's complete answer, read but not yet given to the client."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
 
 
 class AttemptFailed(Exception):

@@ -18,12 +18,19 @@ from router.fleet.records import Mode, Role
 from router.fleet.registry import Worker
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Plan:
     """The legs a request runs on: {MIXED: pool}, or {PREFILL: pool, DECODE: pool}."""
 
     mode: Mode
     legs: dict[Role, LegPool]
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted; the
+    # compiled build makes each `object.__setattr__` a plain store (docs/performance.md,
+    # "fifth round").
+    def __init__(self, mode: Mode, legs: dict[Role, LegPool]) -> None:
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "legs", legs)
 
 
 def plan_request(

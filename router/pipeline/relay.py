@@ -23,7 +23,9 @@ MAX_PENDING_BYTES = 64 * 1024
 def _last_event_end(data: bytes) -> int:
     """The index just past the last blank line in `data`, or 0 when there is none."""
     end = data.rfind(b"\n\n")
-    if b"\r" in data:  # most workers end lines with LF alone: one search suffices
+    # Most workers end lines with LF alone: one search suffices. (`find`, not `in`: on
+    # bytes, `in` makes and drops a TypeError first; docs/performance.md, "fifth round".)
+    if data.find(b"\r") >= 0:
         end = max(end, data.rfind(b"\n\r"), data.rfind(b"\r\r"))
     if end < 0:
         return 0

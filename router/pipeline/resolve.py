@@ -20,7 +20,7 @@ from router.api.routes import ROUTES, Route
 from router.pipeline.handoff_body import UnspliceableBody, splice_members
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class GenerationRequest:
     route: str
     path: str
@@ -34,6 +34,30 @@ class GenerationRequest:
     tokens: list[int] | str | None = None
     """The prompt's token ids for `kv_aware`, resolved once per request before the first
     pick (`router.pipeline.engine_tokens`), or why there are none; None: not resolved."""
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(
+        self,
+        route: str,
+        path: str,
+        model: str,
+        stream: bool,
+        body: dict[str, Any],
+        raw: bytes,
+        spec: Route,
+        routing_text: str | None = None,
+        tokens: list[int] | str | None = None,
+    ) -> None:
+        self.route = route
+        self.path = path
+        self.model = model
+        self.stream = stream
+        self.body = body
+        self.raw = raw
+        self.spec = spec
+        self.routing_text = routing_text
+        self.tokens = tokens
 
     def set_members(self, **fields: str | int) -> None:
         """Put the router's own members (`model`, `priority`) into the body workers get,

@@ -12,7 +12,7 @@ from router.fleet.records import Role
 from router.fleet.registry import Worker
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class PolicyKey:
     """What a policy keys its state and its hashing on, for one request's leg."""
 
@@ -33,6 +33,29 @@ class PolicyKey:
     base_model: str | None = None
     """When `model` names a LoRA adapter, the base model it applies to (whose tokenizer
     and KV-block index serve it); None for a base model."""
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted; the
+    # compiled build makes each `object.__setattr__` a plain store (docs/performance.md,
+    # "fifth round").
+    def __init__(
+        self,
+        model: str,
+        role: Role,
+        routing_key: bytes | None = None,
+        text: str | None = None,
+        body: Mapping[str, Any] | None = None,
+        route: str = "",
+        tokens: list[int] | str | None = None,
+        base_model: str | None = None,
+    ) -> None:
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "routing_key", routing_key)
+        object.__setattr__(self, "text", text)
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "route", route)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "base_model", base_model)
 
     @property
     def adapter(self) -> str | None:

@@ -17,7 +17,7 @@ class ClientDisconnected(Exception):
     """The client went away: a send failed or the socket reached end-of-stream."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Request:
     """One inbound request, body fully read (bounded by the server's body limit).
 
@@ -33,8 +33,24 @@ class Request:
     path: str = field(init=False)
     query: str = field(init=False)
 
-    def __post_init__(self) -> None:
-        path, _, query = self.target.partition("?")
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes = b"",
+        client: tuple[str, int] | None = None,
+        client_gone: bool = False,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.client = client
+        self.client_gone = client_gone
+        path, _, query = target.partition("?")
         self.path = path
         self.query = query
 

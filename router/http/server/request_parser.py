@@ -63,7 +63,7 @@ class ParseError(Exception):
         self.status_hint = status_hint
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RequestHead:
     """A request line and its headers (names lower-case, values without edge whitespace)."""
 
@@ -74,6 +74,26 @@ class RequestHead:
     content_length: int
     chunked: bool
     expects_continue: bool
+
+    # Written out: compiled, the __init__ dataclass generates would run interpreted
+    # (docs/performance.md, "fifth round").
+    def __init__(
+        self,
+        method: bytes,
+        target: bytes,
+        http_version: bytes,
+        headers: list[tuple[bytes, bytes]],
+        content_length: int,
+        chunked: bool,
+        expects_continue: bool,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.http_version = http_version
+        self.headers = headers
+        self.content_length = content_length
+        self.chunked = chunked
+        self.expects_continue = expects_continue
 
 
 class _Events:
