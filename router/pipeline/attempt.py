@@ -57,7 +57,7 @@ from router.pipeline.plan import Plan
 from router.pipeline.resolve import GenerationRequest
 from router.pipeline.resume_request import RequestResume
 from router.pipeline.stall_watch import StallWatch
-from router.policies.policy import Policy, PolicyKey, RankedPick, pick_excluding
+from router.policies.policy import Policy, PolicyKey, pick_excluding, ranked_pick
 
 # Attempts log under the name operators already filter on (docs/failover-and-breaker.md).
 log = logging.getLogger("router.failover")
@@ -333,9 +333,7 @@ class AttemptRunner:
             generation.tokens,
             self.fleet.adapter_parent(generation.model),
         )
-        # A policy that also chooses the DP rank (kv_aware: the rank holding the prompt's
-        # blocks) has a `pick_ranked`.
-        ranked: RankedPick | None = getattr(self.policies[role], "pick_ranked", None)
+        ranked = ranked_pick(self.policies[role])
         if ranked is None:
             worker = pick_excluding(
                 self.policies[role], key, plan.legs[role].candidates, ctx.log.tried(role)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from router.fleet.records import Role
 from router.fleet.registry import Worker
@@ -69,11 +69,34 @@ class Policy(Protocol):
         ...
 
 
+class RankedPolicy(Policy, Protocol):
+    def pick_ranked(
+        self, key: PolicyKey, candidates: Sequence[Worker]
+    ) -> tuple[Worker, int | None]: ...
+
+
 # A policy's `pick_ranked`: its pick and, for a rank-multiplexed worker, the DP rank it
 # chose (None: no preference; the pipeline then takes the least-loaded rank).
 RankedPick = Callable[[PolicyKey, Sequence[Worker]], tuple[Worker, int | None]]
 
 _StateKey = tuple[str, Role]
+
+_RANKS_BY_TYPE: dict[type, bool] = {}
+"""Whether a policy class has a `pick_ranked`, learnt once per class."""
+
+
+def ranked_pick(policy: Policy) -> RankedPick | None:
+    """The policy's `pick_ranked` (kv_aware: the pick and the DP rank holding the prompt's
+    blocks), None when it has none.
+
+    Known per class, not asked with `getattr(policy, "pick_ranked", None)` per request: for
+    a policy without one, that makes and drops an AttributeError each time
+    (docs/performance.md, "fifth round")."""
+    kind = type(policy)
+    ranked = _RANKS_BY_TYPE.get(kind)
+    if ranked is None:
+        ranked = _RANKS_BY_TYPE[kind] = hasattr(policy, "pick_ranked")
+    return cast("RankedPolicy", policy).pick_ranked if ranked else None
 
 
 def pick_excluding(

@@ -12,7 +12,7 @@ from router.fleet.candidates import AllOpenMode, filter_leg
 from router.fleet.records import Role, Status, WorkerRecord
 from router.fleet.registry import Worker
 from router.policies.by_name import POLICY_NAMES, make_policy
-from router.policies.policy import PolicyKey, pick_excluding
+from router.policies.policy import PolicyKey, pick_excluding, ranked_pick
 from router.policies.routing_keys import routing_key
 
 NOW = 100.0
@@ -429,3 +429,14 @@ def test_routing_key_from_prompt_fields(body: dict[str, object], expected: bytes
 )
 def test_routing_key_is_none_when_nothing_is_usable(body: dict[str, object]) -> None:
     assert routing_key(None, body) is None
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_ranked_pick_is_the_policys_pick_ranked_and_none_without_one(name: str) -> None:
+    policy = make_policy(name, rng=random.Random(0))
+    for _ in range(2):  # the second asks the class's cached answer
+        ranked = ranked_pick(policy)
+        if name == "kv_aware":  # the one policy that chooses the DP rank too
+            assert ranked is not None and ranked.__self__ is policy  # type: ignore[attr-defined]
+        else:
+            assert ranked is None
