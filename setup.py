@@ -35,8 +35,10 @@ COMPILED = (
     "router/http/server/*.py",
     "router/http/upstream/*.py",
     "router/http/wait_deadlines.py",
+    "router/observability/metrics.py",
     "router/observability/request_id.py",
     "router/observability/tallies.py",
+    "router/observability/tracing.py",
     "router/pipeline/*.py",
     "router/policies/*.py",
 )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
-import inspect
 from pathlib import Path
 
 import pytest
@@ -84,20 +83,26 @@ def test_the_request_path_classes_are_found() -> None:
     ("module", "name", "init"), WRITTEN, ids=[f"{m}.{n}" for m, n, _ in WRITTEN]
 )
 def test_a_written_init_matches_the_fields(module: str, name: str, init: ast.FunctionDef) -> None:
-    cls = getattr(importlib.import_module(module), name)
-    fields = dataclasses.fields(cls)
-    parameters = [
-        parameter
-        for parameter in inspect.signature(cls.__init__).parameters.values()
-        if parameter.name != "self"
-    ]
-    assert [p.name for p in parameters] == [f.name for f in fields if f.init]
-    for parameter in parameters:
-        field = next(f for f in fields if f.name == parameter.name)
+    # Read from the source: compiled, `__init__` has no signature to inspect.
+    namespace = vars(importlib.import_module(module))
+    fields = dataclasses.fields(namespace[name])
+    arguments = init.args.args[1:]  # after self
+    assert [argument.arg for argument in arguments] == [f.name for f in fields if f.init]
+    defaults = dict(
+        zip(
+            [argument.arg for argument in arguments][len(arguments) - len(init.args.defaults) :],
+            init.args.defaults,
+            strict=True,
+        )
+    )
+    for argument in arguments:
+        field = next(f for f in fields if f.name == argument.arg)
+        default = defaults.get(argument.arg)
         if field.default is not dataclasses.MISSING:
-            assert parameter.default == field.default, parameter.name
+            assert default is not None, argument.arg
+            assert eval(ast.unparse(default), namespace) == field.default, argument.arg
         elif field.default_factory is not dataclasses.MISSING:
-            assert parameter.default is None, parameter.name
+            assert default is not None and ast.unparse(default) == "None", argument.arg
         else:
-            assert parameter.default is inspect.Parameter.empty, parameter.name
+            assert default is None, argument.arg
     assert _assigned(init) == {f.name for f in fields}

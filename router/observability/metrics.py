@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from router.fleet.records import Mode, Role
 from router.fleet.registry import Fleet
@@ -30,7 +31,7 @@ from router.http.upstream.pool import UpstreamPool
 from router.observability.collectors import FleetCollector, GrpcPoolCollector, PoolCollector
 from router.observability.tallies import CounterTally, HistogramTally
 
-_Family = TypeVar("_Family", Counter, Histogram)
+_Family = TypeVar("_Family", bound=MetricWrapperBase)
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (
@@ -167,7 +168,8 @@ class PipelineMetrics:
 
     def count_mode(self, mode: Mode) -> None:
         """Count a generation request under the mode it was first planned in."""
-        self.modes.inc((mode.value,))
+        # `str(mode)`: its value (a StrEnum), without the two Python calls of `.value`.
+        self.modes.inc((str(mode),))
 
     def count_leg_failure(self, role: Role) -> None:
         _bound(self._leg_failures, self.leg_failures, role.value).inc()

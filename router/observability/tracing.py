@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import contextvars
 import importlib.util
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 
+from router.fleet.breaker import Outcome
 from router.fleet.registry import Worker
 from router.http.server.messages import Headers, Request, ResponseWriter
 
@@ -46,8 +45,9 @@ class AttemptTrace:
     def answered(self, status: int) -> None:
         """The worker's response status."""
 
-    def verdict(self, outcome: str) -> None:
-        """The breaker verdict of the attempt (`success`, `fault`, `neutral`)."""
+    def verdict(self, outcome: Outcome) -> None:
+        """The breaker verdict of the attempt (recorded as `success`, `fault`, `neutral`).
+        Its name is read only while tracing: an enum's `.value` is two Python calls."""
 
     def end(self) -> None:
         """The attempt is over (answered, failed or cancelled)."""
@@ -109,9 +109,11 @@ class StatusWriter:
 
 
 class Tracing:
-    """Where requests get their trace. Off unless built with an OTLP endpoint."""
+    """Where requests get their trace. Off unless built with an OTLP endpoint.
 
-    enabled = False
+    An async context manager: on exit, `aclose` (`open_tracing`)."""
+
+    enabled: ClassVar[bool] = False
 
     def begin(
         self, request: Request, writer: ResponseWriter
@@ -127,11 +129,17 @@ class Tracing:
     async def aclose(self) -> None:
         return None
 
+    async def __aenter__(self) -> Tracing:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
 
 class OtlpTracing(Tracing):
     """OpenTelemetry spans exported over OTLP/HTTP to `endpoint` (e.g. `http://collector:4318/v1/traces`)."""
 
-    enabled = True
+    enabled: ClassVar[bool] = True
 
     def __init__(self, endpoint: str, service_name: str = "trio-router") -> None:
         from opentelemetry import trace
@@ -243,8 +251,8 @@ class _OtelAttemptTrace(AttemptTrace):
     def answered(self, status: int) -> None:
         self._span.set_attribute("http.response.status_code", status)
 
-    def verdict(self, outcome: str) -> None:
-        self._span.set_attribute("router.verdict", outcome)
+    def verdict(self, outcome: Outcome) -> None:
+        self._span.set_attribute("router.verdict", outcome.value)
 
     def end(self) -> None:
         self._span.end()
@@ -258,12 +266,9 @@ def otel_installed() -> bool:
         return False
 
 
-@asynccontextmanager
-async def open_tracing(endpoint: str) -> AsyncIterator[Tracing]:
-    """Tracing to `endpoint`, or the do-nothing kind when it is empty; on exit, the spans
-    still buffered are exported (at most `SHUTDOWN_TIMEOUT_S`)."""
-    tracing = OtlpTracing(endpoint) if endpoint else Tracing()
-    try:
-        yield tracing
-    finally:
-        await tracing.aclose()
+def open_tracing(endpoint: str) -> Tracing:
+    """Tracing to `endpoint`, or the do-nothing kind when it is empty, to enter with `async
+    with`; on exit, the spans still buffered are exported (at most `SHUTDOWN_TIMEOUT_S`).
+    (A class's `__aexit__`, not an `asynccontextmanager`: the compiled build has no async
+    generators.)"""
+    return OtlpTracing(endpoint) if endpoint else Tracing()

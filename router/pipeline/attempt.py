@@ -259,7 +259,7 @@ class Lease:
             outcome = Outcome.SUCCESS
         else:
             outcome = Outcome.NEUTRAL
-        self.trace.verdict(outcome.name.lower())
+        self.trace.verdict(outcome)
         breaker = self.worker.breaker
         if breaker is not None and self.permit is not None:
             breaker.record(self.permit, outcome, trio.current_time())
