@@ -30,6 +30,7 @@ COMPILED = (
     "router/fleet/records.py",
     "router/fleet/registry.py",
     "router/http/capped_reads.py",
+    "router/http/clock.py",
     "router/http/direct_socket.py",
     "router/http/field_names.py",
     "router/http/server/*.py",

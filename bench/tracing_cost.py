@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from router.fleet.breaker import Outcome
 from router.fleet.records import WorkerRecord
 from router.fleet.registry import Worker
 from router.http.server.messages import Request
@@ -53,7 +54,7 @@ def one_request(tracing: Tracing, worker: Worker) -> None:
     attempt = current_trace().attempt(worker)
     attempt.inject(list(HEADERS))
     attempt.answered(200)
-    attempt.verdict("success")
+    attempt.verdict(Outcome.SUCCESS)
     attempt.end()
     tracing.leave(token)
     trace.end(200)

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from router.api.errors import QueueFull, QueueTimeout
 from router.edge.claims import DEFAULT_CLAIMS, Claims, PriorityClasses
 from router.edge.fair_queue import Arrival, Blocker, FairQueue
+from router.http import clock
 from router.observability.metrics import AdmissionMetrics
 
 
@@ -138,7 +139,7 @@ class AdmissionGate:
             return
         if arrival is not Arrival.QUEUED:
             raise self._refusal(arrival, claims)
-        arrived = trio.current_time()
+        arrived = clock.now()
         try:
             with trio.move_on_after(settings.timeout_s):
                 await waiter.event.wait()
@@ -155,7 +156,7 @@ class AdmissionGate:
             blocker = self._queue.leave(waiter)
             raise self._timed_out(blocker, claims)
         self._metrics.observe_wait(
-            self.classes.name_of(claims.rank), claims.key, trio.current_time() - arrived
+            self.classes.name_of(claims.rank), claims.key, clock.now() - arrived
         )
 
     def _refusal(self, arrival: Arrival, claims: Claims) -> QueueFull:

@@ -31,6 +31,7 @@ from router.fleet.breaker import Outcome, Permit
 from router.fleet.ranks import RankChooser
 from router.fleet.records import Role
 from router.fleet.registry import Fleet, Worker
+from router.http import clock
 from router.http.server.messages import Request, ResponseWriter
 from router.http.upstream.pool import UpstreamRequests
 from router.observability.metrics import RequestMetrics
@@ -262,7 +263,7 @@ class Lease:
         self.trace.verdict(outcome)
         breaker = self.worker.breaker
         if breaker is not None and self.permit is not None:
-            breaker.record(self.permit, outcome, trio.current_time())
+            breaker.record(self.permit, outcome, clock.now())
 
 
 class AttemptRunner:
@@ -543,7 +544,7 @@ class AttemptRunner:
     async def _begin_answer(self, lease: Lease, status: int, ctx: RequestContext) -> None:
         lease.settle(status=status)
         await lease.commit()
-        self.request_metrics.observe_ttfb(ctx.generation.route, trio.current_time() - ctx.started)
+        self.request_metrics.observe_ttfb(ctx.generation.route, clock.now() - ctx.started)
 
     async def consume(self, lease: Lease, body: bytes, ctx: RequestContext) -> None:
         """One request to one worker whose answer is read and discarded (a prefill leg).

@@ -19,6 +19,7 @@ import orjson
 import trio
 
 from router.api.errors import RouterOverloaded, WorkerUnreachable
+from router.http import clock
 from router.http.server.messages import Headers, ResponseWriter
 from router.http.upstream.connection import UpstreamConnectTimeout
 from router.http.upstream.exceptions import (
@@ -151,7 +152,7 @@ def open_upstream_response(
             headers,
             body,
             connect_timeout_s=timeouts.connect_s,
-            head_deadline=trio.current_time() + timeouts.first_byte_s,
+            head_deadline=clock.now() + timeouts.first_byte_s,
         ),
         url,
         timeouts,
@@ -220,7 +221,7 @@ async def read_answer(response: UpstreamAnswer, url: str, idle_s: float) -> Answ
     with trio.CancelScope() as idle:
         try:
             while True:
-                idle.deadline = trio.current_time() + idle_s
+                idle.deadline = clock.now() + idle_s
                 chunk = await response.receive_some()
                 if not chunk:
                     break
@@ -280,7 +281,7 @@ async def first_stream_chunk(response: UpstreamAnswer, url: str, idle_s: float) 
     """The first body bytes of a 200 stream; nothing has reached the client yet."""
     try:
         # The deadline is the pool's timer's: no cancel scope per stream.
-        chunk = await response.receive_some(trio.current_time() + idle_s)
+        chunk = await response.receive_some(clock.now() + idle_s)
     except UpstreamTimeout:
         raise AttemptFailed(
             "first_byte_timeout", f"{url} sent no stream event within {idle_s:g}s", fault=True

@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from router.fleet.registry import Worker
+from router.http import clock
 from router.http.upstream.exceptions import LocalShortage, UpstreamError
 from router.http.upstream.pool import UpstreamRequests
 from router.pipeline.resolve import GenerationRequest
@@ -89,12 +90,12 @@ class EngineTokens:
         except trio.WouldBlock:
             self.asks["busy"] += 1
             return ENGINE_TOKENIZE
-        started = trio.current_time()
+        started = clock.now()
         try:
             outcome, tokens = await self._ask(worker, body, request_id)
         finally:
             self._limiter.release()
-            self.ask_seconds += trio.current_time() - started
+            self.ask_seconds += clock.now() - started
         self.asks[outcome] += 1
         return tokens if tokens is not None else ENGINE_TOKENIZE
 

@@ -46,6 +46,7 @@ from router.engines.grpc_service import (
     messages,
     model_info,
 )
+from router.http import clock
 from router.http.grpc import (
     GrpcBroken,
     GrpcCall,
@@ -198,7 +199,7 @@ class GrpcEngines:
             path = info.tokenizer_path
             tokenizer = self._tokenizers.get(path)
             if tokenizer is None:
-                now = trio.current_time()
+                now = clock.now()
                 failed = self._unloadable.get(path)
                 if failed is None or now - failed[0] >= self._retry_s:
                     try:
@@ -482,7 +483,7 @@ class GrpcDispatch:
                 elif out:
                     await writer.write(out)
                     out = b""
-                idle.deadline = trio.current_time() + idle_s
+                idle.deadline = clock.now() + idle_s
                 try:
                     raw = await call.receive_message()
                 except GrpcError as grpc_error:

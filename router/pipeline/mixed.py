@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import trio
-
 from router.fleet.records import Role
+from router.http import clock
 from router.pipeline.attempt import AttemptRunner, Lease, RequestContext
 from router.pipeline.plan import Plan
 
@@ -23,9 +22,7 @@ class MixedStrategy:
         worker, rank = picked
         leases: list[Lease] = []
         try:
-            lease = runner.take(
-                worker, plan.legs[Role.MIXED].forced, trio.current_time(), rank, leases
-            )
+            lease = runner.take(worker, plan.legs[Role.MIXED].forced, clock.now(), rank, leases)
             return await runner.exchange(lease, ctx.generation.raw, ctx)
         finally:
             runner.release_all(leases)

@@ -17,6 +17,7 @@ import trio
 from router.api.errors import BadRequest
 from router.fleet.records import Role
 from router.fleet.registry import Worker
+from router.http import clock
 from router.observability.metrics import PipelineMetrics
 from router.observability.request_id import current_request_id
 from router.pipeline.attempt import AttemptRunner, Lease, RequestContext, WorkerFailed
@@ -178,7 +179,7 @@ class PDStrategy:
         (prefill, prefill_rank), (decode, decode_rank) = prefill_pick, decode_pick
         # Everything that can fail on the client's input runs before a lease is taken.
         raw = pd_body(generation, handoff_fields(generation, prefill, prefill_rank, self.rng))
-        now = trio.current_time()
+        now = clock.now()
         leases: list[Lease] = []
         status: int | None = None
         try:

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-import trio
-
 from router.api.error_shapes import STREAM_ERROR_EVENTS, error_body
 from router.api.errors import (
     JSON_CONTENT_TYPE,
@@ -33,6 +31,7 @@ from router.fleet.candidates import AllOpenMode
 from router.fleet.ranks import RankChooser
 from router.fleet.records import Mode, Role
 from router.fleet.registry import Fleet, Worker
+from router.http import clock
 from router.http.direct_socket import SendStalled
 from router.http.grpc import GrpcPool
 from router.http.server.messages import ClientDisconnected, Request, ResponseWriter
@@ -226,7 +225,7 @@ class GenerationService:
         Cancellation (client gone, shutdown): every upstream connection of the request is
         closed, every breaker permit is released without a verdict, in-flight counts drop.
         """
-        started = trio.current_time()
+        started = clock.now()
         spec = ROUTES[request.path]
         route = spec.label
         model_label = "-"
@@ -265,7 +264,7 @@ class GenerationService:
             if request.client_gone:
                 status = CLIENT_LEFT
             self.request_metrics.count_request(model_label, route, status, key)
-            self.request_metrics.observe_duration(route, trio.current_time() - started)
+            self.request_metrics.observe_duration(route, clock.now() - started)
 
     def _follow(
         self, route: ModelRoute, generation: GenerationRequest, writer: ResponseWriter
@@ -356,7 +355,7 @@ class GenerationService:
         attempts = ctx.log
         retry_reason: str | None = None
         for attempt in range(self.settings.max_attempts):
-            now = trio.current_time()
+            now = clock.now()
             try:
                 if continuing:
                     # A continuation carries the tokens of the model that began the stream:
@@ -513,7 +512,7 @@ class GenerationService:
         if len(route.models) == 1:
             return await self.waits.plan(generation.model, plan_at)
         model = generation.model
-        now = trio.current_time()
+        now = clock.now()
         primary: Plan | None = None
         if not self.waits.has_line(model):
             try:

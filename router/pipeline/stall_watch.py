@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import trio
 
+from router.http import clock
+
 __all__ = ["StallWatch", "Watched"]
 
 
@@ -66,7 +68,7 @@ class StallWatch:
     def watch(self, stop: Callable[[], None]) -> Watched:
         """Start watching a relay that `stop()` ends (without a checkpoint); it waits from
         now on."""
-        entry = Watched(stop, trio.current_time())
+        entry = Watched(stop, clock.now())
         self._entries.add(entry)
         if self._sleep is None and not self._serving:
             self._sleep = trio.CancelScope()
@@ -105,7 +107,7 @@ class StallWatch:
 
     def _expire_due(self) -> float:
         """Cancel every entry that is due; returns when the next one could be."""
-        now = trio.current_time()
+        now = clock.now()
         idle_s = self.idle_s
         # An entry not waiting now cannot be due before `idle_s` from now.
         earliest = now

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from router.api.errors import ModelNotFound, NoAvailableWorkers, QueueTimeout
 from router.fleet.candidates import AllOpenMode
 from router.fleet.registry import Fleet, Worker
+from router.http import clock
 from router.pipeline.plan import Plan
 
 
@@ -81,7 +82,7 @@ class WorkerWait:
         QueueTimeout when a slot on a capped worker did not free up in time.
         Cancellation (the client left): the request leaves the line; the next one is woken.
         """
-        now = trio.current_time()
+        now = clock.now()
         self._remember_models(now)
         if not self._lines.get(model):
             try:
@@ -126,11 +127,11 @@ class WorkerWait:
             while True:
                 head = next(iter(line)) is me
                 with trio.move_on_at(
-                    min(deadline, trio.current_time() + settings.recheck_s) if head else deadline
+                    min(deadline, clock.now() + settings.recheck_s) if head else deadline
                 ):
                     await me.event.wait()
                 me.event = trio.Event()
-                now = trio.current_time()
+                now = clock.now()
                 if next(iter(line)) is not me and now < deadline:
                     continue
                 # The head plans; so does a waiter whose time is up, to give the true answer.

@@ -19,6 +19,7 @@ import socket
 
 import trio
 
+from router.http import clock
 from router.http.direct_socket import DirectSocket
 from router.http.server.batch_listener import BatchListener
 from router.http.server.connection_reader import ConnectionReader, Watch
@@ -79,6 +80,8 @@ async def serve_http(
     whatever is left is cancelled and this returns.
     Cancellation: every connection is closed at once, mid-response or not.
     """
+    # Every task started from here on (the connections) reads the clock the short way.
+    clock.keep_clock()
     sockets = await open_tcp_sockets(settings.host, settings.port, reuse_port=settings.reuse_port)
     listeners = [BatchListener(sock) for sock in sockets]
     if load is None:
@@ -190,7 +193,7 @@ class _Server:
             self._maybe_drained()
 
     async def _turn_away(self, stream: DirectSocket) -> None:
-        now = trio.current_time()
+        now = clock.now()
         if now >= self._next_capacity_warning:
             self._next_capacity_warning = now + _CAPACITY_WARNING_EVERY_S
             logger.warning(
@@ -275,7 +278,7 @@ class _Connection:
 
     async def _serve_requests(self) -> None:
         server = self._server
-        deadline: float | None = trio.current_time() + server.settings.header_timeout_s
+        deadline: float | None = clock.now() + server.settings.header_timeout_s
         while True:
             # The body's bytes count against the server's budget until the handler is done.
             reservation = server.load.reservation()

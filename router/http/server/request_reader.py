@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import trio
 
+from router.http import clock
 from router.http.direct_socket import DirectSocket
 from router.http.server.connection_reader import ConnectionReader
 from router.http.server.exceptions import BodyTooLarge, ClientTooSlow, HeadTooLarge, Refusal
@@ -96,7 +97,7 @@ class RequestReader:
             keep_alive_wait = deadline is None
             if deadline is None:
                 timeout = settings.idle_timeout_s if waiting else settings.header_timeout_s
-                deadline = trio.current_time() + timeout
+                deadline = clock.now() + timeout
             while event is NEED_DATA:
                 reader.idle = waiting
                 try:
@@ -108,7 +109,7 @@ class RequestReader:
                         raise ClientTooSlow("request headers took too long")
                     return None
                 if waiting and keep_alive_wait:
-                    deadline = trio.current_time() + settings.header_timeout_s
+                    deadline = clock.now() + settings.header_timeout_s
                 waiting = False
                 event = parser.next_event()
         if type(event) is not RequestHead:
@@ -122,7 +123,7 @@ class RequestReader:
         408 when it is not complete within `body_timeout_s` of the head)."""
         settings = self._settings
         limit = settings.max_body_bytes
-        deadline = trio.current_time() + settings.body_timeout_s
+        deadline = clock.now() + settings.body_timeout_s
         headers = head.headers
         # The parser bounds a head by its bytes; this bounds what it holds (lines without
         # their CRLFs and colons: close enough for a bound).

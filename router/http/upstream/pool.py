@@ -35,6 +35,7 @@ from typing import Protocol
 
 import trio
 
+from router.http import clock
 from router.http.upstream.connection import (
     UpstreamConnection,
     UpstreamConnectTimeout,
@@ -319,7 +320,7 @@ class UpstreamPool:
         elif endpoint.slots.offer(connection):
             pass  # handed to the first checkout waiting at the cap
         elif len(idle) < self._max_idle:
-            connection.idle_since = trio.current_time()
+            connection.idle_since = clock.now()
             idle.append(connection)
         else:
             self._close(endpoint, connection)
@@ -423,7 +424,7 @@ class UpstreamPool:
         expiry_s = self._settings.idle_expiry_s
         while idle:
             connection = idle.pop()
-            if trio.current_time() - connection.idle_since >= expiry_s:
+            if clock.now() - connection.idle_since >= expiry_s:
                 self._close(endpoint, connection)
                 while idle:
                     self._close(endpoint, idle.pop())
@@ -483,7 +484,7 @@ class UpstreamPool:
         task_status.started()
         while True:
             await trio.sleep(self._settings.sweep_interval_s)
-            self.sweep(trio.current_time())
+            self.sweep(clock.now())
 
     def statistics(self) -> PoolStatistics:
         idle_per_worker = {
