@@ -400,11 +400,14 @@ async def _disconnects(client: httpx.AsyncClient, setup: _Setup) -> Disconnects:
         + _body("fake-model")
     )
     holders: list[trio.SocketStream] = []
+    dispatched_before = sum([await _dispatches(client, w.url) for w in setup.fleet]) + SLOTS
     for _ in range(SLOTS):
         holders.append(await trio.open_tcp_stream("127.0.0.1", port))
         await holders[-1].send_all(request)
     await _until(client, url, "router_admission_active", SLOTS)
-    dispatched_before = sum([await _dispatches(client, w.url) for w in setup.fleet])
+    # An admitted holder may still be on its way to its worker: counted once it is there,
+    # or it would count as a leaver's dispatch.
+    await _until_dispatched(client, setup, dispatched_before)
     # Counted since start: the floods' own queued requests left when wrk stopped.
     left_before = _sum(
         await _scrape(client, url), "router_admission_refused_total", {"reason": "client_left"}
@@ -439,6 +442,17 @@ async def _disconnects(client: httpx.AsyncClient, setup: _Setup) -> Disconnects:
         holders=SLOTS,
         seconds_to_empty=emptied,
     )
+
+
+async def _until_dispatched(client: httpx.AsyncClient, setup: _Setup, count: int) -> None:
+    """Poll the fleet until its workers have counted `count` dispatches; BenchError after
+    WAIT_S."""
+    with trio.move_on_after(WAIT_S):
+        while True:
+            if sum([await _dispatches(client, w.url) for w in setup.fleet]) >= count:
+                return
+            await trio.sleep(0.05)
+    raise BenchError(f"the fleet did not count {count} dispatches within {WAIT_S:g} s")
 
 
 async def _dispatches(client: httpx.AsyncClient, worker_url: str) -> int:

@@ -18,13 +18,22 @@ def _module_name(path: Path) -> str:
     return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
 
 
+def _is_module(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
-    """Every absolute module a file imports, `TYPE_CHECKING` blocks included."""
+    """Every absolute module a file imports, `TYPE_CHECKING` blocks included. `from
+    package import submodule` imports the submodule, as `import package.submodule` does,
+    not the package's own `__init__`."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            found.update(names)
+            if not all(_is_module(name) for name in names):
+                found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return found
@@ -143,3 +152,13 @@ def test_conformance_never_imports_router() -> None:
         for path in (REPO / "conformance").rglob("*.py")
     }
     assert {name: deps for name, deps in offenders.items() if deps} == {}
+
+
+def test_from_a_package_importing_a_submodule_depends_on_the_submodule(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text("from router.http import clock\nfrom router.fleet.records import Role\n")
+    assert _imports(module) == {
+        "router.http.clock",
+        "router.fleet.records",
+        "router.fleet.records.Role",
+    }
