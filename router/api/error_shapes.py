@@ -19,6 +19,7 @@ Workers' own answers are never re-shaped: a 4xx or a last 5xx goes back verbatim
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 import orjson
 
@@ -26,7 +27,7 @@ from router.api.errors import RouterError
 from router.api.routes import Dialect
 
 # Anthropic's error type for an HTTP status (its API documents these names).
-_ANTHROPIC_TYPES = {
+_ANTHROPIC_TYPES: Final = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -101,7 +102,7 @@ def _stream_error_builder(dialect: Dialect) -> Callable[[str, str], bytes]:
     return build
 
 
-STREAM_ERROR_EVENTS: dict[Dialect, Callable[[str, str], bytes]] = {
+STREAM_ERROR_EVENTS: Final[dict[Dialect, Callable[[str, str], bytes]]] = {
     dialect: _stream_error_builder(dialect) for dialect in Dialect
 }
 """`(message, code) -> event` per dialect, built once: what `relay_stream` takes."""

@@ -21,7 +21,7 @@ onto this tree at the boundary (`answer_refusal`), so the server never speaks fo
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import ClassVar, Final
 
 import orjson
 
@@ -36,7 +36,7 @@ from router.http.server.exceptions import (
     RefusalAnswer,
 )
 
-JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+JSON_CONTENT_TYPE: Final = (b"content-type", b"application/json")
 
 
 def retry_after(seconds: float) -> tuple[bytes, bytes]:
@@ -246,7 +246,7 @@ class QueueTimeout(AdmissionRefused):
 
 
 # The HTTP server's refusals, as the errors a client of the router is told.
-_REFUSALS: dict[type[Refusal], type[RouterError]] = {
+_REFUSALS: Final[dict[type[Refusal], type[RouterError]]] = {
     MalformedRequest: BadRequest,
     ClientTooSlow: RequestTimeout,
     BodyTooLarge: PayloadTooLarge,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Final
 
 
 class Kind(enum.StrEnum):
@@ -55,10 +56,10 @@ class Route:
 
 _GEN, _OTHER = Kind.GENERATION, Kind.NON_GENERATION
 _OPENAI, _RESPONSES, _ANTHROPIC = Dialect.OPENAI, Dialect.RESPONSES, Dialect.ANTHROPIC
-_MODEL = ("model",)
-_SAMPLING = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p")
+_MODEL: Final = ("model",)
+_SAMPLING: Final = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p")
 
-ROUTES: dict[str, Route] = {
+ROUTES: Final[dict[str, Route]] = {
     route.path: route
     for route in (
         Route(

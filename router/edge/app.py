@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import trio
@@ -23,8 +23,8 @@ from router.observability.request_id import IdentifiedWriter, forget, identify
 from router.observability.tracing import Tracing
 from router.pipeline.service import GenerationService
 
-_POST = b"POST"
-_GET = b"GET, HEAD"
+_POST: Final = b"POST"
+_GET: Final = b"GET, HEAD"
 
 
 class RouterApp:

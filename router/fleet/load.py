@@ -24,8 +24,9 @@ Pure and synchronous: times come from the caller (trio's clock in the router).
 from __future__ import annotations
 
 from collections import deque
+from typing import Final
 
-MAX_RECENT_DISPATCHES = 4096
+MAX_RECENT_DISPATCHES: Final = 4096
 """Send times of requests still in flight kept per view, to tell which a reading can have
 counted. Only those within the window before a reading matter (older ones are dropped at
 each reading); past this many (a burst beyond 4,096 requests within one window), the

@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from router.http.upstream.worker_url import InvalidWorkerUrl, parse_worker_url
 
 _E = TypeVar("_E", bound=enum.StrEnum)
 
-MAX_DP_SIZE = 4096
+MAX_DP_SIZE: Final = 4096
 """Largest `dp_size` a record may claim: the router keeps one counter per rank."""
 
 
@@ -228,18 +228,18 @@ class WorkerRecord:
         return data
 
 
-BLOCKING_FACTS = frozenset({"bootstrap_port", "dp_size", "models"})
+BLOCKING_FACTS: Final = frozenset({"bootstrap_port", "dp_size", "models"})
 """Facts a record may leave to the engine that routing needs: a prefill's bootstrap port
 and the DP size (SGLang's server info), the served models (`/v1/models`). The worker is
 pending until they are learned."""
 
-DESCRIPTIVE_FACTS = frozenset({"engine", "max_model_len", "kv_event_sources"})
+DESCRIPTIVE_FACTS: Final = frozenset({"engine", "max_model_len", "kv_event_sources"})
 """Facts that describe a worker without deciding whether it can be routed to: the engine's
 kind, and what a vLLM engine states of itself. Learned while the worker routes."""
 
-FACTS = tuple(sorted(BLOCKING_FACTS | DESCRIPTIVE_FACTS))
+FACTS: Final = tuple(sorted(BLOCKING_FACTS | DESCRIPTIVE_FACTS))
 
-_LEARNED_FIELDS = {
+_LEARNED_FIELDS: Final = {
     "bootstrap_port": ("disagg_meta",),
     "dp_size": ("dp_size",),
     "models": ("models",),

@@ -9,12 +9,12 @@ layer, so running the iterator to its end after `aclose()` is what cleans them u
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import trio
 
-DRAIN_BACKSTOP_S = 1.0
+DRAIN_BACKSTOP_S: Final = 1.0
 """Only a backstop: a closed stream ends at once; cancellation unwinds the layers too."""
 
 

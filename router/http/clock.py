@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
+from typing import Final
 
 import trio
 
 __all__ = ["keep_clock", "now"]
 
-_READER: contextvars.ContextVar[Callable[[], float] | None] = contextvars.ContextVar(
+_READER: Final[contextvars.ContextVar[Callable[[], float] | None]] = contextvars.ContextVar(
     "router_clock_reader", default=None
 )
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 import errno
 import select
 import socket
+from typing import Final
 
 import trio
 
 __all__ = ["DirectSocket", "SendStalled"]
 
-_OPS_BETWEEN_YIELDS = 16
-_CLOSED_ERRNOS = frozenset({errno.EBADF, errno.ENOTSOCK})
+_OPS_BETWEEN_YIELDS: Final = 16
+_CLOSED_ERRNOS: Final = frozenset({errno.EBADF, errno.ENOTSOCK})
 
 
 class DirectSocket:

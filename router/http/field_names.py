@@ -10,14 +10,15 @@ name is kept only after it passed the check.
 from __future__ import annotations
 
 import re
+from typing import Final
 
 __all__ = ["KNOWN_NAMES", "TOKEN", "known_name_count", "lowered_field_name"]
 
-TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+TOKEN: Final = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 """HTTP's token (RFC 9110 section 5.6.2): a field name, a method."""
-KNOWN_NAMES = 512
-KNOWN_NAME_BYTES = 64
-_known: dict[bytes, bytes] = {}
+KNOWN_NAMES: Final = 512
+KNOWN_NAME_BYTES: Final = 64
+_known: Final[dict[bytes, bytes]] = {}
 
 
 def lowered_field_name(name: bytes) -> bytes | None:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Protocol
+from typing import Final, Protocol
 
 import trio
 
 __all__ = ["WaitDeadlines", "Waiter"]
 
-_SLACK_ENTRIES = 64
+_SLACK_ENTRIES: Final = 64
 
 
 class Waiter(Protocol):

@@ -19,7 +19,7 @@ departed worker's children are dropped with it.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
@@ -33,8 +33,8 @@ from router.observability.tallies import CounterTally, HistogramTally
 
 _Family = TypeVar("_Family", bound=MetricWrapperBase)
 
-CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (
+CONTENT_TYPE: Final = b"text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS: Final = (
     0.001,
     0.0025,
     0.005,

@@ -16,24 +16,27 @@ import contextvars
 import os
 import random
 import re
+from typing import Final
 
 from router.http.server.messages import Headers, Request, ResponseWriter
 
-REQUEST_ID = b"x-request-id"
-CORRELATION_ID = b"x-correlation-id"
-TRACEPARENT = b"traceparent"
-MAX_ID_BYTES = 128
-_USABLE = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_ID_BYTES)
-_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
-_ZERO_TRACE = b"0" * 32
+REQUEST_ID: Final = b"x-request-id"
+CORRELATION_ID: Final = b"x-correlation-id"
+TRACEPARENT: Final = b"traceparent"
+MAX_ID_BYTES: Final = 128
+_USABLE: Final = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_ID_BYTES)
+_TRACEPARENT: Final = re.compile(rb"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+_ZERO_TRACE: Final = b"0" * 32
 
 # Ids need to be unique, not secret: a generator seeded from the OS once per process (and
 # again in a forked child, which would otherwise repeat its parent's ids) instead of a
 # `getrandom` system call per request.
-_ids = random.Random()
+_ids: Final = random.Random()
 os.register_at_fork(after_in_child=_ids.seed)
 
-_current: contextvars.ContextVar[str] = contextvars.ContextVar("router_request_id", default="-")
+_current: Final[contextvars.ContextVar[str]] = contextvars.ContextVar(
+    "router_request_id", default="-"
+)
 
 
 def current_request_id() -> str:

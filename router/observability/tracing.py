@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib.util
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import trio
 
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-TRACE_HEADERS = (b"traceparent", b"tracestate")
-SHUTDOWN_TIMEOUT_S = 5.0
+TRACE_HEADERS: Final = (b"traceparent", b"tracestate")
+SHUTDOWN_TIMEOUT_S: Final = 5.0
 
 
 class AttemptTrace:
@@ -65,9 +65,9 @@ class RequestTrace:
         """The request is over; `status` is what the client got (None: nothing was sent)."""
 
 
-NO_ATTEMPT_TRACE = AttemptTrace()
-NO_REQUEST_TRACE = RequestTrace()
-_current: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar(
+NO_ATTEMPT_TRACE: Final = AttemptTrace()
+NO_REQUEST_TRACE: Final = RequestTrace()
+_current: Final[contextvars.ContextVar[RequestTrace]] = contextvars.ContextVar(
     "router_trace", default=NO_REQUEST_TRACE
 )
 

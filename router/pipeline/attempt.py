@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 import trio
 
@@ -61,12 +61,12 @@ from router.pipeline.stall_watch import StallWatch
 from router.policies.policy import Policy, PolicyKey, pick_excluding, ranked_pick
 
 # Attempts log under the name operators already filter on (docs/failover-and-breaker.md).
-log = logging.getLogger("router.failover")
+log: Final = logging.getLogger("router.failover")
 
 # What of a request's headers reaches a gRPC worker as call metadata.
-GRPC_METADATA = frozenset({b"authorization", b"x-request-id", b"traceparent", b"tracestate"})
+GRPC_METADATA: Final = frozenset({b"authorization", b"x-request-id", b"traceparent", b"tracestate"})
 
-STREAM_HEADERS: list[tuple[bytes, bytes]] = [
+STREAM_HEADERS: Final[list[tuple[bytes, bytes]]] = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
 ]
@@ -97,7 +97,7 @@ class StreamCut(Exception):
         self.broken = broken
 
 
-_NONE_TRIED: frozenset[str] = frozenset()
+_NONE_TRIED: Final[frozenset[str]] = frozenset()
 
 
 @dataclass(slots=True, init=False)

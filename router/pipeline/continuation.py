@@ -18,7 +18,7 @@ with is dropped: the client had its own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -29,8 +29,8 @@ from router.prompts.tokenizer import TextTokenizer
 
 __all__ = ["ContinuationRelay", "Seam", "open_seam"]
 
-_DATA = b"data: "
-DONE_EVENT = b"data: [DONE]\n\n"
+_DATA: Final = b"data: "
+DONE_EVENT: Final = b"data: [DONE]\n\n"
 
 
 class Seam:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import Final, Protocol
 
 import orjson
 import trio
@@ -33,16 +33,16 @@ from router.pipeline.relay import EventCutter
 from router.pipeline.stall_watch import StallWatch
 from router.pipeline.stream_capture import GarbledEvent
 
-log = logging.getLogger("router.dispatch")
+log: Final = logging.getLogger("router.dispatch")
 
 # Request headers a worker needs from the client; everything else stays at the router.
-FORWARDED_REQUEST_HEADERS = frozenset(
+FORWARDED_REQUEST_HEADERS: Final = frozenset(
     {b"content-type", b"authorization", b"x-request-id", b"traceparent", b"tracestate"}
 )
 # Response headers of a worker the client gets back.
-RELAYED_RESPONSE_HEADERS = frozenset({b"content-type", b"retry-after", b"x-request-id"})
-RANK_HEADER = b"x-data-parallel-rank"
-WORKER_HEADER = b"x-router-worker"
+RELAYED_RESPONSE_HEADERS: Final = frozenset({b"content-type", b"retry-after", b"x-request-id"})
+RANK_HEADER: Final = b"x-data-parallel-rank"
+WORKER_HEADER: Final = b"x-router-worker"
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -31,13 +31,13 @@ from router.prompts.chat_request import NotRendered
 from router.prompts.token_sources import TokenSources, tokenizing_workers
 from router.prompts.tokenize_request import BadTokens, read_tokens, tokenize_body
 
-ASK_OUTCOMES = ("ok", "timeout", "refused", "failed", "bad_answer", "busy", "not_asked")
+ASK_OUTCOMES: Final = ("ok", "timeout", "refused", "failed", "bad_answer", "busy", "not_asked")
 """How an ask of an engine's /tokenize ended: token ids (`ok`); no answer in time
 (`timeout`); an answer other than 200 (`refused`); a transport error (`failed`); an
 answer that is not token ids (`bad_answer`); too many asks in flight (`busy`, not asked);
 no engine of the request's candidates could be asked for its shape (`not_asked`)."""
 
-ENGINE_TOKENIZE = "engine_tokenize"
+ENGINE_TOKENIZE: Final = "engine_tokenize"
 """The no-prediction reason of a request whose engine ask failed."""
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -61,7 +61,7 @@ class Finished:
     when the request asked for none."""
 
 
-LOGPROB_FLOOR = -9999.0
+LOGPROB_FLOOR: Final = -9999.0
 """vLLM's OpenAI server writes no logprob below this (`-inf` is not JSON)."""
 
 
@@ -154,7 +154,7 @@ def openai_usage(usage: Usage) -> dict[str, Any]:
     }
 
 
-DONE = b"data: [DONE]\n\n"
+DONE: Final = b"data: [DONE]\n\n"
 
 
 class OpenAIAnswer:

@@ -30,7 +30,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import trio
@@ -72,16 +72,16 @@ from router.prompts.chat_template import TemplateFailed
 from router.prompts.detokenize import StreamedText
 from router.prompts.tokenizer import COMPLETION_CONTEXT, HfTokenizer, TextTokenizer
 
-log = logging.getLogger("router.dispatch")
+log: Final = logging.getLogger("router.dispatch")
 
-ABORT_TIMEOUT_S = 1.0
+ABORT_TIMEOUT_S: Final = 1.0
 """How long a cancelled request's cleanup waits for the engine to take its `Abort`."""
 
-STREAM_HEADERS: list[tuple[bytes, bytes]] = [
+STREAM_HEADERS: Final[list[tuple[bytes, bytes]]] = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
 ]
-JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+JSON_HEADERS: Final[list[tuple[bytes, bytes]]] = [(b"content-type", b"application/json")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class StatusAnswer:
     retryable: bool
 
 
-STATUS_ANSWERS: Mapping[StatusCode, StatusAnswer] = {
+STATUS_ANSWERS: Final[Mapping[StatusCode, StatusAnswer]] = {
     StatusCode.INVALID_ARGUMENT: StatusAnswer(400, "BadRequestError", False, False),
     StatusCode.OUT_OF_RANGE: StatusAnswer(400, "BadRequestError", False, False),
     StatusCode.FAILED_PRECONDITION: StatusAnswer(400, "BadRequestError", False, False),
@@ -106,7 +106,7 @@ STATUS_ANSWERS: Mapping[StatusCode, StatusAnswer] = {
     StatusCode.UNIMPLEMENTED: StatusAnswer(501, "NotImplementedError", True, True),
 }
 """How a gRPC status before the first token is judged; any other is a 500 fault."""
-OTHER_STATUS = StatusAnswer(500, "InternalServerError", True, True)
+OTHER_STATUS: Final = StatusAnswer(500, "InternalServerError", True, True)
 
 
 def status_failure(url: str, error: GrpcStatusError) -> AttemptFailed:

@@ -22,26 +22,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from router.api.errors import BadRequest
 from router.pipeline.resolve import GenerationRequest
 
-GRPC_ROUTES = frozenset({"chat", "completions", "messages", "responses", "generate"})
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+GRPC_ROUTES: Final = frozenset({"chat", "completions", "messages", "responses", "generate"})
+COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
 """vLLM's `CompletionRequest.max_tokens` default (chat has none: the context's rest)."""
-GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+GENERATE_DEFAULT_MAX_NEW_TOKENS: Final = 128
 """SGLang's `max_new_tokens` default for `/generate`."""
 
 # Fields that ask for structured output (vLLM's names, old and new).
-_STRUCTURED = (
+_STRUCTURED: Final = (
     "guided_json",
     "guided_regex",
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
 )
-_FLOATS = (
+_FLOATS: Final = (
     "temperature",
     "top_p",
     "min_p",

@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
-HANDOFF_KEYS = frozenset(
+HANDOFF_KEYS: Final = frozenset(
     {"bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank"}
 )
 
-_WHITESPACE = " \t\n\r"
+_WHITESPACE: Final = " \t\n\r"
 # The standard library's C scanner finds where each value ends (`raw_decode`) in one pass
 # at C speed; a byte-by-byte scan in Python costs seconds on a hostile 30 MB body.
-_DECODER = json.JSONDecoder()
+_DECODER: Final = json.JSONDecoder()
 
 
 class UnspliceableBody(ValueError):

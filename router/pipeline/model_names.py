@@ -31,13 +31,14 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import orjson
 
 from router.http.server.messages import Headers, ResponseWriter
 
-MODEL_HEADER = b"x-router-model"
-FALLBACK_HEADER = b"x-router-fallback-from"
+MODEL_HEADER: Final = b"x-router-model"
+FALLBACK_HEADER: Final = b"x-router-fallback-from"
 
 
 class ModelNamesError(ValueError):
@@ -213,7 +214,7 @@ def _find_cycle(name: str, edges: Mapping[str, list[str]], path: list[str], done
     done.add(name)
 
 
-_NAME = re.compile(r"[^\s,=:]{1,256}")
+_NAME: Final = re.compile(r"[^\s,=:]{1,256}")
 
 
 def _check_name(name: object, what: str) -> None:

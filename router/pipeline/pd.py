@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import trio
@@ -25,10 +25,10 @@ from router.pipeline.handoff_body import UnspliceableBody, splice_handoff
 from router.pipeline.plan import Plan
 from router.pipeline.resolve import GenerationRequest
 
-log = logging.getLogger("router.pd")
+log: Final = logging.getLogger("router.pd")
 
-ROOM_LIMIT = 1 << 63
-DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default disaggregation bootstrap port
+ROOM_LIMIT: Final = 1 << 63
+DEFAULT_BOOTSTRAP_PORT: Final = 8998  # SGLang's default disaggregation bootstrap port
 
 
 def bootstrap_address(prefill: Worker) -> tuple[str, int]:

@@ -15,9 +15,11 @@ are joined once, when they go out: no byte is copied per chunk received.
 
 from __future__ import annotations
 
+from typing import Final
+
 __all__ = ["MAX_PENDING_BYTES", "EventCutter"]
 
-MAX_PENDING_BYTES = 64 * 1024
+MAX_PENDING_BYTES: Final = 64 * 1024
 
 
 def _last_event_end(data: bytes) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -72,7 +72,7 @@ class GenerationRequest:
         self.body.update(fields)
 
 
-DEFAULT_MAX_N = 128
+DEFAULT_MAX_N: Final = 128
 
 
 def parse_generation_request(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -40,13 +40,13 @@ __all__ = [
     "token_limit",
 ]
 
-RESUMABLE_ROUTES = frozenset({"chat", "completions"})
+RESUMABLE_ROUTES: Final = frozenset({"chat", "completions"})
 """The APIs whose streams the router can continue (vLLM takes their prompts as ids)."""
 
-OPT_OUT_HEADER = b"x-router-resume"
+OPT_OUT_HEADER: Final = b"x-router-resume"
 """A request with `X-Router-Resume: off` is never resumed (nor are its ids asked for)."""
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
 """OpenAI's (and vLLM's) `max_tokens` of a completions request that sets none."""
 
 
@@ -108,7 +108,7 @@ class ResumeSettings:
         return self.limit > 0 and route in self.routes
 
 
-_STRUCTURED_FIELDS = (
+_STRUCTURED_FIELDS: Final = (
     "guided_json",
     "guided_regex",
     "guided_choice",

@@ -13,6 +13,7 @@ I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from router.fleet.registry import Worker
 from router.pipeline.continuation import ContinuationRelay, Seam, open_seam
@@ -25,7 +26,7 @@ from router.prompts.tokenizer import TextTokenizer
 
 __all__ = ["RequestResume"]
 
-ASKS_IDS = frozenset({"vllm"})
+ASKS_IDS: Final = frozenset({"vllm"})
 """Engines asked for token ids: vLLM streams them for chat and completions. SGLang's
 chat refuses the field when streaming, and an engine of unknown kind is never sent one."""
 

@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Final
 
 from router.api.error_shapes import STREAM_ERROR_EVENTS, error_body
 from router.api.errors import (
@@ -74,14 +75,14 @@ from router.policies.spread import NearTies, SpreadSettings
 from router.prompts.token_sources import TokenSources
 from router.prompts.tokenizer import TextTokenizer
 
-log = logging.getLogger("router.failover")
+log: Final = logging.getLogger("router.failover")
 
-CLIENT_LEFT = 499  # status recorded in metrics for a client that went away
-CONTINUATION_FAILED = -200
+CLIENT_LEFT: Final = 499  # status recorded in metrics for a client that went away
+CONTINUATION_FAILED: Final = -200
 """What `_attempts` says when a broken stream found no worker for its continuation (the
 client got its 200 and then the error event)."""
 # The routes whose engine request has vLLM's `priority` field (SGLang's /generate has it too).
-ENGINE_PRIORITY_ROUTES = frozenset({"chat", "completions", "responses", "generate"})
+ENGINE_PRIORITY_ROUTES: Final = frozenset({"chat", "completions", "responses", "generate"})
 
 
 @dataclass(frozen=True, slots=True)

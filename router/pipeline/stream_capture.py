@@ -19,7 +19,7 @@ resume: capture while relaying").
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -28,11 +28,11 @@ from router.pipeline.resume import Refusal
 
 __all__ = ["GarbledEvent", "StreamCapture", "max_event_bytes", "null_id_arrays"]
 
-_DATA = b"data: "
-_DONE = b"[DONE]"
-_IDS_KEY = b'token_ids":['
+_DATA: Final = b"data: "
+_DONE: Final = b"[DONE]"
+_IDS_KEY: Final = b'token_ids":['
 """The end of both keys whose arrays are cut: `"token_ids"` and `"prompt_token_ids"`."""
-ID_BYTES = 12
+ID_BYTES: Final = 12
 """Room per id when an event carries a prompt's ids: digits, a comma, to spare."""
 
 

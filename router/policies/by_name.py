@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Final
 
 from router.engines.kv_events.fleet_views import KvIndexes
 from router.policies.adapter_affinity import AdapterAffinitySettings
@@ -14,7 +15,7 @@ from router.policies.policy import Policy
 from router.policies.simple import RandomChoice, RoundRobin
 from router.policies.spread import NearTies
 
-POLICY_NAMES = (
+POLICY_NAMES: Final = (
     "round_robin",
     "random",
     "least_load",

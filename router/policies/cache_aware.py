@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -42,7 +42,7 @@ from router.fleet.registry import Worker
 from router.policies.prefix_tree import PrefixTree
 
 # Characters per compared block: 16 tokens at the ~4 characters per token of English text.
-MATCH_BLOCK_CHARS = 64
+MATCH_BLOCK_CHARS: Final = 64
 
 
 @dataclass(frozen=True, slots=True)

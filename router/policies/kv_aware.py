@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from router.engines.kv_events.decode import ExtraKey
 from router.engines.kv_events.fleet_views import KvIndexes
@@ -74,7 +74,7 @@ class KvAwareSettings:
     flight: a candidate holding half a typical prompt saves `overlap_weight / 2`."""
 
 
-TYPICAL_BLOCKS_WINDOW = 64
+TYPICAL_BLOCKS_WINDOW: Final = 64
 """Predicted requests the typical prompt's moving average spans (its smoothing factor is
 1 / this): long enough that one huge prompt does not swing the cost, short enough to
 follow a change of workload within a few hundred requests."""
@@ -119,23 +119,30 @@ class RequestKey(Protocol):
 
 
 # Why a request got no prediction (the `reason` label of the counter).
-NO_TOKENS = "no_tokens"
+NO_TOKENS: Final = "no_tokens"
 """The router cannot compute the engine's tokens (text without a tokenizer, batches)."""
-CHAT = "chat_template"
+CHAT: Final = "chat_template"
 """Chat, Responses and Messages the router does not render as the engine does: no chat
 template (a `tokenizer.json` alone), a shape it does not reproduce (media, tools in
 Messages, a request's own template, ...; `router.prompts.chat_template`)."""
-TEMPLATE_ERROR = "template_error"
+TEMPLATE_ERROR: Final = "template_error"
 """The chat template raised for the request, or ran past its render bounds."""
-ENGINE_TOKENIZE = "engine_tokenize"
+ENGINE_TOKENIZE: Final = "engine_tokenize"
 """The engine was asked for the request's tokens and gave none in time (refused, timed
 out, broke, answered garbage, or too many asks were in flight)."""
-NO_INDEX = "no_index"
+NO_INDEX: Final = "no_index"
 """No event of the model has arrived yet (no index, or its block size unknown)."""
-SHORT_PROMPT = "short_prompt"
+SHORT_PROMPT: Final = "short_prompt"
 """Fewer tokens than one block: nothing can be cached."""
-NO_PREDICTION_REASONS = (NO_TOKENS, CHAT, TEMPLATE_ERROR, ENGINE_TOKENIZE, NO_INDEX, SHORT_PROMPT)
-PICK_REASONS = ("match", "load", "no_prediction")
+NO_PREDICTION_REASONS: Final = (
+    NO_TOKENS,
+    CHAT,
+    TEMPLATE_ERROR,
+    ENGINE_TOKENIZE,
+    NO_INDEX,
+    SHORT_PROMPT,
+)
+PICK_REASONS: Final = ("match", "load", "no_prediction")
 
 
 def is_chat(body: Mapping[str, Any] | None) -> bool:

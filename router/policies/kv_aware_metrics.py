@@ -5,6 +5,7 @@ docs/metrics.md lists them)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -13,7 +14,7 @@ from router.engines.kv_events.fleet_views import KvEventsStatistics, KvIndexes
 from router.fleet.records import Role
 from router.policies.kv_aware import NO_PREDICTION_REASONS, PICK_REASONS, KvAware
 
-_NO_STREAMS = KvEventsStatistics(
+_NO_STREAMS: Final = KvEventsStatistics(
     subscriptions=0,
     events={},
     batches=0,

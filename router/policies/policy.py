@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 from router.fleet.records import Role
 from router.fleet.registry import Worker
@@ -81,7 +81,7 @@ RankedPick = Callable[[PolicyKey, Sequence[Worker]], tuple[Worker, int | None]]
 
 _StateKey = tuple[str, Role]
 
-_RANKS_BY_TYPE: dict[type, bool] = {}
+_RANKS_BY_TYPE: Final[dict[type, bool]] = {}
 """Whether a policy class has a `pick_ranked`, learnt once per class."""
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection
+from typing import Final
 
-LOW_WATER = 0.9
+LOW_WATER: Final = 0.9
 
 
 class _Node:

@@ -23,7 +23,7 @@ The body was already validated by `router.pipeline.resolve`; anything unexpected
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 
 def routing_text(body: Mapping[str, Any]) -> str:
@@ -93,8 +93,8 @@ def _ids_text(ids: list[int]) -> str:
     return "".join(f"{token}," for token in ids)
 
 
-_PREFIX_CHARS = 256
-_PREFIX_TOKENS = 64
+_PREFIX_CHARS: Final = 256
+_PREFIX_TOKENS: Final = 64
 
 
 def routing_key(session_id: bytes | None, body: Mapping[str, Any]) -> bytes | None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Final
 
 from router.fleet.registry import Worker
 from router.policies.policy import PolicyKey, _StateKey
 
-_COUNTER_MASK = (1 << 62) - 1
+_COUNTER_MASK: Final = (1 << 62) - 1
 
 
 class RoundRobin:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import errno
 import socket
+from typing import Final
 
 import trio
 
 __all__ = ["BatchListener"]
 
 # Connections taken per wake-up at most, so one listener cannot hold the scheduler long.
-_BATCH = 64
-_CLOSED_ERRNOS = frozenset({errno.EBADF, errno.ENOTSOCK, errno.EINVAL})
+_BATCH: Final = 64
+_CLOSED_ERRNOS: Final = frozenset({errno.EBADF, errno.ENOTSOCK, errno.EINVAL})
 
 
 class BatchListener:

@@ -15,16 +15,17 @@ Pure and synchronous; the request reader feeds it every byte of the body as it a
 from __future__ import annotations
 
 import re
+from typing import Final
 
 from router.http.server.exceptions import BodyTooLarge
 from router.http.server.request_framing import FramingError
 
 __all__ = ["ChunkedFraming"]
 
-_MAX_LINE_BYTES = 4096
-_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
-_QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
-_CHUNK_LINE = re.compile(
+_MAX_LINE_BYTES: Final = 4096
+_TOKEN: Final = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
+_QUOTED: Final = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
+_CHUNK_LINE: Final = re.compile(
     rb"([0-9A-Fa-f]{1,16})((?:[ \t]*;[ \t]*%s(?:[ \t]*=[ \t]*(?:%s|%s))?)*)[ \t]*"
     % (_TOKEN, _TOKEN, _QUOTED)
 )

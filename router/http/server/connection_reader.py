@@ -13,7 +13,7 @@ next cycle, and the reader then waits to be armed again. No task is started per 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Final, Protocol
 
 import trio
 
@@ -24,7 +24,7 @@ from router.http.wait_deadlines import WaitDeadlines
 
 __all__ = ["ConnectionReader", "Watch"]
 
-_RECEIVE_BYTES = 65536
+_RECEIVE_BYTES: Final = 65536
 
 
 class _Answer(Protocol):

@@ -9,11 +9,12 @@ descriptors to hypercorn.
 from __future__ import annotations
 
 import errno
+from typing import Final
 
 import trio
 
 # Linux stores the backlog in 16 bits and clamps it to net.core.somaxconn anyway.
-_BACKLOG = 0xFFFF
+_BACKLOG: Final = 0xFFFF
 
 
 async def open_tcp_sockets(

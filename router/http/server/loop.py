@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from typing import Final
 
 import trio
 
@@ -41,20 +42,22 @@ from router.http.wait_deadlines import WaitDeadlines
 
 __all__ = ["ServerLoad", "ServerSettings", "serve_http"]
 
-logger = logging.getLogger("router.http.server")
+logger: Final = logging.getLogger("router.http.server")
 
-_RECEIVE_BYTES = 65536
+_RECEIVE_BYTES: Final = 65536
 # After an error answer the client may still be sending; closing with unread bytes makes
 # the kernel send RST, which can destroy the answer before the client reads it.
-_LINGER_S = 1.0
-_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-_ACCEPT_RETRY_S = 0.1
-_CAPACITY_WARNING_EVERY_S = 10.0
+_LINGER_S: Final = 1.0
+_ACCEPT_CAPACITY_ERRNOS: Final = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+)
+_ACCEPT_RETRY_S: Final = 0.1
+_CAPACITY_WARNING_EVERY_S: Final = 10.0
 # Turning a connection away costs a task, a send and a linger: bounded in number and time,
 # so a flood past `max_connections` cannot grow the server's work without bound.
-_TURN_AWAY_TASKS = 64
-_TURN_AWAY_S = 1.0
-_DEFAULT_SETTINGS = ServerSettings()
+_TURN_AWAY_TASKS: Final = 64
+_TURN_AWAY_S: Final = 1.0
+_DEFAULT_SETTINGS: Final = ServerSettings()
 
 
 async def serve_http(

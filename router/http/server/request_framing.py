@@ -16,14 +16,15 @@ What a chunked body may not hold is refused by `router.http.server.chunked_frami
 from __future__ import annotations
 
 import re
+from typing import Final
 
 from router.http.server.exceptions import MalformedRequest
 
 __all__ = ["FramingError", "check_framing"]
 
 # A head ends at its first empty line (with or without the CR, for the check's sake).
-_HEAD_END = re.compile(rb"\n\r?\n")
-_FOLD = re.compile(rb"\n[ \t]")
+_HEAD_END: Final = re.compile(rb"\n\r?\n")
+_FOLD: Final = re.compile(rb"\n[ \t]")
 
 
 class FramingError(MalformedRequest):

@@ -52,7 +52,7 @@ CLOSED: Final = _Signal("CLOSED")
 """The client closed the connection before a byte of another request."""
 
 _HEAD_STATE, _BODY_STATE, _END_STATE, _DONE_STATE = range(4)
-_VERSIONS = {"1.1": b"1.1", "1.0": b"1.0"}
+_VERSIONS: Final = {"1.1": b"1.1", "1.0": b"1.0"}
 
 
 class ParseError(Exception):

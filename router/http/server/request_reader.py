@@ -7,6 +7,8 @@ Every refusal is raised as a `Refusal` (400 framing, 408 timeout, 413 body, 431 
 
 from __future__ import annotations
 
+from typing import Final
+
 import trio
 
 from router.http import clock
@@ -21,7 +23,7 @@ from router.http.server.settings import ServerSettings, protocol_error
 __all__ = ["RequestReader"]
 
 # The interim answer to `Expect: 100-continue`.
-_CONTINUE = b"HTTP/1.1 100 \r\n\r\n"
+_CONTINUE: Final = b"HTTP/1.1 100 \r\n\r\n"
 
 
 class RequestReader:

@@ -21,23 +21,24 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from router.http.field_names import lowered_field_name
 from router.http.server.messages import Headers
 
 __all__ = ["CHUNKED", "LENGTH", "UNTIL_CLOSE", "ResponseError", "ResponseHead", "encode_head"]
 
-_FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
-_DIGITS = re.compile(rb"[0-9]+")
-_MAX_LENGTH_DIGITS = 20
-_NO_BODY_STATUSES = frozenset({204, 304})
-_FRAMING_NAMES = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
+_FIELD_VALUE: Final = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
+_DIGITS: Final = re.compile(rb"[0-9]+")
+_MAX_LENGTH_DIGITS: Final = 20
+_NO_BODY_STATUSES: Final = frozenset({204, 304})
+_FRAMING_NAMES: Final = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
 """Names whose value decides the framing or the order of the head: never taken as a line
 checked before, always read."""
-_LENGTH_NAMES = frozenset({b"content-length", b"transfer-encoding"})
-KNOWN_LINES = 1024
-KNOWN_LINE_BYTES = 256
-_known_lines: dict[tuple[bytes, bytes], tuple[bytes, bytes]] = {}
+_LENGTH_NAMES: Final = frozenset({b"content-length", b"transfer-encoding"})
+KNOWN_LINES: Final = 1024
+KNOWN_LINE_BYTES: Final = 256
+_known_lines: Final[dict[tuple[bytes, bytes], tuple[bytes, bytes]]] = {}
 """Header lines already checked, by their name and value as given: an answer carries
 mostly the lines the last one did (its content type, the worker, the server, the date).
 At most `KNOWN_LINES` of at most `KNOWN_LINE_BYTES` bytes; cleared when full."""

@@ -13,6 +13,7 @@ import socket
 import struct
 from collections.abc import Callable
 from http import HTTPStatus
+from typing import Final
 
 import trio
 
@@ -29,7 +30,7 @@ from router.http.server.settings import CLOSE_HEADER, SERVER_HEADER
 
 __all__ = ["ResponseWriter"]
 
-_NO_BODY_STATUSES = frozenset({204, 304})
+_NO_BODY_STATUSES: Final = frozenset({204, 304})
 
 
 class ResponseWriter:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from email.utils import formatdate
+from typing import Final
 
 from router.http.server.exceptions import HeadTooLarge, MalformedRequest, Refusal, RefusalAnswer
 from router.http.server.request_parser import ParseError
@@ -53,8 +54,8 @@ class ServerSettings:
     max_buffered_body_bytes: int = 1024**3
 
 
-SERVER_HEADER = (b"server", b"trio-router")
-CLOSE_HEADER = (b"connection", b"close")
+SERVER_HEADER: Final = (b"server", b"trio-router")
+CLOSE_HEADER: Final = (b"connection", b"close")
 
 
 def protocol_error(exc: ParseError, settings: ServerSettings) -> Refusal:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable
+from typing import Final
 
 import trio
 
@@ -43,23 +44,23 @@ __all__ = [
     "open_upstream_connection",
 ]
 
-_RECEIVE_SIZE = 65536
+_RECEIVE_SIZE: Final = 65536
 # The bound on what is buffered while looking for a head's end: h11's default is 16 KiB;
 # engines send a few hundred bytes.
-_MAX_HEAD_BYTES = 65536
+_MAX_HEAD_BYTES: Final = 65536
 # 100 Continue and 103 Early Hints come once or twice; a worker sending more is broken,
 # and each would otherwise cost a head parse while the client waits.
-_MAX_INTERIM_RESPONSES = 8
+_MAX_INTERIM_RESPONSES: Final = 8
 
 # What a worker (or the network) can do to an open connection.
-_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+_TRANSPORT_ERRORS: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 # Body framing of the response in progress.
-_ENDED = 0
-_LENGTH = 1
-_CHUNKED = 2
-_UNTIL_EOF = 3
-_BROKEN = 4
+_ENDED: Final = 0
+_LENGTH: Final = 1
+_CHUNKED: Final = 2
+_UNTIL_EOF: Final = 3
+_BROKEN: Final = 4
 
 
 class UpstreamConnection:

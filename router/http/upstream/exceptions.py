@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+from typing import Final
 
 __all__ = [
     "LOCAL_ERRNO_KINDS",
@@ -41,13 +42,13 @@ class UpstreamTimeout(UpstreamError):
     deadline; the connection was closed."""
 
 
-LOCAL_ERRNO_KINDS: dict[int, str] = {
+LOCAL_ERRNO_KINDS: Final[dict[int, str]] = {
     errno.EMFILE: "emfile",
     errno.ENFILE: "enfile",
     errno.ENOBUFS: "enobufs",
     errno.EADDRNOTAVAIL: "eaddrnotavail",
 }
-POOL_WAIT_KIND = "pool_wait_timeout"
+POOL_WAIT_KIND: Final = "pool_wait_timeout"
 
 
 class LocalShortage(Exception):

@@ -47,6 +47,7 @@ LF bytes at the end means bytes beyond it.
 from __future__ import annotations
 
 import re
+from typing import Final
 
 import httptools
 
@@ -57,11 +58,11 @@ __all__ = ["UpstreamParser", "header_tokens"]
 # HTAB, SP, visible ASCII and obs-text: what a reason phrase (RFC 9112 section 4) and a
 # field value (RFC 9110 section 5.5) are made of. A bare CR in a reason is not a character
 # but a way to hide a second status line from one parser of two.
-_TEXT = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+_TEXT: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 # Chunk lines, extensions and trailers that carry no body byte: llhttp reads them without
 # buffering, so the bound is on the worker's CPU use of ours, not on memory.
-_MAX_FRAMING_WITHOUT_DATA = 65536
-_CR_LF = (13, 10)
+_MAX_FRAMING_WITHOUT_DATA: Final = 65536
+_CR_LF: Final = (13, 10)
 
 
 class _Events:

@@ -31,7 +31,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
-from typing import Protocol
+from typing import Final, Protocol
 
 import trio
 
@@ -139,7 +139,7 @@ class PoolStatistics:
     `pool_wait_timeout`)."""
 
 
-DEFAULT_POOL_SETTINGS = PoolSettings()
+DEFAULT_POOL_SETTINGS: Final = PoolSettings()
 
 
 class _Endpoint:

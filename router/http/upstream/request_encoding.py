@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import re
+from typing import Final
 
 from router.http.field_names import TOKEN, lowered_field_name
 
 __all__ = ["encode_request"]
 
-_TARGET = re.compile(rb"[^\x00-\x20\x7f]+")
+_TARGET: Final = re.compile(rb"[^\x00-\x20\x7f]+")
 # One search, not `b"\r" in value` and the like: on bytes, `in` tries the operand as an
 # int first and makes and drops a TypeError each time (docs/performance.md, "fifth round").
-_UNSENDABLE = re.compile(rb"[\r\n\x00]")
+_UNSENDABLE: Final = re.compile(rb"[\r\n\x00]")
 
 
 def encode_request(

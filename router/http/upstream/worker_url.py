@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Final
 from urllib.parse import urlsplit
 
 __all__ = ["InvalidWorkerUrl", "WorkerAddress", "is_grpc_url", "parse_worker_url"]
 
 # Letters, digits, dots, dashes, underscores (some engines' hostnames carry them), or a
 # bracketed IPv6 literal.
-_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
+_HOST: Final = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
 # Visible ASCII, no space: what a request target may carry (RFC 9112 section 3.2).
-_PATH = re.compile(r"[!-~]*")
+_PATH: Final = re.compile(r"[!-~]*")
 
 
 class InvalidWorkerUrl(ValueError):
