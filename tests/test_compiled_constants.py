@@ -50,6 +50,12 @@ def _constants_not_final(path: Path, root: Path = REPO) -> list[str]:
             bindings[node.target.id] = bindings.get(node.target.id, 0) + 1
     found = []
     for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, (ast.Tuple, ast.List)) for target in node.targets
+        ):
+            # `A, B = range(2)` cannot be Final: one name per line.
+            found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node.targets[0])}")
+            continue
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             target, value, annotation = node.targets[0], node.value, None
         elif isinstance(node, ast.AnnAssign) and node.value is not None:
@@ -90,5 +96,10 @@ def test_the_check_finds_a_constant_that_is_not_final(tmp_path: Path) -> None:
         "Headers = list[tuple[bytes, bytes]]\n"
         "E = 0\n"
         "E = 1\n"
+        "F, G = range(2)\n"
     )
-    assert _constants_not_final(module, tmp_path) == ["module.py:2 A", "module.py:4 C"]
+    assert _constants_not_final(module, tmp_path) == [
+        "module.py:2 A",
+        "module.py:4 C",
+        "module.py:9 (F, G)",
+    ]

@@ -54,8 +54,11 @@ class Route:
         return self.kind is Kind.GENERATION
 
 
-_GEN, _OTHER = Kind.GENERATION, Kind.NON_GENERATION
-_OPENAI, _RESPONSES, _ANTHROPIC = Dialect.OPENAI, Dialect.RESPONSES, Dialect.ANTHROPIC
+_GEN: Final = Kind.GENERATION
+_OTHER: Final = Kind.NON_GENERATION
+_OPENAI: Final = Dialect.OPENAI
+_RESPONSES: Final = Dialect.RESPONSES
+_ANTHROPIC: Final = Dialect.ANTHROPIC
 _MODEL: Final = ("model",)
 _SAMPLING: Final = ("n", "max_tokens", "max_completion_tokens", "temperature", "top_p")
 

@@ -30,7 +30,11 @@ _CHUNK_LINE: Final = re.compile(
     % (_TOKEN, _TOKEN, _QUOTED)
 )
 
-_SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+_SIZE: Final = 0
+_DATA: Final = 1
+_DATA_END: Final = 2
+_TRAILER: Final = 3
+_DONE: Final = 4
 
 
 class ChunkedFraming:

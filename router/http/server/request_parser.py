@@ -51,7 +51,10 @@ END: Final = _Signal("END")
 CLOSED: Final = _Signal("CLOSED")
 """The client closed the connection before a byte of another request."""
 
-_HEAD_STATE, _BODY_STATE, _END_STATE, _DONE_STATE = range(4)
+_HEAD_STATE: Final = 0
+_BODY_STATE: Final = 1
+_END_STATE: Final = 2
+_DONE_STATE: Final = 3
 _VERSIONS: Final = {"1.1": b"1.1", "1.0": b"1.0"}
 
 

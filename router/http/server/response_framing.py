@@ -44,7 +44,9 @@ mostly the lines the last one did (its content type, the worker, the server, the
 At most `KNOWN_LINES` of at most `KNOWN_LINE_BYTES` bytes; cleared when full."""
 
 # How a body is framed on the wire.
-LENGTH, CHUNKED, UNTIL_CLOSE = range(3)
+LENGTH: Final = 0
+CHUNKED: Final = 1
+UNTIL_CLOSE: Final = 2
 
 
 class ResponseError(Exception):
