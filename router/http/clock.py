@@ -18,7 +18,7 @@ from typing import Final
 
 import trio
 
-__all__ = ["keep_clock", "now"]
+__all__ = ["keep_clock", "now", "reader"]
 
 _READER: Final[contextvars.ContextVar[Callable[[], float] | None]] = contextvars.ContextVar(
     "router_clock_reader", default=None
@@ -34,3 +34,10 @@ def now() -> float:
     """The run's current time, as `trio.current_time()` gives it."""
     read = _READER.get()
     return trio.current_time() if read is None else read()
+
+
+def reader() -> Callable[[], float]:
+    """The run's clock's own reader, for a loop that reads it many times (a relayed
+    stream, once per event): one call per reading, not even `now()`'s variable read."""
+    read = _READER.get()
+    return trio.lowlevel.current_clock().current_time if read is None else read

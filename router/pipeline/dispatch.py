@@ -383,9 +383,7 @@ async def relay_stream(
     # A worker silent too long: `stalls` closes its connection, which ends the read in
     # progress (no deadline moved per event, no scope per stream: `router.pipeline.stall_watch`).
     watched = stalls.watch(response.abandon)
-    # The clock's own reader: `trio.current_time()` reaches it through two more calls, per
-    # relayed event.
-    now = trio.lowlevel.current_clock().current_time
+    now = clock.reader()
     try:
         while True:
             ready = cutter.feed(chunk)

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from router.http.clock import keep_clock, now
+from router.http.clock import keep_clock, now, reader
 
 
 def test_now_is_the_runs_clock_before_and_after_keep_clock() -> None:
@@ -28,6 +28,22 @@ def test_now_is_the_runs_clock_before_and_after_keep_clock() -> None:
 
     trio.run(main, clock=clock)
     assert seen == [(100.0, 100.0), (107.0, 107.0), (112.0, 112.0)]
+
+
+def test_reader_reads_the_runs_clock_kept_or_not() -> None:
+    clock = trio.testing.MockClock()
+    seen: list[float] = []
+
+    async def main() -> None:
+        clock.jump(3)
+        before = reader()  # nothing kept: the run's clock's own reader
+        keep_clock()
+        kept = reader()
+        clock.jump(4)
+        seen.extend((before(), kept(), trio.current_time()))
+
+    trio.run(main, clock=clock)
+    assert seen == [7.0, 7.0, 7.0]
 
 
 def test_a_kept_clock_does_not_outlive_its_run() -> None:

@@ -262,7 +262,8 @@ class UpstreamConnection:
             self._parser = parser
             self._framing = _CHUNKED
         elif length is not None:
-            if length.find(b",") >= 0:  # not `in`: see `request_encoding._UNSENDABLE`
+            # `find`, not `in`: docs/performance.md, "fifth round".
+            if length.find(b",") >= 0:
                 # "5, 5" is one length repeated by a proxy; anything else is ambiguous.
                 values = {part.strip() for part in length.split(b",")}
                 length = values.pop() if len(values) == 1 else b"x"
