@@ -7,17 +7,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.compiled_modules import REPO, compiled_modules
+
 TYPE_FACTORIES = {"TypeVar", "NewType", "ParamSpec"}
-
-
-def _compiled_modules() -> list[Path]:
-    source = (REPO / "setup.py").read_text().split("\nsetup(")[0]  # not the build itself
-    namespace: dict[str, object] = {"__file__": str(REPO / "setup.py"), "__name__": "setup"}
-    exec(compile(source, "setup.py", "exec"), namespace)
-    compiled_modules = namespace["compiled_modules"]
-    assert callable(compiled_modules)
-    return [REPO / relative for relative in compiled_modules()]
 
 
 def _is_type_alias(value: ast.expr) -> bool:
@@ -77,12 +69,12 @@ def _constants_not_final(path: Path, root: Path = REPO) -> list[str]:
 
 
 def test_the_compiled_modules_are_found() -> None:
-    names = {path.name for path in _compiled_modules()}
+    names = {path.name for path in compiled_modules()}
     assert {"direct_socket.py", "clock.py", "dispatch.py"} <= names
 
 
 def test_every_module_level_constant_of_a_compiled_module_is_final() -> None:
-    assert [name for path in _compiled_modules() for name in _constants_not_final(path)] == []
+    assert [name for path in compiled_modules() for name in _constants_not_final(path)] == []
 
 
 def test_the_check_finds_a_constant_that_is_not_final(tmp_path: Path) -> None:

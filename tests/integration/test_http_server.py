@@ -447,6 +447,33 @@ async def test_failed_send_while_streaming_raises_client_disconnected(
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"GET /next HTTP/1.1\r\nHo"],
+    ids=["idle between requests", "halfway through a head"],
+)
+async def test_a_reset_while_the_server_waits_for_a_head_ends_the_connection_quietly(
+    caplog: pytest.LogCaptureFixture, serve_client: ServeClient, sent: bytes
+) -> None:
+    """The reset reaches the reader while the connection's task waits for bytes: the wait
+    ends in the reset, not in an error of the server's own (a traceback per reset)."""
+    recorder = Recorder()
+    with trio.fail_after(GUARD_S):
+        client = await serve_client(recorder)
+        answer = await client.request("POST", "/first", body=b"one")
+        if sent:
+            await client.send_raw(sent)
+        await trio.testing.wait_all_tasks_blocked()
+        linger_off = struct.pack("ii", 1, 0)
+        client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_off)
+        await client.aclose()
+        # Idle comes only after an I/O check that found nothing: the reset was read.
+        await trio.testing.wait_all_tasks_blocked()
+    assert answer.status == 200
+    assert [r.path for r in recorder.requests] == ["/first"]
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
 async def test_shutdown_lets_a_stream_finish_then_returns(connect: Connect) -> None:
     release = trio.Event()
 

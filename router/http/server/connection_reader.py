@@ -173,8 +173,7 @@ class ConnectionReader:
         over) and time-outs: the reader's read stays pending; what it brings still goes to
         the parser.
         """
-        if self._broken is not None:
-            raise trio.BrokenResourceError("the client reset the connection")
+        self._raise_if_reset()
         self.arm()
         self._main_waiter = trio.lowlevel.current_task()
         self._timed_out = False
@@ -191,9 +190,18 @@ class ConnectionReader:
                 deadlines.done(self)
         if self._timed_out:
             return False
+        self._raise_if_reset()
+        return True
+
+    def _raise_if_reset(self) -> None:
+        """Raise BrokenResourceError once the reader saw the client's reset.
+
+        A method of its own so that each call reads the attribute afresh: within `receive`,
+        a test before the wait would narrow it to None for the test after it, and the
+        compiled build would then refuse the reset the reader task stored meanwhile.
+        """
         if self._broken is not None:
             raise trio.BrokenResourceError("the client reset the connection")
-        return True
 
     def expire(self) -> None:
         """End the pending `receive` (its deadline passed, or the server closes idle
