@@ -7,6 +7,7 @@ the server saw.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -15,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from router.http.upstream.connection import UpstreamConnectTimeout
+from router.http.upstream.connection import UpstreamConnectTimeout, ip_literal_family
 from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
@@ -292,25 +293,34 @@ async def test_pooled_connection_failing_after_a_response_byte_is_not_retried() 
             assert upstream.requests == 2
 
 
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 async def test_refused_connection_raises_connect_error() -> None:
+    """The refused socket is closed at once, not left to the collector."""
     # A bound socket that never listens: the port is ours and connecting to it is refused.
     with socket.socket() as bound, trio.fail_after(GUARD_S):
         bound.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{bound.getsockname()[1]}"
         pool = UpstreamPool()
+        descriptors = _open_descriptors()
         with pytest.raises(UpstreamConnectError) as caught:
             async with pool.request(url, "GET", "/", [], b""):
                 pytest.fail("no response expected")
         assert caught.value.response_started is False
+        assert _open_descriptors() == descriptors
 
         stats = pool.statistics()
         assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
 
 
 async def test_connect_timeout_bounds_a_hanging_connect() -> None:
+    """An IP literal's connect, cancelled by the connect timeout, leaves no socket open."""
     with trio.fail_after(GUARD_S):
         async with unanswered_port() as port:
             pool = UpstreamPool()
+            descriptors = _open_descriptors()
             started = trio.current_time()
             with pytest.raises(
                 UpstreamConnectTimeout, match=r"no connection within 0\.3s"
@@ -325,6 +335,65 @@ async def test_connect_timeout_bounds_a_hanging_connect() -> None:
             assert 0.3 <= waited < 2
             stats = pool.statistics()
             assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
+            assert _open_descriptors() == descriptors
+
+
+@pytest.mark.parametrize(
+    ("host", "family"),
+    [
+        ("127.0.0.1", socket.AF_INET),
+        ("::1", socket.AF_INET6),
+        ("fe80::1", socket.AF_INET6),
+        ("localhost", None),
+        ("worker-0.engines.svc", None),
+        ("127.1", None),  # getaddrinfo's shorthand, not a literal ipaddress reads: resolved
+    ],
+)
+def test_ip_literals_are_connected_to_directly_and_names_resolved(
+    host: str, family: socket.AddressFamily | None
+) -> None:
+    assert ip_literal_family(host) == family
+
+
+async def test_a_named_worker_is_resolved_and_connected_to() -> None:
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream() as (pool, upstream):
+            url = upstream.url.replace("127.0.0.1", "localhost")
+            for _ in range(2):
+                async with pool.request(url, "GET", "/", [], b"") as response:
+                    assert response.status == 200
+                    assert await response.read() == b"ok"
+            stats = pool.statistics()
+            assert (stats.opened, stats.reused) == (1, 1)
+
+
+async def test_an_ipv6_literal_worker_is_connected_to() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    listener = trio.socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        await listener.bind(("::1", 0))
+    except OSError:
+        listener.close()
+        pytest.skip("no IPv6 loopback on this machine")
+    with listener, trio.fail_after(GUARD_S):
+        listener.listen()
+        port = listener.getsockname()[1]
+        pool = UpstreamPool()
+
+        async def answer() -> None:
+            peer, _ = await listener.accept()
+            with peer:
+                await peer.recv(65536)
+                await peer.send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            async with pool.request(f"http://[::1]:{port}", "GET", "/", [], b"") as response:
+                assert response.status == 200
+                assert await response.read() == b"ok"
+        assert pool.statistics().opened == 1
+        await pool.aclose()
 
 
 async def test_connect_timeout_leaves_a_slow_answer_alone() -> None:
@@ -354,7 +423,9 @@ async def test_connect_timeout_is_exact_on_a_mock_clock(
     monkeypatch.setattr(trio, "open_tcp_stream", never_connects)
     pool = UpstreamPool()
     with pytest.raises(UpstreamConnectTimeout):
-        async with pool.request("http://127.0.0.1:9", "GET", "/", [], b"", connect_timeout_s=2.5):
+        # A name, not an IP literal: it is resolved and connected by trio.open_tcp_stream.
+        url = "http://worker.test:9"
+        async with pool.request(url, "GET", "/", [], b"", connect_timeout_s=2.5):
             pytest.fail("no response expected")
     assert trio.current_time() == 2.5
     assert pool.statistics().opened == 0

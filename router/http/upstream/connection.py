@@ -14,7 +14,9 @@ above it sees a `BrokenResourceError` or an `OSError`. It knows nothing of pooli
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 from collections.abc import Awaitable
 from typing import Final
 
@@ -41,6 +43,7 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamResponse",
     "encode_request",
+    "ip_literal_family",
     "open_upstream_connection",
 ]
 
@@ -447,19 +450,41 @@ class UpstreamConnectTimeout(UpstreamConnectError):
     """No connection was made within the caller's connect deadline."""
 
 
+def ip_literal_family(host: str) -> socket.AddressFamily | None:
+    """AF_INET or AF_INET6 when `host` is an IP literal; None for a name, which is resolved
+    at each connect (a record behind it may move)."""
+    try:
+        version = ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+    return socket.AF_INET if version == 4 else socket.AF_INET6
+
+
 async def open_upstream_connection(
-    host: str, port: int, base_url: str, timeout_s: float | None
+    host: str,
+    port: int,
+    base_url: str,
+    timeout_s: float | None,
+    family: socket.AddressFamily | None = None,
 ) -> UpstreamConnection:
     """A new connection to `host:port` (the worker at `base_url`), within `timeout_s`.
 
-    Cancellation: any half-made connection is closed by trio.
+    `family` (`ip_literal_family(host)`): an IP literal is connected to at once, one
+    socket and one connect; a name (None) goes through `trio.open_tcp_stream`, which
+    resolves it and tries each address it has. The literal's way costs a third of the CPU,
+    which a burst of new connections spends all at once (docs/performance.md, "sixth
+    round").
+    Cancellation: any half-made connection is closed.
     """
     # A connect that hangs (a SYN dropped by a full backlog or a firewall) would otherwise
     # eat the whole first-byte deadline, which is sized for a slow prefill, not for a
     # worker that is not there.
     with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as deadline:
         try:
-            stream = await trio.open_tcp_stream(host, port)
+            if family is None:
+                stream = await trio.open_tcp_stream(host, port)
+            else:
+                stream = await _connect_literal(family, host, port)
         except OSError as exc:
             kind = local_errno_kind(exc)
             if kind is not None:
@@ -474,6 +499,16 @@ async def open_upstream_connection(
             f"cannot connect to {base_url}: no connection within {timeout_s:g}s"
         )
     return UpstreamConnection(stream)
+
+
+async def _connect_literal(family: socket.AddressFamily, host: str, port: int) -> trio.SocketStream:
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    try:
+        await sock.connect((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
 
 
 class UpstreamResponse:

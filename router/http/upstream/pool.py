@@ -40,6 +40,7 @@ from router.http.upstream.connection import (
     UpstreamConnection,
     UpstreamConnectTimeout,
     UpstreamResponse,
+    ip_literal_family,
     open_upstream_connection,
 )
 from router.http.upstream.connection_slots import ConnectionSlots, SlotWaitTimeout
@@ -145,7 +146,7 @@ DEFAULT_POOL_SETTINGS: Final = PoolSettings()
 class _Endpoint:
     """One worker's address, parsed once, and its idle connections (oldest on the left)."""
 
-    __slots__ = ("base_url", "host", "host_header", "idle", "port", "prefix", "slots")
+    __slots__ = ("base_url", "family", "host", "host_header", "idle", "port", "prefix", "slots")
 
     def __init__(self, base_url: str, max_connections: int) -> None:
         # Worker records are validated with the same rules when parsed, so a URL refused
@@ -156,6 +157,7 @@ class _Endpoint:
             raise ValueError(f"{base_url} is a gRPC worker: the HTTP pool cannot send to it")
         self.base_url = base_url
         self.host = address.host
+        self.family = ip_literal_family(address.host)
         self.port = address.port
         self.host_header = address.host_header
         self.prefix = address.prefix
@@ -440,7 +442,7 @@ class UpstreamPool:
         """A new connection (see `open_upstream_connection`), its local shortages counted."""
         try:
             connection = await open_upstream_connection(
-                endpoint.host, endpoint.port, endpoint.base_url, timeout_s
+                endpoint.host, endpoint.port, endpoint.base_url, timeout_s, endpoint.family
             )
         except LocalShortage as exc:
             self._local_errors[exc.kind] = self._local_errors.get(exc.kind, 0) + 1
