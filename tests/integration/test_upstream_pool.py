@@ -11,12 +11,18 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from socket import AF_INET
 
 import pytest
 import trio
 import trio.testing
 
-from router.http.upstream.connection import UpstreamConnectTimeout, ip_literal_family
+from router.http.upstream.connection import (
+    UpstreamConnection,
+    UpstreamConnectTimeout,
+    ip_literal_family,
+    open_upstream_connection,
+)
 from router.http.upstream.exceptions import (
     LocalShortage,
     UpstreamConnectError,
@@ -313,6 +319,65 @@ async def test_refused_connection_raises_connect_error() -> None:
 
         stats = pool.statistics()
         assert (stats.opened, stats.closed, stats.in_use) == (0, 0, 0)
+
+
+class WaitsForWritable:
+    """Counts the connects that waited for their socket to become writable (and waits)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        self._real = trio.lowlevel.wait_writable
+        monkeypatch.setattr(trio.lowlevel, "wait_writable", self)
+
+    async def __call__(self, sock: socket.socket) -> None:
+        self.calls += 1
+        await self._real(sock)
+
+
+async def test_a_connect_done_within_the_call_goes_on_without_a_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Toward the same host the handshake is over when `connect` returns: no wake-up spent."""
+    waits = WaitsForWritable(monkeypatch)
+    with trio.fail_after(GUARD_S):
+        async with pool_and_upstream() as (pool, upstream):
+            await get(pool, upstream)
+            assert pool.statistics().opened == 1
+    assert waits.calls == 0
+
+
+async def test_a_connect_still_under_way_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SYN dropped by a full accept queue: the connect waits, and completes once the
+    queue has room and the kernel sends the SYN again (about a second later)."""
+    waits = WaitsForWritable(monkeypatch)
+    with socket.socket() as listener, trio.fail_after(GUARD_S):
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        async with AsyncExitStack() as held:
+            while True:  # the kernel admits one connection beyond a zero backlog
+                with trio.move_on_after(0.2) as probe:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    held.push_async_callback(stream.aclose)
+                if probe.cancelled_caught:
+                    break
+            made: list[UpstreamConnection] = []
+
+            async def connect() -> None:
+                made.append(await open_upstream_connection("127.0.0.1", port, url, None, AF_INET))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(connect)
+                await trio.testing.wait_all_tasks_blocked()
+                assert (waits.calls, made) == (1, [])
+                listener.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        held.callback(listener.accept()[0].close)
+        assert len(made) == 1
+        made[0].close()
+    assert waits.calls == 1
 
 
 async def test_connect_timeout_bounds_a_hanging_connect() -> None:

@@ -14,8 +14,10 @@ above it sees a `BrokenResourceError` or an `OSError`. It knows nothing of pooli
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import math
+import os
 import socket
 from collections.abc import Awaitable
 from typing import Final
@@ -502,13 +504,35 @@ async def open_upstream_connection(
 
 
 async def _connect_literal(family: socket.AddressFamily, host: str, port: int) -> trio.SocketStream:
-    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    """One socket, one connect. A connect that completes within the call (toward a worker
+    on the same host, the kernel finishes the handshake before `connect` returns, though it
+    still says EINPROGRESS) goes on at once; any other waits until the socket is writable.
+    Cancellation (a cancel point before the connect, and the wait): the socket is closed."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        await sock.connect((host, port))
+        sock.setblocking(False)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        error = sock.connect_ex((host, port))
+        if error == errno.EINPROGRESS:
+            if _connected(sock):
+                error = 0
+            else:
+                await trio.lowlevel.wait_writable(sock)
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            raise OSError(error, f"connecting to {host} port {port}: {os.strerror(error)}")
     except BaseException:
         sock.close()
         raise
-    return trio.SocketStream(sock)
+    return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+
+
+def _connected(sock: socket.socket) -> bool:
+    try:
+        sock.getpeername()
+    except OSError:
+        return False
+    return True
 
 
 class UpstreamResponse:
