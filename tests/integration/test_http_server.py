@@ -20,6 +20,7 @@ from router.http.server.settings import ServerSettings
 from tests.support.http_client import RawClient
 
 GUARD_S = 5.0
+RACE_RUNS = 24
 
 Connect = Callable[[int], Awaitable[RawClient]]
 Serve = Callable[..., Awaitable[int]]
@@ -471,6 +472,42 @@ async def test_a_reset_while_the_server_waits_for_a_head_ends_the_connection_qui
         await trio.testing.wait_all_tasks_blocked()
     assert answer.status == 200
     assert [r.path for r in recorder.requests] == ["/first"]
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_a_refusal_right_after_a_handler_that_never_yielded_lingers_without_a_clash(
+    caplog: pytest.LogCaptureFixture, serve: Serve, connect: Connect
+) -> None:
+    """The reader, parked with a pipelined request, is woken by that request's handler, which
+    answers without yielding; the bytes after it are refused at once. The refusal's linger
+    must not read the socket until the woken reader has stopped: trio allows one reader of a
+    socket, and a second raised BusyResourceError (a traceback per such connection). Which
+    of the two reads first is trio's coin toss within a batch, so the race is run often
+    enough that one side's win cannot hide it (each run loses it at one chance in two)."""
+    release = trio.Event()
+
+    async def handler(request: Request, writer: ResponseWriter) -> None:
+        if request.path == "/first":
+            await release.wait()
+        await writer.respond(200, [], request.path.encode())  # no wait: the socket has room
+
+    with trio.fail_after(GUARD_S):
+        port = await serve(handler)
+        for _ in range(RACE_RUNS):
+            release = trio.Event()
+            client = await connect(port)
+            await client.send_raw(b"GET /first HTTP/1.1\r\nHost: t\r\n\r\n")
+            await trio.testing.wait_all_tasks_blocked()
+            # Read by the reader while /first's handler runs, so the reader parks.
+            await client.send_raw(b"GET /second HTTP/1.1\r\nHost: t\r\n\r\n\x00 no\r\n\r\n")
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+            first = await client.read_response()
+            second = await client.read_response()
+            refused = await client.read_response()
+            assert (first.body, second.body, refused.status) == (b"/first", b"/second", 400)
+            await client.aclose()
+            await trio.testing.wait_all_tasks_blocked()
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 

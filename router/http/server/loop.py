@@ -244,6 +244,7 @@ class _Connection:
         "client",
         "gone_scope",
         "reader",
+        "refused",
         "requests",
         "socket",
         "write_timeout_s",
@@ -262,6 +263,8 @@ class _Connection:
         # Cancelled when the client leaves while a handler runs. One per connection, not
         # per request (a scope costs a few microseconds): a client gone ends the connection.
         self.gone_scope = trio.CancelScope()
+        # A refusal was sent: the connection lingers once its reader has stopped.
+        self.refused = False
 
     def _closing(self) -> bool:
         return self._server.shutting_down
@@ -278,6 +281,10 @@ class _Connection:
                     await self._serve_requests()
             finally:
                 self.reader.stop()
+        if self.refused:
+            # Only now that the reader task has ended: a socket has one reader at a time,
+            # and a reader woken just before the refusal may not have seen its stop yet.
+            await _linger(self.socket)
 
     async def _serve_requests(self) -> None:
         server = self._server
@@ -365,8 +372,8 @@ class _Connection:
         self.reader.parser = parser
 
     async def _refuse(self, error: Refusal) -> None:
-        """Answer `error` with `connection: close`, then linger so the client can read it.
-        Send failures are ignored: the client is gone.
+        """Answer `error` with `connection: close`; `serve` then lingers so that the client
+        can read it. Send failures are ignored: the client is gone.
         """
         bodyless = self.requests.method == b"HEAD"
         data = encode_refusal(
@@ -376,9 +383,7 @@ class _Connection:
             await self.socket.send_all(data, stall_timeout_s=self.write_timeout_s)
         except trio.BrokenResourceError:
             return
-        # The reader's pending read would compete with the linger's reads.
-        self.reader.stop()
-        await _linger(self.socket)
+        self.refused = True
 
 
 async def _linger(stream: DirectSocket) -> None:
