@@ -31,7 +31,7 @@ from router.http.upstream.exceptions import (
 )
 from router.http.upstream.pool import PoolSettings, UpstreamPool, open_upstream_pool
 from router.http.upstream.worker_url import InvalidWorkerUrl
-from tests.support.ports import unanswered_port
+from tests.support.ports import full_accept_queue, unanswered_port
 from tests.support.raw_upstream import Exchange, RawUpstream, Respond, open_raw_upstream
 from tests.support.waiting import wait_until
 
@@ -350,18 +350,10 @@ async def test_a_connect_still_under_way_is_waited_for(monkeypatch: pytest.Monke
     """A SYN dropped by a full accept queue: the connect waits, and completes once the
     queue has room and the kernel sends the SYN again (about a second later)."""
     waits = WaitsForWritable(monkeypatch)
-    with socket.socket() as listener, trio.fail_after(GUARD_S):
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        port = listener.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        async with AsyncExitStack() as held:
-            while True:  # the kernel admits one connection beyond a zero backlog
-                with trio.move_on_after(0.2) as probe:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
-                    held.push_async_callback(stream.aclose)
-                if probe.cancelled_caught:
-                    break
+    with trio.fail_after(GUARD_S):
+        async with full_accept_queue() as listener, AsyncExitStack() as accepted:
+            port = listener.getsockname()[1]
+            url = f"http://127.0.0.1:{port}"
             made: list[UpstreamConnection] = []
 
             async def connect() -> None:
@@ -373,8 +365,8 @@ async def test_a_connect_still_under_way_is_waited_for(monkeypatch: pytest.Monke
                 assert (waits.calls, made) == (1, [])
                 listener.setblocking(False)
                 with contextlib.suppress(BlockingIOError):
-                    while True:
-                        held.callback(listener.accept()[0].close)
+                    while True:  # room in the queue for the SYN sent again
+                        accepted.callback(listener.accept()[0].close)
         assert len(made) == 1
         made[0].close()
     assert waits.calls == 1

@@ -31,9 +31,10 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def unanswered_port() -> AsyncIterator[int]:
-    """A port whose connects hang: its one-slot accept queue is full, so the kernel drops
-    further SYNs instead of refusing them (a worker behind a firewall looks the same)."""
+async def full_accept_queue() -> AsyncIterator[socket.socket]:
+    """A listener whose one-slot accept queue is full, so the kernel drops further SYNs
+    instead of refusing them (a worker behind a firewall looks the same): connects to it
+    hang until it accepts one, and then complete on the kernel's next SYN (about 1 s)."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
@@ -49,4 +50,11 @@ async def unanswered_port() -> AsyncIterator[int]:
                 if probe.cancelled_caught:
                     break
                 assert held < 16, "the accept queue never filled"
-            yield port
+            yield listener
+
+
+@asynccontextmanager
+async def unanswered_port() -> AsyncIterator[int]:
+    """A port whose connects hang (`full_accept_queue`)."""
+    async with full_accept_queue() as listener:
+        yield listener.getsockname()[1]
